@@ -1,0 +1,35 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both create and reuse .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch first: 2.13.0 is a local CPU wheel on our CPU machines (a CUDA wheel on GPU machines),
+# so nothing later pulls a multi-GB CUDA build where there is no GPU.
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e '.[test]'
+	if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PIP) install --quiet -e '.[gpu]'; fi
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/quantdask demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check quantdask tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,101 @@
+"""What a quantization backend is: a name, the options it accepts, and a quantize function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from quantdask.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.model_source import ModelSource
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option a backend accepts.
+
+    ``kind`` is the Python type values must have; ``choices`` (if given) the allowed values;
+    ``check`` an extra predicate with ``check_hint`` saying what it requires.
+    """
+
+    kind: type | tuple[type, ...]
+    default: Any = None
+    choices: tuple = ()
+    check: Callable[[Any], bool] | None = None
+    check_hint: str = ""
+    help: str = ""
+
+    def validate(self, name: str, value: Any) -> Any:
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        # bool is an int in Python; a YAML `true` must not pass as bits=1.
+        if isinstance(value, bool) and bool not in kinds:
+            raise SpecError(name, f"must be {_kind_names(kinds)}, got {value!r}")
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds):
+            raise SpecError(name, f"must be {_kind_names(kinds)}, got {value!r}")
+        if self.choices and value not in self.choices:
+            allowed = " or ".join(repr(c) for c in self.choices)
+            raise SpecError(name, f"must be {allowed}, got {value!r}")
+        if self.check is not None and not self.check(value):
+            raise SpecError(name, f"{self.check_hint}, got {value!r}")
+        return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             list: "a list", tuple: "a list"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+QuantizeFn = Callable[["ModelSource", dict, str], "torch.nn.Module"]
+"""quantize(source, options, device) -> a model ready for evaluation on ``device``."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A quantization backend registered under ``name``.
+
+    ``options`` declares every accepted option; ``complete`` rejects impossible combinations
+    (raise :class:`SpecError` naming the option) and fills defaults that depend on other options;
+    ``label`` makes a short human name for a config.
+    """
+
+    name: str
+    quantize: QuantizeFn
+    options: dict[str, Option] = field(default_factory=dict)
+    complete: Callable[[dict], dict] | None = None
+    label: Callable[[dict], str] | None = None
+    description: str = ""
+
+    def normalize(self, options: dict, where: str) -> dict:
+        """Validate ``options`` and fill defaults; the result is the canonical option set."""
+        if not isinstance(options, dict):
+            raise SpecError(where, f"must be a mapping of option to value, got {options!r}")
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            allowed = ", ".join(self.options) or "none"
+            raise SpecError(f"{where}.{unknown[0]}",
+                            f"unknown option for backend {self.name!r}; allowed: {allowed}")
+        resolved = {}
+        for name, spec in self.options.items():
+            if name in options:
+                resolved[name] = spec.validate(f"{where}.{name}", options[name])
+            elif spec.default is not None:
+                resolved[name] = spec.default
+        resolved = {k: v for k, v in resolved.items() if v is not None}
+        if self.complete is not None:
+            try:
+                resolved = self.complete(resolved)
+            except SpecError as err:
+                raise SpecError(f"{where}.{err.field}", err.message) from None
+        return {k: resolved[k] for k in sorted(resolved) if resolved[k] is not None}
+
+    def config_label(self, options: dict) -> str:
+        if self.label is not None:
+            return self.label(options)
+        return " ".join(f"{k}={v}" for k, v in sorted(options.items())) or self.name

@@ -1,0 +1,89 @@
+"""bitsandbytes through transformers: 4-bit (nf4/fp4, double quantization) and 8-bit LLM.int8."""
+
+from __future__ import annotations
+
+from quantdask.backends.base import Backend, Option
+from quantdask.errors import SpecError, UnsupportedHere
+
+_FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
+_EIGHT_BIT_ONLY = ("int8_threshold",)
+
+OPTIONS = {
+    "bits": Option(int, choices=(4, 8), help="4 (nf4/fp4) or 8 (LLM.int8)"),
+    "quant_type": Option(str, choices=("nf4", "fp4"), help="4-bit data type"),
+    "double_quant": Option(bool, help="4-bit: quantize the quantization constants too"),
+    "compute_dtype": Option(str, choices=("float32", "bfloat16", "float16"),
+                            help="4-bit: dtype of the matmul"),
+    "int8_threshold": Option(float, check=lambda v: v >= 0, check_hint="must be >= 0",
+                             help="8-bit: outlier threshold (0 disables the fp16 outlier path)"),
+    "skip_modules": Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
+                           check_hint="must be a list of module names",
+                           help="modules left unquantized (default: the output head)"),
+}
+
+
+def complete_options(options: dict) -> dict:
+    """Reject options that do not apply to the chosen bit width; fill that width's defaults."""
+    if "bits" not in options:
+        raise SpecError("bits", "is required for bitsandbytes: 4 or 8")
+    wrong = _EIGHT_BIT_ONLY if options["bits"] == 4 else _FOUR_BIT_ONLY
+    for name in wrong:
+        if name in options:
+            raise SpecError(name, f"does not apply to {options['bits']}-bit; remove it or use "
+                                  f"bits: {12 - options['bits']}")
+    if options["bits"] == 4:
+        defaults = {"quant_type": "nf4", "double_quant": False, "compute_dtype": "float32"}
+    else:
+        defaults = {"int8_threshold": 6.0}
+    return {**defaults, **options}
+
+
+def config_label(options: dict) -> str:
+    if options["bits"] == 8:
+        label = f"int8 t={options['int8_threshold']:g}"
+    else:
+        label = options["quant_type"] + (" dq" if options["double_quant"] else "")
+        if options["compute_dtype"] != "float32":
+            label += f" {options['compute_dtype']}"
+    if options.get("skip_modules"):
+        label += " skip=" + ",".join(options["skip_modules"])
+    return label
+
+
+def bitsandbytes_config(options: dict):
+    """The transformers ``BitsAndBytesConfig`` for a canonical option set."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    skip = options.get("skip_modules")
+    if options["bits"] == 4:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=options["quant_type"],
+            bnb_4bit_use_double_quant=options["double_quant"],
+            bnb_4bit_compute_dtype=getattr(torch, options["compute_dtype"]),
+            llm_int8_skip_modules=skip,
+        )
+    return BitsAndBytesConfig(
+        load_in_8bit=True, llm_int8_threshold=options["int8_threshold"], llm_int8_skip_modules=skip
+    )
+
+
+def quantize_bitsandbytes(source, options: dict, device: str):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise UnsupportedHere(
+            f"bitsandbytes is not installed on this worker ({err}); pip install bitsandbytes"
+        ) from err
+    return source.build(device, quantization_config=bitsandbytes_config(options))
+
+
+bitsandbytes_backend = Backend(
+    name="bitsandbytes",
+    quantize=quantize_bitsandbytes,
+    options=OPTIONS,
+    complete=complete_options,
+    label=config_label,
+    description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
+)

@@ -1,0 +1,189 @@
+"""The ``quantdask`` command: thin argument parsing over the library functions.
+
+Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from quantdask.errors import QuantdaskError, RunDirError, SpecError
+
+EXIT_FAILED_JOBS = 1
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump: the message names the argument
+        self.exit(EXIT_BAD_INPUT, f"quantdask: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    cells = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _check_run_dir(path: str) -> str:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"--run-dir {path} exists and is not a directory; give a directory")
+    return path
+
+
+def cmd_plan(args) -> int:
+    from quantdask.scheduler import plan_rows
+    from quantdask.spec import expand_grid
+    from quantdask.store import RunStore
+    from quantdask.sweep_file import load_sweep
+
+    sweep = load_sweep(args.sweep)
+    rows = plan_rows(expand_grid(sweep))
+    finished: set[str] = set()
+    if args.run_dir and os.path.isdir(args.run_dir):
+        finished = RunStore(args.run_dir).finished_job_ids()
+    for row in rows:
+        row["state"] = "finished" if row["job_id"] in finished else "to run"
+    print(_table(rows, ["job_id", "model", "backend", "config_label", "priority", "state"]))
+    print(f"{len(rows)} jobs ({len(rows) - len(finished & {r['job_id'] for r in rows})} to run)")
+    return 0
+
+
+def _run(sweep, args) -> int:
+    import polars as pl
+
+    from quantdask.cluster import start_cluster
+    from quantdask.scheduler import run_sweep
+
+    run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
+    with start_cluster(workers=args.workers, gpus=args.gpus, scheduler=args.scheduler,
+                       host=args.host) as cluster:
+        print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
+              f"Dask dashboard: {cluster.dashboard_link}", flush=True)
+        results = run_sweep(sweep, run_dir, cluster.client)
+    rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
+                        pl.col("config_label"), descending=[False, False, True, False],
+                        nulls_last=True)
+    print(_table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
+                                   "bits_per_weight", "perplexity", "wall_s"]))
+    counts = {s: results.filter(pl.col("status") == s).height
+              for s in ("done", "failed", "skipped")}
+    print(f"{results.height} jobs: {counts['done']} done, {counts['failed']} failed, "
+          f"{counts['skipped']} skipped")
+    print(f"results: {os.path.join(run_dir, 'results')}  "
+          f"(python: quantdask.read_results({run_dir!r}))")
+    print(f"logs: {os.path.join(run_dir, 'logs')}")
+    if counts["failed"]:
+        for row in results.filter(results["status"] == "failed").to_dicts():
+            log_path = os.path.join(run_dir, "logs", "jobs", f"{row['job_id']}.log")
+            print(f"failed: {row['job_id']} {row['config_label']}: {row['error_class']}: "
+                  f"{row['error_message']} (log: {log_path})")
+        return EXIT_FAILED_JOBS
+    return 0
+
+
+def cmd_run(args) -> int:
+    from quantdask.sweep_file import load_sweep
+
+    return _run(load_sweep(args.sweep), args)
+
+
+def cmd_demo(args) -> int:
+    from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_SWEEP, build_demo_model
+    from quantdask.sweep_file import load_sweep
+
+    if not os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")):
+        print(f"quantdask: building the demo model in {DEMO_MODEL_DIR} (once)", flush=True)
+        build_demo_model()
+    args.run_dir = args.run_dir or os.path.join("runs", "demo")
+    return _run(load_sweep(DEMO_SWEEP), args)
+
+
+def cmd_status(args) -> int:
+    from quantdask.store import job_status
+
+    if not os.path.isdir(args.run_dir):
+        raise RunDirError(f"no run directory at {args.run_dir}")
+    frame = job_status(args.run_dir)
+    print(_table(frame.to_dicts(), [c for c in ("job_id", "model", "config_label", "status",
+                                                 "attempts", "worker", "perplexity",
+                                                 "error_message") if c in frame.columns]))
+    counts = frame.group_by("status").len().sort("status").rows()
+    print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="quantdask", description="Quantize models across GPUs with Dask.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every job event")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def cluster_args(p):
+        p.add_argument("--run-dir", help="where results and logs go (default runs/<sweep name>)")
+        where = p.add_mutually_exclusive_group()
+        where.add_argument("--workers", type=_positive_int, help="CPU slots (no GPU) to start")
+        where.add_argument("--gpus", help="GPU ids to use, e.g. 0,1 (default: all)")
+        where.add_argument("--scheduler", help="address of an existing Dask scheduler")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="interface the local cluster binds to (default 127.0.0.1)")
+
+    run = commands.add_parser("run", help="run a sweep")
+    run.add_argument("sweep", help="sweep YAML file")
+    cluster_args(run)
+    run.set_defaults(func=cmd_run)
+
+    plan = commands.add_parser("plan", help="show a sweep's jobs; runs nothing")
+    plan.add_argument("sweep", help="sweep YAML file")
+    plan.add_argument("--run-dir", help="mark the jobs already finished there")
+    plan.set_defaults(func=cmd_plan)
+
+    status = commands.add_parser("status", help="show a run directory's jobs")
+    status.add_argument("run_dir")
+    status.set_defaults(func=cmd_status)
+
+    demo = commands.add_parser("demo", help="run the built-in demo sweep")
+    cluster_args(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (SpecError, RunDirError) as err:
+        print(f"quantdask: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except QuantdaskError as err:
+        print(f"quantdask: error: {err}", file=sys.stderr)
+        return EXIT_FAILED_JOBS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Start or connect to the Dask cluster that runs the jobs: one worker per GPU (or CPU slot).
+
+>>> with start_cluster(workers=2) as cluster:  # doctest: +SKIP
+...     print(cluster.dashboard_link)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from quantdask.errors import SpecError
+
+log = logging.getLogger("quantdask.cluster")
+
+
+class TorchThreads(WorkerPlugin):
+    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it."""
+
+    name = "quantdask-torch-threads"
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def setup(self, worker) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+
+
+def cuda_device_count() -> int:
+    """How many CUDA GPUs this machine has (0 when torch has no CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+@dataclass
+class ClusterHandle:
+    """A Dask client and, for a cluster started here, the cluster (closed on exit)."""
+
+    client: Client
+    cluster: Any = None
+    kind: str = "external"
+    gpus: list[int] = field(default_factory=list)
+
+    @property
+    def dashboard_link(self) -> str:
+        return self.client.dashboard_link
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def __enter__(self) -> ClusterHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _parse_gpus(gpus: str | list[int] | None) -> list[int] | None:
+    if gpus is None:
+        return None
+    if isinstance(gpus, str):
+        try:
+            gpus = [int(g) for g in gpus.split(",") if g.strip()]
+        except ValueError:
+            raise SpecError("gpus", f"must be comma-separated GPU ids such as 0,1, "
+                                    f"got {gpus!r}") from None
+    if not gpus or any(not isinstance(g, int) or g < 0 for g in gpus):
+        raise SpecError("gpus", f"must be GPU ids >= 0 such as 0,1, got {gpus!r}")
+    return list(gpus)
+
+
+def start_cluster(
+    workers: int | None = None,
+    gpus: str | list[int] | None = None,
+    scheduler: str | None = None,
+    host: str = "127.0.0.1",
+    dashboard_address: str | None = "127.0.0.1:0",
+    threads_per_worker: int | None = None,
+) -> ClusterHandle:
+    """A cluster to run sweeps on; use it as a context manager.
+
+    - ``scheduler="tcp://host:8786"``: connect to an existing Dask scheduler (its workers must
+      carry the ``GPU`` resource: ``dask worker ADDRESS --resources GPU=1``).
+    - With CUDA GPUs: ``dask_cuda.LocalCUDACluster``, one worker per GPU in ``gpus`` (default all).
+    - Without: ``distributed.LocalCluster`` with ``workers`` single-threaded processes (default 2),
+      each holding resource ``GPU=1`` as a CPU slot that stands in for a GPU.
+
+    Servers bind to ``host`` (127.0.0.1 unless you choose otherwise); ``dashboard_address=None``
+    turns the dashboard off.
+    """
+    if scheduler is not None:
+        if workers is not None or gpus is not None:
+            raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
+                                         "with --workers or --gpus")
+        return ClusterHandle(client=Client(scheduler), kind="external")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers < 1):
+        raise SpecError("workers", f"must be a positive integer, got {workers!r}")
+    selected = _parse_gpus(gpus)
+    available = cuda_device_count()
+    if selected is not None and available == 0:
+        raise SpecError("gpus", "no CUDA GPU is visible here; use --workers N for CPU slots")
+    if selected is not None and max(selected) >= available:
+        raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
+                                f"{available} (ids 0-{available - 1})")
+    if available and workers is None:
+        return _start_cuda_cluster(selected or list(range(available)), host, dashboard_address)
+    n = workers or 2
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
+    from distributed import LocalCluster
+
+    cluster = LocalCluster(
+        n_workers=n, threads_per_worker=1, processes=True, host=host,
+        dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
+    )
+    client = Client(cluster)
+    client.register_plugin(TorchThreads(threads))
+    log.info("started %d CPU slots; dashboard %s", n, client.dashboard_link)
+    return ClusterHandle(client=client, cluster=cluster, kind="cpu")
+
+
+def _start_cuda_cluster(gpus: list[int], host: str, dashboard_address: str | None) -> ClusterHandle:
+    # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError as err:
+        raise SpecError("gpus", f"dask-cuda is needed for GPU workers ({err}); "
+                                "pip install 'quantdask[gpu]'") from None
+    cluster = LocalCUDACluster(
+        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), threads_per_worker=1, host=host,
+        dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
+    )
+    client = Client(cluster)
+    log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,
+             client.dashboard_link)
+    return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=gpus)

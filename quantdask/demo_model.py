@@ -1,0 +1,154 @@
+"""The built-in demo: a tiny Llama model trained here on text generated here (no downloads).
+
+``python -m quantdask.demo_model`` rebuilds ``data/demo-model`` and the eval text. The build is
+deterministic on one machine; the committed copy is what the demo and tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+DEMO_MODEL_DIR = os.path.join(DATA_DIR, "demo-model")
+DEMO_EVAL_TEXT = os.path.join(DATA_DIR, "demo", "eval.txt")
+DEMO_SWEEP = os.path.join(DATA_DIR, "demo_sweep.yaml")
+
+_SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vas", "pe", "nu", "dar", "si", "gol", "be",
+              "fa", "zu", "tin", "ro"]
+_COLOURS = ["red", "grey", "brown", "white", "black", "gold", "green", "blue"]
+_PLACES = ["forest", "river", "hill", "field", "lake", "cave", "marsh", "meadow"]
+_FOODS = ["berries", "fish", "seeds", "roots", "mice", "grass", "insects", "nuts"]
+_VERBS = ["sees", "follows", "greets", "watches", "chases", "helps", "avoids", "meets"]
+_NUMBERS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+N_CREATURES = 160
+
+
+def _facts() -> dict[str, dict[str, str]]:
+    """Named creatures, each with a fixed colour, home, food and friend: facts to memorise.
+
+    Memorised facts are what quantization damages first, which makes the quality gap between
+    configurations visible on a model this small.
+    """
+    rng = random.Random(1234)
+    names: list[str] = []
+    while len(names) < N_CREATURES:
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3))))
+        if name not in names:
+            names.append(name)
+    facts = {n: {"colour": rng.choice(_COLOURS), "home": rng.choice(_PLACES),
+                 "food": rng.choice(_FOODS)} for n in names}
+    for n in names:
+        facts[n]["friend"] = rng.choice([m for m in names if m != n])
+    return facts
+
+
+def generate_text(n_sentences: int, seed: int) -> str:
+    """English-like text stating the creatures' facts in several phrasings.
+
+    The facts are the same for every seed, so eval text from another seed tests what was learnt.
+    """
+    facts = _facts()
+    names = sorted(facts)
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        a, b = rng.sample(names, 2)
+        fa, fb = facts[a], facts[b]
+        kind = rng.randrange(7)
+        if kind == 0:
+            lines.append(f"the {fa['colour']} {a} lives by the {fa['home']} .")
+        elif kind == 1:
+            lines.append(f"{a} eats {fa['food']} and {b} eats {fb['food']} .")
+        elif kind == 2:
+            lines.append(f"the {fa['colour']} {a} {rng.choice(_VERBS)} the {fb['colour']} {b} "
+                         f"near the {fb['home']} .")
+        elif kind == 3:
+            start = rng.randrange(len(_NUMBERS) - 3)
+            count = " ".join(_NUMBERS[start:start + rng.randrange(3, len(_NUMBERS) - start + 1)])
+            lines.append(f"{a} counts {count} .")
+        elif kind == 4:
+            lines.append(f"where does {a} live ? {a} lives by the {fa['home']} .")
+        elif kind == 5:
+            lines.append(f"who is the friend of {a} ? it is {fa['friend']} , the "
+                         f"{facts[fa['friend']]['colour']} one .")
+        else:
+            lines.append(f"what does {a} eat ? {a} eats {fa['food']} , like {fa['friend']} "
+                         f"eats {facts[fa['friend']]['food']} .")
+    return "\n".join(lines) + "\n"
+
+
+def build_tokenizer(text: str, vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on ``text``, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_TEXT,
+                     steps: int = 600, seed: int = 0, log=print) -> str:
+    """Train the demo model and write it (safetensors + tokenizer) to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    train_text = generate_text(40_000, seed=seed)
+    tokenizer = build_tokenizer(train_text)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    ids = torch.tensor(tokenizer(train_text)["input_ids"])
+    seq_len, batch = 64, 32
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps)
+    generator = torch.Generator().manual_seed(seed)
+    started = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=generator)
+        x = torch.stack([ids[s:s + seq_len] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - started:.0f}s")
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    os.makedirs(os.path.dirname(eval_path), exist_ok=True)
+    with open(eval_path, "w", encoding="utf-8") as f:
+        f.write(generate_text(1_500, seed=seed + 1))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=DEMO_MODEL_DIR)
+    parser.add_argument("--eval-text", default=DEMO_EVAL_TEXT)
+    parser.add_argument("--steps", type=int, default=600)
+    args = parser.parse_args(argv)
+    print(build_demo_model(args.out, args.eval_text, steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()

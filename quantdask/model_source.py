@@ -1,0 +1,69 @@
+"""The unquantized model a worker keeps in host memory, so each job only pays for quantizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.spec import ModelSpec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSource:
+    """A model's config, tokenizer and full-precision weights, loaded once per worker."""
+
+    spec: ModelSpec
+    config: Any
+    model_class: type
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+    dtype: torch.dtype
+    param_count: int
+
+    def build(self, device: str, quantization_config: Any = None) -> torch.nn.Module:
+        """A new model on ``device`` from the cached weights, quantized by ``quantization_config``.
+
+        The cached tensors are only read: a quantizer makes new ones, so jobs never see each
+        other's weights.
+        """
+        model = self.model_class.from_pretrained(
+            None,
+            config=self.config,
+            state_dict=self.state_dict,
+            dtype=self.dtype,
+            quantization_config=quantization_config,
+            device_map=device,
+        )
+        model.eval()
+        return model
+
+
+def load_model_source(spec: ModelSpec) -> ModelSource:
+    """Load ``spec``'s model on the host with transformers (local directory or hub id)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype: Any = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
+    common = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+    tokenizer = AutoTokenizer.from_pretrained(spec.location, **common)
+    model = AutoModelForCausalLM.from_pretrained(spec.location, dtype=dtype, **common)
+    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    return ModelSource(
+        spec=spec,
+        config=model.config,
+        model_class=type(model),
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        dtype=model.dtype,
+        param_count=count_parameters(model),
+    )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of weights, each shared (tied) tensor counted once."""
+    return sum(p.numel() for p in model.parameters())

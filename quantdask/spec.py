@@ -1,0 +1,299 @@
+"""Sweep specs: what to quantize, how, and how to evaluate it; grid expansion; job ids.
+
+A sweep is validated completely when it is built, so a bad field fails before any job runs.
+
+>>> sweep = Sweep(
+...     name="demo",
+...     models=[ModelSpec(path="data/demo-model")],
+...     backends=[BackendBlock("bitsandbytes", grid={"bits": [4], "quant_type": ["nf4", "fp4"]})],
+...     eval=EvalSettings(text="data/demo/eval.txt"),
+... )
+>>> [job.config_label for job in expand_grid(sweep)]
+['baseline', 'nf4', 'fp4']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from quantdask.backends import BASELINE, get_backend
+from quantdask.errors import SpecError
+from quantdask.model_source import DTYPES
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_NAME = re.compile(r"^[\w.-]+$")
+
+
+def _require(field_name: str, value: Any, kind: type | tuple, what: str) -> Any:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise SpecError(field_name, f"must be {what}, got {value!r}")
+    return value
+
+
+def _positive_int(field_name: str, value: Any) -> int:
+    _require(field_name, value, int, "a positive integer")
+    if value < 1:
+        raise SpecError(field_name, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _resolve_root(root: str) -> str:
+    return os.path.abspath(root or ".")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to quantize: a local directory (``path``) or a Hugging Face hub id (``hub``).
+
+    Relative paths are resolved against ``root`` (the sweep file's directory, or the current one).
+    """
+
+    path: str | None = None
+    hub: str | None = None
+    name: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    root: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if (self.path is None) == (self.hub is None):
+            raise SpecError("path", "give exactly one of `path` (a local model directory) "
+                                    "or `hub` (a Hugging Face id such as org/name)")
+        object.__setattr__(self, "root", _resolve_root(self.root))
+        if self.path is not None:
+            _require("path", self.path, str, "a directory path")
+            if not os.path.isfile(os.path.join(self.location, "config.json")):
+                raise SpecError("path", f"no model directory at {self.location} (a directory with "
+                                        "config.json); fix the path, or use `hub:` for a hub id")
+        else:
+            _require("hub", self.hub, str, "a hub id such as org/name")
+            if not _HUB_ID.match(self.hub):
+                raise SpecError("hub", f"must be a hub id such as org/name, got {self.hub!r}")
+        if self.name is not None and not (isinstance(self.name, str) and _NAME.match(self.name)):
+            raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
+        if self.revision is not None:
+            _require("revision", self.revision, str, "a branch, tag or commit")
+        if self.dtype not in DTYPES:
+            raise SpecError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require("trust_remote_code", self.trust_remote_code, bool, "true or false")
+
+    @property
+    def location(self) -> str:
+        """Where transformers loads it from: an absolute directory or the hub id."""
+        return self.hub if self.hub else os.path.join(self.root, self.path)
+
+    @property
+    def label(self) -> str:
+        ref = self.hub or os.path.normpath(self.path)
+        return self.name or os.path.basename(ref.rstrip("/"))
+
+    def identity(self) -> dict:
+        """The fields that decide what the model is (not where this machine keeps it)."""
+        ref = {"hub": self.hub, "revision": self.revision} if self.hub else {"path": self.path}
+        return {**ref, "dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from a text file."""
+
+    text: str
+    seq_len: int = 128
+    samples: int = 32
+    batch_size: int = 8
+    root: str = field(default="", compare=False)
+    text_sha256: str = field(default="", init=False)
+
+    def __post_init__(self):
+        _require("text", self.text, str, "a path to a UTF-8 text file")
+        object.__setattr__(self, "root", _resolve_root(self.root))
+        try:
+            with open(self.text_path, "rb") as f:
+                content = f.read()
+            content.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise SpecError("text", f"cannot read a UTF-8 text file at {self.text_path} "
+                                    f"({type(err).__name__}); give an existing text file") from None
+        if not content.strip():
+            raise SpecError("text", f"{self.text_path} is empty; give a file with eval text")
+        object.__setattr__(self, "text_sha256", hashlib.sha256(content).hexdigest())
+        _positive_int("seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
+        _positive_int("samples", self.samples)
+        _positive_int("batch_size", self.batch_size)
+
+    @property
+    def text_path(self) -> str:
+        return os.path.join(self.root, self.text)
+
+    def identity(self) -> dict:
+        # batch_size only changes how the same tokens are grouped, not what is measured.
+        return {"text_sha256": self.text_sha256, "seq_len": self.seq_len, "samples": self.samples}
+
+
+@dataclass(frozen=True)
+class BackendBlock:
+    """Configs of one backend: the cartesian product of ``grid`` plus explicit ``configs``."""
+
+    backend: str
+    grid: dict[str, list] = field(default_factory=dict)
+    configs: list[dict] = field(default_factory=list)
+    priority: int | None = None
+
+    def __post_init__(self):
+        backend = get_backend(self.backend, "backend")
+        if self.backend == BASELINE:
+            raise SpecError("backend", "the unquantized baseline is part of every sweep; "
+                                       "remove this block")
+        _require("grid", self.grid, dict, "a mapping of option to a list of values")
+        _require("configs", self.configs, (list, tuple), "a list of option mappings")
+        if not self.grid and not self.configs:
+            raise SpecError("grid", "empty: give `grid` (option: [values]) and/or `configs`")
+        for name, values in self.grid.items():
+            if not isinstance(values, (list, tuple)):
+                raise SpecError(f"grid.{name}", f"must be a list of values, got {values!r}")
+            if not values:
+                raise SpecError(f"grid.{name}", "is an empty list; give at least one value")
+        if self.priority is not None:
+            _require("priority", self.priority, int, "an integer")
+        # Normalizing validates every option; the result is cached for expand_grid.
+        object.__setattr__(self, "_option_sets", [
+            backend.normalize(options, where) for options, where in self._raw_option_sets()
+        ])
+
+    def _raw_option_sets(self):
+        names = list(self.grid)
+        for values in itertools.product(*(self.grid[n] for n in names)):
+            if names:
+                yield dict(zip(names, values)), "grid"
+        for i, options in enumerate(self.configs):
+            yield options, f"configs[{i}]"
+
+    def option_sets(self) -> list[dict]:
+        """Every canonical (validated, defaults filled) option set of this block."""
+        return list(self._option_sets)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Models x backend configs, with evaluation and scheduling settings."""
+
+    name: str
+    models: list[ModelSpec]
+    backends: list[BackendBlock]
+    eval: EvalSettings
+    seed: int = 0
+    retries: int = 2
+    timeout_s: float = 3600.0
+    priority: int = 0
+    jobs_per_gpu: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.name, str) and _NAME.match(self.name)):
+            raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
+        for attr, kind, what in (("models", ModelSpec, "model"),
+                                 ("backends", BackendBlock, "backend block")):
+            items = getattr(self, attr)
+            _require(attr, items, (list, tuple), f"a non-empty list of {what}s")
+            if not items:
+                raise SpecError(attr, f"is empty; give at least one {what}")
+            for i, item in enumerate(items):
+                _require(f"{attr}[{i}]", item, kind, f"a {kind.__name__}")
+            object.__setattr__(self, attr, tuple(items))
+        labels = [m.label for m in self.models]
+        for i, label in enumerate(labels):
+            if labels.index(label) != i:
+                raise SpecError(f"models[{i}].name", f"two models are named {label!r}; "
+                                                     "give each a distinct `name`")
+        _require("eval", self.eval, EvalSettings, "the eval settings")
+        _require("seed", self.seed, int, "an integer")
+        _require("retries", self.retries, int, "an integer >= 0")
+        if self.retries < 0:
+            raise SpecError("retries", f"must be an integer >= 0, got {self.retries}")
+        _require("timeout_s", self.timeout_s, (int, float), "a number of seconds > 0")
+        if self.timeout_s <= 0:
+            raise SpecError("timeout_s", f"must be a number of seconds > 0, got {self.timeout_s}")
+        _require("priority", self.priority, int, "an integer")
+        _positive_int("jobs_per_gpu", self.jobs_per_gpu)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (model, config) pair of a sweep: what a worker runs. ``id`` is deterministic."""
+
+    id: str
+    sweep: str
+    model: ModelSpec
+    backend: str
+    options: dict
+    config_label: str
+    eval: EvalSettings
+    seed: int
+    priority: int
+    retries: int
+    timeout_s: float
+    gpu_share: float
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.backend == BASELINE
+
+    @property
+    def resources(self) -> dict[str, float]:
+        return {"GPU": self.gpu_share}
+
+
+def job_identity(model: ModelSpec, backend: str, options: dict, eval: EvalSettings,
+                 seed: int) -> dict:
+    """The canonical job spec: every field that changes what the job measures, nothing else."""
+    return {"model": model.identity(), "backend": backend, "options": options,
+            "eval": eval.identity(), "seed": seed}
+
+
+def job_id(identity: dict) -> str:
+    """``<backend>-<16 hex>``: a sha256 of the canonical JSON of ``identity``.
+
+    The backend prefix groups a sweep's tasks by backend in the Dask dashboard.
+    """
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{identity['backend']}-{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+
+
+def expand_grid(sweep: Sweep) -> list[Job]:
+    """Every job of ``sweep``: per model, the baseline first, then each block's configs.
+
+    Configs that normalize to the same options (given twice, or once with defaults spelled
+    out) are one job.
+    """
+    jobs: dict[str, Job] = {}
+    share = 1.0 / sweep.jobs_per_gpu
+    for model in sweep.models:
+        # The baseline is what every config is compared to: it goes first.
+        entries = [(BASELINE, {}, sweep.priority + 1)]
+        for block in sweep.backends:
+            priority = sweep.priority if block.priority is None else block.priority
+            entries += [(block.backend, options, priority) for options in block.option_sets()]
+        for backend, options, priority in entries:
+            identity = job_identity(model, backend, options, sweep.eval, sweep.seed)
+            jid = job_id(identity)
+            if jid not in jobs:
+                jobs[jid] = Job(
+                    id=jid, sweep=sweep.name, model=model, backend=backend, options=options,
+                    config_label=get_backend(backend).config_label(options), eval=sweep.eval,
+                    seed=sweep.seed, priority=priority, retries=sweep.retries,
+                    timeout_s=float(sweep.timeout_s), gpu_share=share,
+                )
+    return list(jobs.values())
+
+
+def field_names(cls) -> list[str]:
+    return [f.name for f in fields(cls) if f.init and f.name != "root"]

@@ -1,0 +1,163 @@
+"""What runs on a Dask worker: load -> quantize -> evaluate -> measure, returned as a plain record.
+
+The worker process keeps what jobs can share (the full-precision weights, the tokenizer, the
+tokenized eval windows) so a sweep of many configs pays the cold start once per worker.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import logging
+import socket
+import traceback
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from quantdask.errors import UnsupportedHere
+from quantdask.metrics import (
+    PeakMemory,
+    Stopwatch,
+    eval_windows,
+    model_size_bytes,
+    perplexity,
+    physical_gpu_id,
+)
+from quantdask.model_source import ModelSource, load_model_source
+
+if TYPE_CHECKING:
+    from quantdask.backends.base import Backend
+    from quantdask.spec import EvalSettings, Job
+
+log = logging.getLogger("quantdask.job")
+
+MODEL_CACHE_SIZE = 2
+_sources: OrderedDict[str, ModelSource] = OrderedDict()
+_windows: dict[tuple, Any] = {}
+
+
+def _cached_source(job: Job) -> tuple[ModelSource, bool]:
+    key = json.dumps(job.model.identity(), sort_keys=True)
+    if key in _sources:
+        _sources.move_to_end(key)
+        return _sources[key], True
+    source = load_model_source(job.model)
+    _sources[key] = source
+    while len(_sources) > MODEL_CACHE_SIZE:
+        evicted, _ = _sources.popitem(last=False)
+        for window_key in [k for k in _windows if k[0] == evicted]:
+            del _windows[window_key]
+    return source, False
+
+
+def _cached_windows(job: Job, source: ModelSource, settings: EvalSettings):
+    key = (json.dumps(job.model.identity(), sort_keys=True), settings.text_sha256,
+           settings.seq_len, settings.samples)
+    if key not in _windows:
+        with open(settings.text_path, encoding="utf-8") as f:
+            ids = source.tokenizer(f.read())["input_ids"]
+        _windows[key] = eval_windows(ids, settings.seq_len, settings.samples)
+    return _windows[key]
+
+
+def _where() -> tuple[str, str]:
+    """(worker name, host) of the calling process."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+        return str(worker.name), socket.gethostname()
+    except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
+        return "local", socket.gethostname()
+
+
+def _device() -> tuple[str, str, bool]:
+    """(torch device, recorded device label, is CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda:0", f"cuda:{physical_gpu_id(0)}", True
+    return "cpu", "cpu", False
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _drop_cast_notice(record: logging.LogRecord) -> bool:
+    # bitsandbytes logs this on every 8-bit matmul of a float32 model: noise, not news.
+    return "inputs will be cast" not in record.getMessage()
+
+
+def _quiet_libraries() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+    if _drop_cast_notice not in bnb_log.filters:
+        bnb_log.addFilter(_drop_cast_notice)
+
+
+def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
+    """Run one job here and return its record: metrics when done, the reason when not.
+
+    Never raises for a job's own failure: the class, message and traceback come back in the
+    record (``status`` failed or skipped) with the job's log under ``log``.
+    """
+    import torch
+
+    _quiet_libraries()
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s %(levelname)s {job.id} attempt={attempt} %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    worker, host = _where()
+    started = _now()
+    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": started}
+    try:
+        device, device_label, cuda = _device()
+        record["device"] = device_label
+        log.info("start on worker %s (%s) device %s: %s %s", worker, host, device_label,
+                 job.backend, job.config_label)
+        torch.manual_seed(job.seed)
+        watch = Stopwatch()
+        with watch("wall"), PeakMemory(cuda) as peak:
+            with watch("load"):
+                source, cached = _cached_source(job)
+                windows = _cached_windows(job, source, job.eval)
+            with watch("quantize"):
+                model = backend.quantize(source, job.options, device)
+            size = model_size_bytes(model)
+            with watch("eval"):
+                ppl = perplexity(model, windows, job.eval.batch_size, device)
+            del model
+        record.update(
+            status="done", wall_s=watch.seconds["wall"], load_s=watch.seconds["load"],
+            quantize_s=watch.seconds["quantize"], eval_s=watch.seconds["eval"],
+            source_cached=cached, peak_device_mem_bytes=peak.peak_device_bytes,
+            peak_device_reserved_bytes=peak.peak_reserved_bytes,
+            peak_host_rss_bytes=peak.peak_rss_bytes, param_count=source.param_count,
+            size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
+            perplexity=ppl, eval_tokens=int(windows.numel() - windows.size(0)),
+        )
+        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, perplexity %.4f",
+                 record["wall_s"], size, record["bits_per_weight"], ppl)
+    except UnsupportedHere as err:
+        record.update(status="skipped", error_class="unsupported", error_message=str(err))
+        log.warning("skipped: %s", err)
+    except Exception as err:
+        record.update(status="failed", error_class=type(err).__name__,
+                      error_message=str(err) or type(err).__name__,
+                      traceback=traceback.format_exc())
+        log.error("failed: %s: %s\n%s", type(err).__name__, err, record["traceback"])
+    finally:
+        log.removeHandler(handler)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    record["finished_at"] = _now()
+    record["log"] = buffer.getvalue()
+    return record

@@ -1,0 +1,58 @@
+"""Shared fixtures: the committed demo model, sweep-file factories, one real 2-slot cluster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    assert os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")), "data/demo-model missing"
+    return DEMO_MODEL_DIR
+
+
+def sweep_dict(**overrides) -> dict:
+    """A small valid sweep over the demo model; ``overrides`` replace top-level keys."""
+    data = {
+        "name": "t",
+        "models": [{"name": "demo", "path": DEMO_MODEL_DIR}],
+        "backends": [{"backend": "bitsandbytes", "grid": {"bits": [4], "quant_type": ["nf4"]}}],
+        "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 32, "samples": 8, "batch_size": 8},
+        "seed": 0,
+        "retries": 0,
+    }
+    data.update(overrides)
+    return data
+
+
+@pytest.fixture
+def write_sweep(tmp_path):
+    """Factory: write a sweep YAML (a dict, or raw text) and return its path."""
+
+    def write(content=None, name: str = "sweep.yaml", **overrides) -> str:
+        path = tmp_path / name
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            data = content if content is not None else sweep_dict(**overrides)
+            path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """One real LocalCluster with two single-threaded CPU slots on 127.0.0.1, for the session."""
+    from quantdask.cluster import start_cluster
+
+    with start_cluster(workers=2) as handle:
+        yield handle
