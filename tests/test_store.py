@@ -1,0 +1,110 @@
+"""The results schema and the run directory: atomic per-job files read back as one frame."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import polars as pl
+import pytest
+
+from quantdask.errors import SchemaError
+from quantdask.schema import RESULT_SCHEMA, validate_record
+from quantdask.store import RunStore, job_status, read_results
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.timezone.utc)
+
+
+def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> dict:
+    record = dict(
+        job_id=job_id, sweep="s", model="m", backend="bitsandbytes", config='{"bits": 4}',
+        config_label="nf4", status="done", attempts=1, priority=0, worker="0", host="h",
+        device="cpu", queued_at=NOW, started_at=NOW, finished_at=NOW, wall_s=1.0, load_s=0.1,
+        quantize_s=0.2, eval_s=0.3, source_cached=True, peak_device_mem_bytes=10,
+        peak_device_reserved_bytes=10, peak_host_rss_bytes=10, param_count=100, size_bytes=60,
+        bits_per_weight=4.8, perplexity=2.5, eval_tokens=100,
+    )
+    record.update(overrides)
+    return record
+
+
+def test_done_record_round_trips_with_the_full_schema(tmp_path):
+    store = RunStore(tmp_path / "run").create()
+    store.write_result(done_record())
+    frame = read_results(tmp_path / "run")
+    assert frame.schema == pl.Schema(RESULT_SCHEMA)
+    assert frame.height == 1
+    assert frame.row(0, named=True)["perplexity"] == 2.5
+    assert frame.row(0, named=True)["finished_at"] == NOW
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"perplexity": None}, "lacks perplexity"),
+    ({"size_bytes": "60"}, "size_bytes must be Int64"),
+    ({"attempts": True}, "attempts must be Int64"),
+    ({"finished_at": NOW.replace(tzinfo=None)}, "timezone-aware"),
+    ({"status": "finished"}, "status must be one of"),
+    ({"speed": 3.0}, "unknown result columns: speed"),
+])
+def test_records_that_do_not_fit_the_schema_are_rejected(change, message, tmp_path):
+    store = RunStore(tmp_path).create()
+    with pytest.raises(SchemaError, match=message):
+        store.write_result(done_record(**change))
+    assert list(store.results_dir.iterdir()) == []
+
+
+def test_failed_and_skipped_need_a_reason_not_metrics():
+    failed = {k: v for k, v in done_record(status="failed").items() if k not in
+              ("perplexity", "size_bytes", "wall_s")}
+    with pytest.raises(SchemaError, match="error_class, error_message"):
+        validate_record(failed)
+    ok = validate_record({**failed, "error_class": "RuntimeError", "error_message": "boom"})
+    assert ok["perplexity"] is None and ok["error_class"] == "RuntimeError"
+
+
+def test_write_is_atomic_and_replaces_the_previous_result(tmp_path):
+    store = RunStore(tmp_path).create()
+    store.write_result(done_record(status="failed", error_class="E", error_message="m"))
+    store.write_result(done_record())
+    assert [p.name for p in store.results_dir.iterdir()] == ["bitsandbytes-0000000000000001.parquet"]
+    assert read_results(tmp_path)["status"].to_list() == ["done"]
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    store = RunStore(tmp_path).create()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", crash)
+    with pytest.raises(OSError):
+        store.write_result(done_record())
+    assert os.listdir(store.results_dir) == []
+
+
+def test_finished_jobs_are_done_or_skipped_not_failed(tmp_path):
+    store = RunStore(tmp_path).create()
+    store.write_result(done_record("a"))
+    store.write_result(done_record("b", status="skipped", error_class="unsupported",
+                                   error_message="needs CUDA"))
+    store.write_result(done_record("c", status="failed", error_class="E", error_message="m"))
+    assert store.finished_job_ids() == {"a", "b"}
+
+
+def test_empty_run_dir_reads_as_an_empty_frame_with_the_schema(tmp_path):
+    frame = read_results(tmp_path / "nothing-here")
+    assert frame.height == 0 and frame.schema == pl.Schema(RESULT_SCHEMA)
+
+
+def test_job_status_marks_unrecorded_jobs_pending(tmp_path):
+    store = RunStore(tmp_path).create()
+    store.write_plan([
+        {"job_id": "a", "model": "m", "backend": "none", "config_label": "baseline", "priority": 1},
+        {"job_id": "b", "model": "m", "backend": "bitsandbytes", "config_label": "nf4",
+         "priority": 0},
+    ])
+    store.write_result(done_record("a"))
+    status = dict(job_status(tmp_path).select("job_id", "status").iter_rows())
+    assert status == {"a": "done", "b": "pending"}

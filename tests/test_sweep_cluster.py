@@ -1,0 +1,128 @@
+"""Real sweeps on a real 2-slot LocalCluster: every job done, resume, retries, custom backends."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import polars as pl
+import psutil
+import pytest
+
+import quantdask.backends
+from quantdask.backends import Backend
+from quantdask.demo_model import DEMO_SWEEP
+from quantdask.scheduler import run_sweep
+from quantdask.store import read_results
+from quantdask.sweep_file import load_sweep, sweep_from_dict
+from tests.conftest import sweep_dict
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def demo_run(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("demo-run")
+    arrived = []
+    results = run_sweep(load_sweep(DEMO_SWEEP), run_dir, cluster.client, on_result=arrived.append)
+    return run_dir, results, arrived
+
+
+def test_every_demo_job_is_done_with_plausible_metrics(demo_run):
+    run_dir, results, arrived = demo_run
+    assert results.height == 7 and len(arrived) == 7
+    assert results["status"].to_list() == ["done"] * 7
+    assert results["attempts"].to_list() == [1] * 7
+    by_label = {row["config_label"]: row for row in results.to_dicts()}
+    base = by_label["baseline"]
+    four_bit = [by_label[k] for k in ("nf4", "nf4 dq", "fp4", "fp4 dq")]
+    eight_bit = [by_label[k] for k in ("int8 t=6", "int8 t=0")]
+    for row in four_bit:
+        assert all(row["size_bytes"] < e["size_bytes"] for e in eight_bit)
+        assert row["perplexity"] >= base["perplexity"]
+    assert all(e["size_bytes"] < base["size_bytes"] for e in eight_bit)
+    # Double quantization stores its constants in 8 bits: smaller than plain 4-bit.
+    assert by_label["nf4 dq"]["size_bytes"] < by_label["nf4"]["size_bytes"]
+    for row in results.to_dicts():
+        assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1.0
+        assert row["wall_s"] > 0 and row["peak_host_rss_bytes"] > 0
+        assert row["queued_at"] <= row["started_at"] <= row["finished_at"]
+
+
+def test_both_workers_ran_jobs(demo_run, cluster):
+    _, results, _ = demo_run
+    names = {str(w["name"]) for w in cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
+    assert set(results["worker"]) == names and len(names) == 2
+
+
+def test_one_log_per_job_and_per_worker(demo_run):
+    run_dir, results, _ = demo_run
+    job_logs = {p.stem for p in (Path(run_dir) / "logs" / "jobs").glob("*.log")}
+    assert job_logs == set(results["job_id"])
+    worker_logs = sorted(p.name for p in (Path(run_dir) / "logs" / "workers").glob("*.log"))
+    assert worker_logs == [f"worker-{w}.log" for w in sorted(set(results["worker"]))]
+    for row in results.to_dicts():
+        text = (Path(run_dir) / "logs" / "workers" / f"worker-{row['worker']}.log").read_text()
+        assert f"{row['job_id']} attempt=1 done" in text
+
+
+def test_rerun_executes_no_job_and_changes_nothing(demo_run, cluster):
+    run_dir, results, _ = demo_run
+    files = sorted((Path(run_dir) / "results").glob("*.parquet"))
+    stamps = [(f.name, f.stat().st_mtime_ns) for f in files]
+    arrived = []
+    again = run_sweep(load_sweep(DEMO_SWEEP), run_dir, cluster.client, on_result=arrived.append)
+    assert arrived == []
+    assert [(f.name, f.stat().st_mtime_ns) for f in files] == stamps
+    assert again.sort("job_id").equals(results.sort("job_id"))
+    assert read_results(run_dir).height == 7
+
+
+def test_a_failed_attempt_is_retried_under_a_new_key(cluster, tmp_path, monkeypatch):
+    marker = tmp_path / "failed-once"
+
+    def flaky(source, options, device):
+        if not marker.exists():
+            marker.write_text("x")
+            raise RuntimeError("transient failure")
+        return source.build(device)
+
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "flaky", Backend("flaky", flaky))
+    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "flaky", "configs": [{}]}],
+                                       retries=1))
+    results = run_sweep(sweep, tmp_path / "run", cluster.client)
+    row = results.filter(pl.col("backend") == "flaky").row(0, named=True)
+    assert row["status"] == "done" and row["attempts"] == 2
+    log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
+    assert "attempt=1 failed: RuntimeError: transient failure" in log
+    assert "attempt=2 done" in log
+
+
+def test_a_job_failing_every_attempt_is_recorded_failed_once(cluster, tmp_path, monkeypatch):
+    def broken(source, options, device):
+        raise RuntimeError(f"broken backend, options {options}")
+
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "broken", Backend("broken", broken))
+    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "broken", "configs": [{}]}],
+                                       retries=2))
+    results = run_sweep(sweep, tmp_path / "run", cluster.client)
+    assert sorted(results["status"]) == ["done", "failed"]
+    row = results.filter(pl.col("status") == "failed").row(0, named=True)
+    assert row["attempts"] == 3 and row["error_class"] == "RuntimeError"
+    assert "broken backend" in row["error_message"] and "Traceback" in row["traceback"]
+    assert len(list((tmp_path / "run" / "results").glob("*.parquet"))) == 2
+    # A rerun tries the failed job again, and only that one.
+    arrived = []
+    run_sweep(sweep, tmp_path / "run", cluster.client, on_result=arrived.append)
+    assert [r["job_id"] for r in arrived] == [row["job_id"]]
+
+
+def test_servers_bind_to_loopback_only(cluster):
+    assert cluster.client.scheduler.address.startswith("tcp://127.0.0.1:")
+    assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+    for address in cluster.client.scheduler_info(n_workers=-1)["workers"]:
+        assert address.startswith("tcp://127.0.0.1:")
+    me = psutil.Process()
+    listening = [c.laddr.ip for p in [me, *me.children(recursive=True)]
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and set(listening) <= {"127.0.0.1"}
