@@ -14,7 +14,7 @@ from quantdask.store import RunStore, job_status, read_results
 
 pytestmark = pytest.mark.timeout(60)
 
-NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 
 
 def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> dict:
@@ -68,7 +68,8 @@ def test_write_is_atomic_and_replaces_the_previous_result(tmp_path):
     store = RunStore(tmp_path).create()
     store.write_result(done_record(status="failed", error_class="E", error_message="m"))
     store.write_result(done_record())
-    assert [p.name for p in store.results_dir.iterdir()] == ["bitsandbytes-0000000000000001.parquet"]
+    names = [p.name for p in store.results_dir.iterdir()]
+    assert names == ["bitsandbytes-0000000000000001.parquet"]
     assert read_results(tmp_path)["status"].to_list() == ["done"]
 
 

@@ -51,7 +51,8 @@ def test_every_demo_job_is_done_with_plausible_metrics(demo_run):
 
 def test_both_workers_ran_jobs(demo_run, cluster):
     _, results, _ = demo_run
-    names = {str(w["name"]) for w in cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
+    workers = cluster.client.scheduler_info(n_workers=-1)["workers"].values()
+    names = {str(w["name"]) for w in workers}
     assert set(results["worker"]) == names and len(names) == 2
 
 

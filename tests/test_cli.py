@@ -1,0 +1,73 @@
+"""The quantdask command end to end, as a user runs it: real processes, a real cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantdask.cli import main
+from quantdask.demo_model import DEMO_SWEEP
+from tests.conftest import REPO, sweep_dict
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def quantdask(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantdask.cli", *args], capture_output=True,
+                          text=True, timeout=200, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_run_status_and_plan_on_a_real_cluster(write_sweep, tmp_path):
+    sweep = write_sweep(sweep_dict(backends=[{"backend": "bitsandbytes",
+                                              "grid": {"bits": [4, 8]}}]))
+    run = quantdask("run", sweep, "--workers", "2", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "2 workers (cpu); Dask dashboard: http://127.0.0.1:" in run.stdout
+    assert "3 jobs: 3 done, 0 failed, 0 skipped" in run.stdout
+    run_dir = tmp_path / "runs" / "t"  # the default: runs/<sweep name>
+    assert len(list((run_dir / "results").glob("*.parquet"))) == 3
+
+    status = quantdask("status", str(run_dir), cwd=tmp_path)
+    assert status.returncode == 0 and "3 done" in status.stdout
+    assert status.stdout.count(" done ") == 3
+
+    plan = quantdask("plan", sweep, "--run-dir", str(run_dir), cwd=tmp_path)
+    assert plan.returncode == 0
+    assert plan.stdout.count("finished") == 3 and "3 jobs (0 to run)" in plan.stdout
+
+
+@pytest.mark.slow
+def test_run_with_a_failing_job_exits_1_and_points_at_its_log(write_sweep, tmp_path):
+    # More eval tokens than the text holds: the job fails on the worker, every attempt.
+    data = sweep_dict(retries=1)
+    data["eval"]["samples"] = 100_000
+    run = quantdask("run", write_sweep(data), "--workers", "1", "--run-dir", "out", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    assert "2 jobs: 0 done, 2 failed, 0 skipped" in run.stdout
+    log_line = [line for line in run.stdout.splitlines() if line.startswith("failed:")][0]
+    log_path = tmp_path / log_line.rsplit("(log: ", 1)[1].rstrip(")")
+    assert "attempt=2 failed: ValueError" in log_path.read_text()
+
+
+def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", DEMO_SWEEP]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["job_id", "model", "backend", "config_label", "priority", "state"]
+    assert out[1].startswith("none-") and "baseline" in out[1]  # the baseline goes first
+    assert out[-1] == "7 jobs (7 to run)"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_shipped_demo_sweep_has_six_bitsandbytes_configs_and_the_baseline():
+    from quantdask.spec import expand_grid
+    from quantdask.sweep_file import load_sweep
+
+    jobs = expand_grid(load_sweep(DEMO_SWEEP))
+    assert [j.backend for j in jobs] == ["none"] + ["bitsandbytes"] * 6
