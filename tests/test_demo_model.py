@@ -1,4 +1,4 @@
-"""The demo model's recipe still builds a loadable model: a few steps here, 600 for the committed one."""
+"""The demo model recipe still builds a loadable model (a few steps here; 600 when committed)."""
 
 from __future__ import annotations
 
