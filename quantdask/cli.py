@@ -47,6 +47,25 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _print_progress():
+    """An ``on_result`` callback printing one line per finished job."""
+    count = 0
+
+    def show(record: dict[str, Any]) -> None:
+        nonlocal count
+        count += 1
+        if record["status"] == "done":
+            detail = (f"ppl {record['perplexity']:.4g}, "
+                      f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
+        else:
+            detail = f"{record['error_class']}: {record['error_message']}".splitlines()[0]
+        print(f"[{count}] {record['status']:7} {record['model']} {record['config_label']} "
+              f"(worker {record.get('worker') or '?'}, attempt {record['attempts']}): {detail}",
+              flush=True)
+
+    return show
+
+
 def _check_run_dir(path: str) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"--run-dir {path} exists and is not a directory; give a directory")
@@ -82,7 +101,7 @@ def _run(sweep, args) -> int:
                        host=args.host) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
               f"Dask dashboard: {cluster.dashboard_link}", flush=True)
-        results = run_sweep(sweep, run_dir, cluster.client)
+        results = run_sweep(sweep, run_dir, cluster.client, on_result=_print_progress())
     rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
                         pl.col("config_label"), descending=[False, False, True, False],
                         nulls_last=True)

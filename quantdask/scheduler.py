@@ -10,6 +10,8 @@ import datetime as dt
 import json
 import logging
 import os
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +23,12 @@ from distributed import Client, Future, as_completed
 from quantdask.backends import get_backend
 from quantdask.spec import Job, Sweep, expand_grid
 from quantdask.store import RunStore
-from quantdask.worker import run_job
+from quantdask.worker import JOB_START_TOPIC, run_job
 
 log = logging.getLogger("quantdask.scheduler")
+
+POLL_S = 0.05
+"""How often the driver checks deadlines while no result is ready."""
 
 
 @dataclass
@@ -31,6 +36,8 @@ class _Attempt:
     job: Job
     number: int
     queued_at: dt.datetime
+    started: float | None = None  # driver's monotonic clock when the worker began it
+    worker_address: str | None = None
 
 
 def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
@@ -49,14 +56,112 @@ def attempt_key(job: Job, attempt: int) -> str:
     return job.id if attempt == 1 else f"{job.id}-attempt{attempt}"
 
 
-def _lost_record(error: BaseException) -> dict[str, Any]:
-    """The record of an attempt whose future failed outside run_job (worker died, cancelled)."""
-    return {
-        "status": "failed", "error_class": type(error).__name__,
-        "error_message": str(error) or type(error).__name__,
-        "traceback": "".join(traceback.format_exception(error)),
-        "finished_at": dt.datetime.now(dt.UTC), "log": "",
-    }
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _failed_outside(error_class: str, message: str, tb: str = "") -> dict[str, Any]:
+    """The record of an attempt that ended outside run_job (worker lost, cancelled, timed out)."""
+    return {"status": "failed", "error_class": error_class, "error_message": message,
+            "traceback": tb or None, "finished_at": _now(), "log": ""}
+
+
+class _SweepDriver:
+    """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
+
+    def __init__(self, client: Client, store: RunStore, on_result):
+        self.client = client
+        self.store = store
+        self.on_result = on_result
+        self.attempts: dict[str, _Attempt] = {}
+        self.pending = as_completed()
+        self._lock = threading.Lock()
+
+    def submit(self, job: Job, number: int) -> None:
+        key = attempt_key(job, number)
+        with self._lock:
+            self.attempts[key] = _Attempt(job, number, _now())
+        self.pending.add(self.client.submit(
+            run_job, job, get_backend(job.backend), number, key=key,
+            resources=job.resources, priority=job.priority, pure=False, retries=0,
+        ))
+
+    def _on_job_start(self, event) -> None:
+        # Runs on the client's event loop thread: only note when and where the attempt began.
+        _, message = event
+        with self._lock:
+            attempt = self.attempts.get(message["key"])
+            if attempt is not None and attempt.started is None:
+                attempt.started = time.monotonic()
+                attempt.worker_address = message["worker"]
+
+    def run(self, jobs: list[Job]) -> None:
+        self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
+        try:
+            for job in jobs:
+                self.submit(job, 1)
+            while not self.pending.is_empty():
+                ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
+                for future in ready:
+                    self._collect(future)
+                if not ready:
+                    self._enforce_deadlines()
+                    time.sleep(POLL_S)
+        finally:
+            self.client.unsubscribe_topic(JOB_START_TOPIC)
+
+    def _collect(self, future: Future) -> None:
+        with self._lock:
+            attempt = self.attempts.pop(future.key, None)
+        if attempt is None:  # an attempt already given up on (timed out) and cancelled
+            return
+        try:
+            record = future.result()
+        except Exception as error:  # noqa: BLE001 - the attempt failed outside run_job
+            record = _failed_outside(type(error).__name__, str(error) or type(error).__name__,
+                                     "".join(traceback.format_exception(error)))
+        future.release()
+        self._finish(attempt, record)
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [(key, a) for key, a in self.attempts.items()
+                    if a.started is not None and now - a.started > a.job.timeout_s]
+            for key, _ in late:
+                del self.attempts[key]
+        for key, attempt in late:
+            message = (f"no result after timeout_s={attempt.job.timeout_s:g}s on worker "
+                       f"{attempt.worker_address}; the worker was restarted")
+            log.warning("%s: %s", key, message)
+            Future(key, self.client).cancel()
+            self._replace_worker(attempt.worker_address)
+            self._finish(attempt, _failed_outside("timeout", message))
+
+    def _replace_worker(self, address: str | None) -> None:
+        # A hung Python thread cannot be interrupted: only a new worker process frees the device.
+        try:
+            self.client.restart_workers([address], timeout=60)
+        except Exception as error:  # noqa: BLE001 - e.g. a worker without a nanny
+            log.error("could not restart worker %s after a timeout: %s", address, error)
+
+    def _finish(self, attempt: _Attempt, record: dict[str, Any]) -> None:
+        job = attempt.job
+        _write_logs(self.store, job, attempt.number, record)
+        if record["status"] == "failed" and attempt.number <= job.retries:
+            log.warning("%s attempt %d failed (%s: %s); retrying", job.id, attempt.number,
+                        record["error_class"], record["error_message"])
+            self.submit(job, attempt.number + 1)
+            return
+        record.update(
+            job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
+            config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
+            priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
+        )
+        self.store.write_result(record)
+        log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
+        if self.on_result is not None:
+            self.on_result(record)
 
 
 def run_sweep(
@@ -68,7 +173,9 @@ def run_sweep(
     """Run every job of ``sweep`` not already finished in ``run_dir``; return the sweep's results.
 
     Each finished job is written to ``run_dir`` as soon as it arrives, so an interrupted sweep
-    resumes where it stopped. ``on_result(record)`` is called after each write.
+    resumes where it stopped. A failed attempt is retried up to ``sweep.retries`` times under a
+    new key; an attempt running past ``sweep.timeout_s`` fails as ``timeout`` and its worker is
+    restarted. ``on_result(record)`` is called after each write.
     """
     store = RunStore(run_dir).create()
     jobs = expand_grid(sweep)
@@ -77,48 +184,15 @@ def run_sweep(
     todo = [job for job in jobs if job.id not in finished]
     log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
              len(jobs) - len(todo), len(todo))
-    attempts: dict[str, _Attempt] = {}
-
-    def submit(job: Job, number: int) -> Future:
-        key = attempt_key(job, number)
-        attempts[key] = _Attempt(job, number, dt.datetime.now(dt.UTC))
-        return client.submit(
-            run_job, job, get_backend(job.backend), number, key=key,
-            resources=job.resources, priority=job.priority, pure=False, retries=0,
-        )
-
-    pending = as_completed([submit(job, 1) for job in todo])
-    for future in pending:
-        attempt = attempts.pop(future.key)
-        job = attempt.job
-        try:
-            record = future.result()
-        except Exception as error:  # noqa: BLE001 - the attempt failed outside run_job
-            record = _lost_record(error)
-        future.release()
-        _write_logs(store, job, attempt.number, record)
-        if record["status"] == "failed" and attempt.number <= job.retries:
-            log.warning("%s attempt %d failed (%s: %s); retrying", job.id, attempt.number,
-                        record["error_class"], record["error_message"])
-            pending.add(submit(job, attempt.number + 1))
-            continue
-        record.update(
-            job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
-            config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
-            priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
-        )
-        store.write_result(record)
-        log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
-        if on_result is not None:
-            on_result(record)
+    _SweepDriver(client, store, on_result).run(todo)
     ids = [job.id for job in jobs]
     return store.read_results().filter(pl.col("job_id").is_in(ids))
 
 
 def _write_logs(store: RunStore, job: Job, attempt: int, record: dict[str, Any]) -> None:
     text = record.pop("log", "") or (
-        f"attempt {attempt} failed outside the job: {record.get('error_class')}: "
-        f"{record.get('error_message')}\n"
+        f"{_now().isoformat()} ERROR {job.id} attempt={attempt} failed outside the job: "
+        f"{record.get('error_class')}: {record.get('error_message')}\n"
     )
     store.append_job_log(job.id, text)
     store.append_worker_log(record.get("worker") or "unknown-worker", text)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quantdask.job")
 
+JOB_START_TOPIC = "quantdask-job-start"
+"""Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
+
 MODEL_CACHE_SIZE = 2
 _sources: OrderedDict[str, ModelSource] = OrderedDict()
 _windows: dict[tuple, Any] = {}
@@ -61,15 +64,17 @@ def _cached_windows(job: Job, source: ModelSource, settings: EvalSettings):
     return _windows[key]
 
 
-def _where() -> tuple[str, str]:
-    """(worker name, host) of the calling process."""
+def _announce_start() -> tuple[str, str]:
+    """Tell the driver this attempt began (its deadline starts now); (worker name, host)."""
     try:
         from distributed import get_worker
 
         worker = get_worker()
-        return str(worker.name), socket.gethostname()
     except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
         return "local", socket.gethostname()
+    worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
+                                       "worker": worker.address})
+    return str(worker.name), socket.gethostname()
 
 
 def _device() -> tuple[str, str, bool]:
@@ -85,9 +90,16 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _drop_cast_notice(record: logging.LogRecord) -> bool:
-    # bitsandbytes logs this on every 8-bit matmul of a float32 model: noise, not news.
-    return "inputs will be cast" not in record.getMessage()
+# bitsandbytes notices that are noise, not news: one per 8-bit matmul of a float32 model, and
+# one per process saying that the optional hub-downloaded CPU kernel is absent (we want it so).
+_BNB_NOISE = {
+    "bitsandbytes.autograd._functions": "inputs will be cast",
+    "bitsandbytes.backends.cpu.ops": "from kernels-community",
+}
+
+
+def _drop_bnb_noise(record: logging.LogRecord) -> bool:
+    return _BNB_NOISE.get(record.name, "\0") not in record.getMessage()
 
 
 def _quiet_libraries() -> None:
@@ -95,9 +107,10 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
-    if _drop_cast_notice not in bnb_log.filters:
-        bnb_log.addFilter(_drop_cast_notice)
+    for name in _BNB_NOISE:
+        logger = logging.getLogger(name)
+        if _drop_bnb_noise not in logger.filters:
+            logger.addFilter(_drop_bnb_noise)
 
 
 def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
@@ -115,7 +128,7 @@ def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
         f"%(asctime)s %(levelname)s {job.id} attempt={attempt} %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    worker, host = _where()
+    worker, host = _announce_start()
     started = _now()
     record: dict[str, Any] = {"worker": worker, "host": host, "started_at": started}
     try:

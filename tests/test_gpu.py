@@ -1,0 +1,30 @@
+"""The GPU path for real: LocalCUDACluster and CUDA metrics. Skipped on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantdask.cluster import cuda_device_count
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA GPU"),
+]
+
+
+def test_sweep_on_local_cuda_cluster_records_cuda_metrics(tmp_path):
+    from quantdask.cluster import start_cluster
+    from quantdask.demo_model import DEMO_SWEEP
+    from quantdask.scheduler import run_sweep
+    from quantdask.sweep_file import load_sweep
+
+    with start_cluster(gpus=[0]) as cluster:
+        assert cluster.kind == "cuda"
+        assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+        results = run_sweep(load_sweep(DEMO_SWEEP), tmp_path / "run", cluster.client)
+    assert results["status"].to_list() == ["done"] * results.height
+    for row in results.to_dicts():
+        assert row["device"] == "cuda:0"
+        assert row["peak_device_mem_bytes"] > 0
+        assert row["peak_device_reserved_bytes"] >= row["peak_device_mem_bytes"]
