@@ -38,6 +38,7 @@ class _Attempt:
     queued_at: dt.datetime
     started: float | None = None  # driver's monotonic clock when the worker began it
     worker_address: str | None = None
+    worker_name: str | None = None
 
 
 def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
@@ -93,7 +94,8 @@ class _SweepDriver:
             attempt = self.attempts.get(message["key"])
             if attempt is not None and attempt.started is None:
                 attempt.started = time.monotonic()
-                attempt.worker_address = message["worker"]
+                attempt.worker_address = message["address"]
+                attempt.worker_name = message["name"]
 
     def run(self, jobs: list[Job]) -> None:
         self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
@@ -132,11 +134,12 @@ class _SweepDriver:
                 del self.attempts[key]
         for key, attempt in late:
             message = (f"no result after timeout_s={attempt.job.timeout_s:g}s on worker "
-                       f"{attempt.worker_address}; the worker was restarted")
+                       f"{attempt.worker_name}; the worker was restarted")
             log.warning("%s: %s", key, message)
             Future(key, self.client).cancel()
             self._replace_worker(attempt.worker_address)
-            self._finish(attempt, _failed_outside("timeout", message))
+            self._finish(attempt, {**_failed_outside("timeout", message),
+                                   "worker": attempt.worker_name})
 
     def _replace_worker(self, address: str | None) -> None:
         # A hung Python thread cannot be interrupted: only a new worker process frees the device.

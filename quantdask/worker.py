@@ -73,7 +73,7 @@ def _announce_start() -> tuple[str, str]:
     except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
         return "local", socket.gethostname()
     worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
-                                       "worker": worker.address})
+                                       "address": worker.address, "name": str(worker.name)})
     return str(worker.name), socket.gethostname()
 
 

@@ -151,4 +151,6 @@ def test_a_hung_job_times_out_its_worker_is_replaced_and_the_retry_runs(cluster,
     assert elapsed < 60  # the deadline plus a worker restart, not the 600 s hang
     log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
     assert "attempt=1 failed outside the job: timeout: no result after timeout_s=3s" in log
+    worker_logs = (tmp_path / "run" / "logs" / "workers").glob("worker-*.log")
+    assert any("timeout: no result" in p.read_text() for p in worker_logs)
     cluster.client.wait_for_workers(2, timeout=60)
