@@ -140,23 +140,37 @@ def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tens
     return torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, seq_len)
 
 
-def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
-               device: str) -> float:
-    """exp(mean next-token negative log-likelihood) over every predicted token of ``windows``."""
+def forward_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
+                      device: str):
+    """Yield, batch by batch, float32 CPU log-probs of the next token at each position but the
+    last: (batch, seq_len - 1, vocab)."""
     import torch
 
-    total_nll, total_tokens = 0.0, 0
     with torch.inference_mode():
         for batch in windows.split(batch_size):
-            batch = batch.to(device)
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            targets = batch[:, 1:]
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
-            )
-            total_nll += nll.item()
-            total_tokens += targets.numel()
-    return math.exp(total_nll / total_tokens)
+            logits = model(input_ids=batch.to(device)).logits[:, :-1].float()
+            yield torch.log_softmax(logits, dim=-1).cpu()
+
+
+def quality(model: torch.nn.Module, windows: torch.Tensor, reference_log_probs: torch.Tensor,
+            batch_size: int, device: str) -> dict[str, float]:
+    """Perplexity on ``windows``, and KL divergence and top-1 agreement against the reference.
+
+    KL is KL(reference || model) per predicted token, averaged over tokens (nats); top-1
+    agreement is the share of positions where both pick the same most likely next token.
+    """
+    nll = kl = agree = 0.0
+    tokens = 0
+    for i, log_q in enumerate(forward_log_probs(model, windows, batch_size, device)):
+        rows = slice(i * batch_size, i * batch_size + log_q.size(0))
+        log_p = reference_log_probs[rows]
+        targets = windows[rows, 1:]
+        nll -= log_q.gather(-1, targets.unsqueeze(-1)).sum().item()
+        kl += (log_p.exp() * (log_p - log_q)).sum().item()
+        agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        tokens += targets.numel()
+    return {"perplexity": math.exp(nll / tokens), "kl_divergence": max(kl / tokens, 0.0),
+            "top1_agreement": agree / tokens, "eval_tokens": tokens}
 
 
 def physical_gpu_id(local_index: int = 0) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,10 @@ if TYPE_CHECKING:
     from quantdask.spec import ModelSpec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+MODEL_CACHE_SIZE = 2
+"""Full-precision models a worker process keeps between jobs (least recently used dropped)."""
+_cache: OrderedDict[str, ModelSource] = OrderedDict()
 
 
 @dataclass
@@ -67,3 +73,15 @@ def load_model_source(spec: ModelSpec) -> ModelSource:
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of weights, each shared (tied) tensor counted once."""
     return sum(p.numel() for p in model.parameters())
+
+
+def cached_model_source(spec: ModelSpec) -> tuple[ModelSource, bool]:
+    """``spec``'s model from this process's cache, loading it on a miss; (source, was cached)."""
+    key = json.dumps(spec.identity(), sort_keys=True)
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key], True
+    _cache[key] = load_model_source(spec)
+    while len(_cache) > MODEL_CACHE_SIZE:
+        _cache.popitem(last=False)
+    return _cache[key], False

@@ -21,6 +21,7 @@ import polars as pl
 from distributed import Client, Future, as_completed
 
 from quantdask.backends import get_backend
+from quantdask.reference import compute_reference, reference_key
 from quantdask.spec import Job, Sweep, expand_grid
 from quantdask.store import RunStore
 from quantdask.worker import JOB_START_TOPIC, run_job
@@ -75,15 +76,36 @@ class _SweepDriver:
         self.store = store
         self.on_result = on_result
         self.attempts: dict[str, _Attempt] = {}
+        self.references: dict[str, Future] = {}
         self.pending = as_completed()
         self._lock = threading.Lock()
+        self._reference_tries: dict[str, int] = {}
+        self._eval_texts: dict[str, str] = {}
+
+    def _reference(self, job: Job) -> Future:
+        """The future of ``job``'s model reference: submitted once per model, again only if the
+        previous one failed (a job's retry must not inherit a failed dependency)."""
+        key = reference_key(job.model, job.eval)
+        future = self.references.get(key)
+        if future is None or future.status in ("error", "cancelled"):
+            tries = self._reference_tries[key] = self._reference_tries.get(key, 0) + 1
+            if job.eval.text_path not in self._eval_texts:
+                with open(job.eval.text_path, encoding="utf-8") as f:
+                    self._eval_texts[job.eval.text_path] = f.read()
+            future = self.client.submit(
+                compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
+                key=key if tries == 1 else f"{key}-retry{tries}", resources=job.resources,
+                priority=job.priority + 10, pure=False, retries=0,
+            )
+            self.references[key] = future
+        return future
 
     def submit(self, job: Job, number: int) -> None:
         key = attempt_key(job, number)
         with self._lock:
             self.attempts[key] = _Attempt(job, number, _now())
         self.pending.add(self.client.submit(
-            run_job, job, get_backend(job.backend), number, key=key,
+            run_job, job, get_backend(job.backend), number, self._reference(job), key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
         ))
 
@@ -161,6 +183,9 @@ class _SweepDriver:
             config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
         )
+        layers = record.pop("layers", None) or []
+        if record["status"] == "done":
+            self.store.write_layers(job.id, layers)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         if self.on_result is not None:

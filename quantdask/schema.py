@@ -41,6 +41,8 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "size_bytes": pl.Int64(),
     "bits_per_weight": pl.Float64(),
     "perplexity": pl.Float64(),
+    "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
+    "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
     "eval_tokens": pl.Int64(),
     "error_class": pl.String(),
     "error_message": pl.String(),
@@ -52,11 +54,22 @@ ALWAYS_REQUIRED = ("job_id", "sweep", "model", "backend", "config", "config_labe
 METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quantize_s", "eval_s",
            "source_cached", "peak_device_mem_bytes", "peak_device_reserved_bytes",
            "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight", "perplexity",
-           "eval_tokens")
+           "kl_divergence", "top1_agreement", "eval_tokens")
 REQUIRED_BY_STATUS = {
     "done": ALWAYS_REQUIRED + METRICS,
     "failed": ALWAYS_REQUIRED + ("error_class", "error_message"),
     "skipped": ALWAYS_REQUIRED + ("error_class", "error_message"),
+}
+
+LAYER_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "position": pl.Int64(),  # the layer's order in the network
+    "layer": pl.String(),  # module name, e.g. model.layers.0.self_attn.q_proj
+    "in_features": pl.Int64(),
+    "out_features": pl.Int64(),
+    "weight_rel_error": pl.Float64(),  # ||W_q - W|| / ||W||
+    "weight_sqnr_db": pl.Float64(),  # 10 log10(||W||^2 / ||W_q - W||^2)
+    "output_rel_error": pl.Float64(),  # same input, quantized vs original weight, probe batch
 }
 
 _PYTHON_TYPES: dict[type, tuple[type, ...]] = {
@@ -68,22 +81,11 @@ _PYTHON_TYPES: dict[type, tuple[type, ...]] = {
 }
 
 
-def validate_record(record: dict[str, Any]) -> dict[str, Any]:
-    """Check ``record`` against the schema; return it with every column present.
-
-    Raises :class:`SchemaError` for an unknown column, a wrong type, or a metric missing for the
-    record's status.
-    """
-    unknown = sorted(set(record) - set(RESULT_SCHEMA))
+def _check_types(record: dict[str, Any], schema: dict[str, pl.DataType], what: str) -> None:
+    unknown = sorted(set(record) - set(schema))
     if unknown:
-        raise SchemaError(f"unknown result columns: {', '.join(unknown)}")
-    status = record.get("status")
-    if status not in STATUSES:
-        raise SchemaError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-    missing = [c for c in REQUIRED_BY_STATUS[status] if record.get(c) is None]
-    if missing:
-        raise SchemaError(f"{status} record {record.get('job_id')!r} lacks {', '.join(missing)}")
-    for column, dtype in RESULT_SCHEMA.items():
+        raise SchemaError(f"unknown {what} columns: {', '.join(unknown)}")
+    for column, dtype in schema.items():
         value = record.get(column)
         if value is None:
             continue
@@ -92,11 +94,36 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
             raise SchemaError(f"{column} must be {dtype}, got {type(value).__name__} {value!r}")
         if isinstance(value, dt.datetime) and value.tzinfo is None:
             raise SchemaError(f"{column} must be timezone-aware (UTC), got {value!r}")
+
+
+def validate_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Check ``record`` against the results schema; return it with every column present.
+
+    Raises :class:`SchemaError` for an unknown column, a wrong type, or a metric missing for the
+    record's status.
+    """
+    status = record.get("status")
+    if status not in STATUSES:
+        raise SchemaError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    missing = [c for c in REQUIRED_BY_STATUS[status] if record.get(c) is None]
+    if missing:
+        raise SchemaError(f"{status} record {record.get('job_id')!r} lacks {', '.join(missing)}")
+    _check_types(record, RESULT_SCHEMA, "result")
     return {column: record.get(column) for column in RESULT_SCHEMA}
 
 
-def empty_results() -> pl.DataFrame:
-    return pl.DataFrame(schema=RESULT_SCHEMA)
+def layers_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Per-layer rows as a frame; every column is required in every row."""
+    for row in rows:
+        missing = [c for c in LAYER_SCHEMA if row.get(c) is None]
+        if missing:
+            raise SchemaError(f"layer row {row.get('layer')!r} lacks {', '.join(missing)}")
+        _check_types(row, LAYER_SCHEMA, "layer")
+    return pl.DataFrame(rows, schema=LAYER_SCHEMA)
+
+
+def empty_frame(schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    return pl.DataFrame(schema=schema)
 
 
 def records_to_frame(records: list[dict[str, Any]]) -> pl.DataFrame:

@@ -4,6 +4,7 @@ Layout::
 
     RUN_DIR/jobs.json               the planned jobs of the last sweep run here
     RUN_DIR/results/<job_id>.parquet  one row per finished job (the results schema)
+    RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
     RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
     RUN_DIR/logs/workers/worker-<name>.log  a worker's log, every job it ran
 """
@@ -20,7 +21,13 @@ from typing import Any
 import polars as pl
 
 from quantdask.errors import RunDirError
-from quantdask.schema import empty_results, records_to_frame
+from quantdask.schema import (
+    LAYER_SCHEMA,
+    RESULT_SCHEMA,
+    empty_frame,
+    layers_to_frame,
+    records_to_frame,
+)
 
 FINAL_STATUSES = ("done", "skipped")
 """Statuses a rerun keeps. A failed job is tried again by the next run of its sweep."""
@@ -51,11 +58,12 @@ class RunStore:
         if self.root.exists() and not self.root.is_dir():
             raise RunDirError(f"run directory {self.root} exists and is not a directory")
         self.results_dir = self.root / "results"
+        self.layers_dir = self.root / "layers"
         self.job_logs_dir = self.root / "logs" / "jobs"
         self.worker_logs_dir = self.root / "logs" / "workers"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.job_logs_dir, self.worker_logs_dir):
+        for d in (self.results_dir, self.layers_dir, self.job_logs_dir, self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -69,12 +77,23 @@ class RunStore:
         _atomic_write(path, frame.write_parquet)
         return path
 
+    def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist a job's per-layer rows (``job_id`` and ``position`` added), atomically."""
+        frame = layers_to_frame([{**row, "job_id": job_id, "position": i}
+                                 for i, row in enumerate(rows)])
+        path = self.layers_dir / f"{job_id}.parquet"
+        _atomic_write(path, frame.write_parquet)
+        return path
+
     def read_results(self) -> pl.DataFrame:
-        files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []
-        if not files:
-            return empty_results()
-        frame = pl.concat([pl.read_parquet(f) for f in files], how="vertical")
-        return frame.sort("finished_at")
+        return _read_dir(self.results_dir, RESULT_SCHEMA).sort("finished_at")
+
+    def read_layers(self) -> pl.DataFrame:
+        """Per-layer rows of the jobs whose result is recorded (a crash between the two writes
+        leaves layers without a result: they are not shown, and the rerun replaces them)."""
+        recorded = self.read_results()["job_id"]
+        layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
+        return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
 
     def finished_job_ids(self) -> set[str]:
         """Jobs whose recorded result is final (done or skipped): a rerun does not run them."""
@@ -99,6 +118,18 @@ class RunStore:
         name = _SAFE_NAME.sub("_", worker).strip("_") or "unknown"
         with open(self.worker_logs_dir / f"worker-{name}.log", "a", encoding="utf-8") as f:
             f.write(text if text.endswith("\n") else text + "\n")
+
+
+def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
+    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    if not files:
+        return empty_frame(schema)
+    return pl.concat([pl.read_parquet(f) for f in files], how="vertical")
+
+
+def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Per-layer error of every recorded job of ``run_dir``: one row per (job, quantized layer)."""
+    return RunStore(run_dir).read_layers()
 
 
 def read_results(run_dir: str | os.PathLike) -> pl.DataFrame:

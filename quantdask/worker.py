@@ -1,67 +1,36 @@
 """What runs on a Dask worker: load -> quantize -> evaluate -> measure, returned as a plain record.
 
-The worker process keeps what jobs can share (the full-precision weights, the tokenizer, the
-tokenized eval windows) so a sweep of many configs pays the cold start once per worker.
+The worker process keeps the full-precision weights and tokenizer between jobs (see
+``model_source``); the eval windows and the baseline's log-probs arrive once per model as a
+Dask dependency (see ``reference``), so a sweep of many configs pays the cold start once.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import io
-import json
 import logging
 import socket
 import traceback
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from quantdask.errors import UnsupportedHere
-from quantdask.metrics import (
-    PeakMemory,
-    Stopwatch,
-    eval_windows,
-    model_size_bytes,
-    perplexity,
-    physical_gpu_id,
-)
-from quantdask.model_source import ModelSource, load_model_source
+from quantdask.layers import layer_stats
+from quantdask.metrics import PeakMemory, Stopwatch, model_size_bytes, physical_gpu_id, quality
+from quantdask.model_source import cached_model_source
 
 if TYPE_CHECKING:
     from quantdask.backends.base import Backend
-    from quantdask.spec import EvalSettings, Job
+    from quantdask.reference import Reference
+    from quantdask.spec import Job
 
 log = logging.getLogger("quantdask.job")
 
 JOB_START_TOPIC = "quantdask-job-start"
 """Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
 
-MODEL_CACHE_SIZE = 2
-_sources: OrderedDict[str, ModelSource] = OrderedDict()
-_windows: dict[tuple, Any] = {}
-
-
-def _cached_source(job: Job) -> tuple[ModelSource, bool]:
-    key = json.dumps(job.model.identity(), sort_keys=True)
-    if key in _sources:
-        _sources.move_to_end(key)
-        return _sources[key], True
-    source = load_model_source(job.model)
-    _sources[key] = source
-    while len(_sources) > MODEL_CACHE_SIZE:
-        evicted, _ = _sources.popitem(last=False)
-        for window_key in [k for k in _windows if k[0] == evicted]:
-            del _windows[window_key]
-    return source, False
-
-
-def _cached_windows(job: Job, source: ModelSource, settings: EvalSettings):
-    key = (json.dumps(job.model.identity(), sort_keys=True), settings.text_sha256,
-           settings.seq_len, settings.samples)
-    if key not in _windows:
-        with open(settings.text_path, encoding="utf-8") as f:
-            ids = source.tokenizer(f.read())["input_ids"]
-        _windows[key] = eval_windows(ids, settings.seq_len, settings.samples)
-    return _windows[key]
+PROBE_WINDOWS = 4
+"""Eval windows in the probe batch that per-layer output error is measured on."""
 
 
 def _announce_start() -> tuple[str, str]:
@@ -77,8 +46,8 @@ def _announce_start() -> tuple[str, str]:
     return str(worker.name), socket.gethostname()
 
 
-def _device() -> tuple[str, str, bool]:
-    """(torch device, recorded device label, is CUDA)."""
+def torch_device() -> tuple[str, str, bool]:
+    """(torch device, recorded device label with the physical GPU id, is CUDA)."""
     import torch
 
     if torch.cuda.is_available():
@@ -102,7 +71,8 @@ def _drop_bnb_noise(record: logging.LogRecord) -> bool:
     return _BNB_NOISE.get(record.name, "\0") not in record.getMessage()
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
+    """Silence progress bars and per-call notices of transformers and bitsandbytes."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -113,15 +83,25 @@ def _quiet_libraries() -> None:
             logger.addFilter(_drop_bnb_noise)
 
 
-def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
+def _local_reference(job: Job) -> Reference:
+    from quantdask.reference import compute_reference
+
+    with open(job.eval.text_path, encoding="utf-8") as f:
+        return compute_reference(job.model, job.eval, f.read())
+
+
+def run_job(job: Job, backend: Backend, attempt: int = 1,
+            reference: Reference | None = None) -> dict[str, Any]:
     """Run one job here and return its record: metrics when done, the reason when not.
 
-    Never raises for a job's own failure: the class, message and traceback come back in the
-    record (``status`` failed or skipped) with the job's log under ``log``.
+    ``reference`` is the model's shared eval windows and baseline log-probs (computed here when
+    not given). Never raises for a job's own failure: the class, message and traceback come
+    back in the record (``status`` failed or skipped), with the job's log under ``log`` and its
+    per-layer rows under ``layers``.
     """
     import torch
 
-    _quiet_libraries()
+    quiet_libraries()
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     handler.setFormatter(logging.Formatter(
@@ -129,24 +109,28 @@ def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     worker, host = _announce_start()
-    started = _now()
-    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": started}
+    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
     try:
-        device, device_label, cuda = _device()
+        device, device_label, cuda = torch_device()
         record["device"] = device_label
         log.info("start on worker %s (%s) device %s: %s %s", worker, host, device_label,
                  job.backend, job.config_label)
+        reference = reference or _local_reference(job)
         torch.manual_seed(job.seed)
         watch = Stopwatch()
         with watch("wall"), PeakMemory(cuda) as peak:
             with watch("load"):
-                source, cached = _cached_source(job)
-                windows = _cached_windows(job, source, job.eval)
+                source, cached = cached_model_source(job.model)
             with watch("quantize"):
                 model = backend.quantize(source, job.options, device)
             size = model_size_bytes(model)
             with watch("eval"):
-                ppl = perplexity(model, windows, job.eval.batch_size, device)
+                scores = quality(model, reference.windows, reference.log_probs,
+                                 job.eval.batch_size, device)
+            if backend.dequantize_layer is not None:
+                record["layers"] = layer_stats(model, backend.dequantize_layer,
+                                               source.state_dict,
+                                               reference.windows[:PROBE_WINDOWS], device)
             del model
         record.update(
             status="done", wall_s=watch.seconds["wall"], load_s=watch.seconds["load"],
@@ -154,11 +138,12 @@ def run_job(job: Job, backend: Backend, attempt: int = 1) -> dict[str, Any]:
             source_cached=cached, peak_device_mem_bytes=peak.peak_device_bytes,
             peak_device_reserved_bytes=peak.peak_reserved_bytes,
             peak_host_rss_bytes=peak.peak_rss_bytes, param_count=source.param_count,
-            size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
-            perplexity=ppl, eval_tokens=int(windows.numel() - windows.size(0)),
+            size_bytes=size, bits_per_weight=8.0 * size / source.param_count, **scores,
         )
-        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, perplexity %.4f",
-                 record["wall_s"], size, record["bits_per_weight"], ppl)
+        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, perplexity %.4f, KL %.3g, "
+                 "top-1 %.4f, %d layers measured", record["wall_s"], size,
+                 record["bits_per_weight"], scores["perplexity"], scores["kl_divergence"],
+                 scores["top1_agreement"], len(record["layers"]))
     except UnsupportedHere as err:
         record.update(status="skipped", error_class="unsupported", error_message=str(err))
         log.warning("skipped: %s", err)

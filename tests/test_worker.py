@@ -25,9 +25,21 @@ def jobs_for(demo_model, samples: int = 8, **grid) -> dict:
 
 
 @pytest.fixture(scope="module")
-def records(demo_model):
+def reference(demo_model):
+    from quantdask import model_source
+    from quantdask.reference import compute_reference
+
+    model_source._cache.clear()  # this module measures the cold start
+    job = jobs_for(demo_model)["baseline"]
+    with open(job.eval.text_path) as f:
+        return compute_reference(job.model, job.eval, f.read())
+
+
+@pytest.fixture(scope="module")
+def records(demo_model, reference):
     jobs = jobs_for(demo_model)
-    return {label: run_job(job, get_backend(job.backend)) for label, job in jobs.items()}
+    return {label: run_job(job, get_backend(job.backend), reference=reference)
+            for label, job in jobs.items()}
 
 
 def test_every_job_is_done_with_plausible_metrics(records):
@@ -49,18 +61,50 @@ def test_every_job_is_done_with_plausible_metrics(records):
     assert nf4["perplexity"] >= base["perplexity"]
 
 
-def test_the_worker_reuses_the_loaded_model_between_jobs(records):
-    # The baseline ran first and loaded the model; the other jobs reused it.
-    assert records["baseline"]["source_cached"] is False
-    assert records["nf4"]["source_cached"] is True and records["int8 t=6"]["source_cached"]
-    assert records["nf4"]["load_s"] < records["baseline"]["load_s"] / 10
+def test_the_worker_reuses_the_loaded_model_between_jobs(demo_model, records, reference):
+    # The reference loaded the model into this process; every job reused it.
+    assert all(r["source_cached"] is True for r in records.values())
+    from quantdask import model_source
 
-
-def test_the_same_job_twice_gives_the_same_quality(demo_model, records):
+    model_source._cache.clear()
     job = jobs_for(demo_model)["nf4"]
-    again = run_job(job, get_backend(job.backend))
-    assert again["perplexity"] == records["nf4"]["perplexity"]
-    assert again["size_bytes"] == records["nf4"]["size_bytes"]
+    cold = run_job(job, get_backend(job.backend), reference=reference)
+    assert cold["source_cached"] is False
+    assert records["nf4"]["load_s"] < cold["load_s"] / 10
+
+
+def test_baseline_against_itself_has_zero_kl_and_full_agreement(records):
+    assert records["baseline"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+    assert records["baseline"]["top1_agreement"] == 1.0
+
+
+def test_kl_grows_from_8_bit_to_4_bit(records):
+    int8, nf4 = records["int8 t=6"], records["nf4"]
+    assert 0.0 < int8["kl_divergence"] < nf4["kl_divergence"]
+    assert nf4["top1_agreement"] <= int8["top1_agreement"] <= 1.0
+    assert nf4["top1_agreement"] > 0.5
+
+
+def test_per_layer_rows_cover_every_quantized_linear(records):
+    assert records["baseline"]["layers"] == []
+    for label in ("nf4", "int8 t=6"):
+        layers = records[label]["layers"]
+        # 4 decoder layers x (q, k, v, o, gate, up, down); the output head stays unquantized.
+        assert len(layers) == 28 and not any("lm_head" in row["layer"] for row in layers)
+        for row in layers:
+            assert 0 < row["weight_rel_error"] < 0.5 and math.isfinite(row["weight_sqnr_db"])
+            assert 0 < row["output_rel_error"] < 1.0
+    nf4 = {row["layer"]: row for row in records["nf4"]["layers"]}
+    int8 = {row["layer"]: row for row in records["int8 t=6"]["layers"]}
+    assert all(nf4[name]["weight_sqnr_db"] < int8[name]["weight_sqnr_db"] for name in nf4)
+
+
+def test_the_same_job_twice_gives_the_same_quality(demo_model, records, reference):
+    job = jobs_for(demo_model)["nf4"]
+    again = run_job(job, get_backend(job.backend), reference=reference)
+    for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes"):
+        assert again[metric] == records["nf4"][metric]
+    assert again["layers"] == records["nf4"]["layers"]
 
 
 def test_the_job_log_says_what_happened(records):
@@ -68,14 +112,24 @@ def test_the_job_log_says_what_happened(records):
     assert "attempt=1 start on worker local" in log and "perplexity" in log
 
 
-def test_a_failing_job_returns_its_class_message_and_traceback(demo_model):
-    job = jobs_for(demo_model, samples=100_000)["nf4"]
-    record = run_job(job, get_backend(job.backend), attempt=2)
+def test_a_failing_job_returns_its_class_message_and_traceback(demo_model, reference):
+    def broken(source, options, device):
+        raise RuntimeError("the backend broke")
+
+    job = jobs_for(demo_model)["nf4"]
+    record = run_job(job, Backend("broken", broken), attempt=2, reference=reference)
     assert record["status"] == "failed"
-    assert record["error_class"] == "ValueError"
+    assert record["error_class"] == "RuntimeError"
+    assert record["error_message"] == "the backend broke"
+    assert "Traceback" in record["traceback"] and "in broken" in record["traceback"]
+    assert "attempt=2 failed: RuntimeError" in record["log"]
+
+
+def test_too_little_eval_text_is_a_clear_failure(demo_model):
+    job = jobs_for(demo_model, samples=100_000)["nf4"]
+    record = run_job(job, get_backend(job.backend))
+    assert record["status"] == "failed" and record["error_class"] == "ValueError"
     assert "eval.samples x eval.seq_len needs 6400000" in record["error_message"]
-    assert "Traceback" in record["traceback"] and "eval_windows" in record["traceback"]
-    assert "attempt=2 failed: ValueError" in record["log"]
 
 
 def test_an_unsupported_job_is_skipped_with_the_reason(demo_model):

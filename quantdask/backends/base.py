@@ -62,7 +62,9 @@ class Backend:
 
     ``options`` declares every accepted option; ``complete`` rejects impossible combinations
     (raise :class:`SpecError` naming the option) and fills defaults that depend on other options;
-    ``label`` makes a short human name for a config.
+    ``label`` makes a short human name for a config; ``dequantize_layer(module)`` returns a
+    quantized layer's weight dequantized to float (None for a module it did not quantize), for
+    per-layer error: a backend without it gets no per-layer rows.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Backend:
     options: dict[str, Option] = field(default_factory=dict)
     complete: Callable[[dict], dict] | None = None
     label: Callable[[dict], str] | None = None
+    dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
     description: str = ""
 
     def normalize(self, options: dict, where: str) -> dict:

@@ -79,11 +79,33 @@ def quantize_bitsandbytes(source, options: dict, device: str):
     return source.build(device, quantization_config=bitsandbytes_config(options))
 
 
+def dequantize_layer(module):
+    """A bitsandbytes linear layer's weight dequantized to float32; None for any other module."""
+    import bitsandbytes as bnb
+
+    if isinstance(module, bnb.nn.Linear4bit):
+        data, state = module.weight.data, module.weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            # On CPU the first forward pass repacks 4-bit weights for bitsandbytes' kernel;
+            # undo that on a copy (the layer keeps its fast layout).
+            from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data.clone(), state)
+        return bnb.functional.dequantize_4bit(data, state).float()
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        # LLM.int8 stores int8 rows (CB) with one absmax scale per row (SCB); the first
+        # forward pass moves SCB from the weight to the layer's matmul state.
+        scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB
+        return module.weight.data.float() * scales.float().unsqueeze(1) / 127
+    return None
+
+
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
     quantize=quantize_bitsandbytes,
     options=OPTIONS,
     complete=complete_options,
     label=config_label,
+    dequantize_layer=dequantize_layer,
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )
