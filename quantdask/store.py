@@ -91,7 +91,7 @@ class RunStore:
     def read_layers(self) -> pl.DataFrame:
         """Per-layer rows of the jobs whose result is recorded (a crash between the two writes
         leaves layers without a result: they are not shown, and the rerun replaces them)."""
-        recorded = self.read_results()["job_id"]
+        recorded = self.read_results()["job_id"].to_list()
         layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
         return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
 

@@ -15,7 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from quantdask.errors import UnsupportedHere
-from quantdask.layers import layer_stats
+from quantdask.layers import add_output_errors, weight_errors
 from quantdask.metrics import PeakMemory, Stopwatch, model_size_bytes, physical_gpu_id, quality
 from quantdask.model_source import cached_model_source
 
@@ -124,13 +124,15 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
             with watch("quantize"):
                 model = backend.quantize(source, job.options, device)
             size = model_size_bytes(model)
+            layers = []
+            if backend.dequantize_layer is not None:  # before any forward pass (see layers)
+                layers = weight_errors(model, backend.dequantize_layer, source.state_dict)
             with watch("eval"):
                 scores = quality(model, reference.windows, reference.log_probs,
                                  job.eval.batch_size, device)
-            if backend.dequantize_layer is not None:
-                record["layers"] = layer_stats(model, backend.dequantize_layer,
-                                               source.state_dict,
-                                               reference.windows[:PROBE_WINDOWS], device)
+            if layers:
+                record["layers"] = add_output_errors(model, layers, source.state_dict,
+                                                     reference.windows[:PROBE_WINDOWS], device)
             del model
         record.update(
             status="done", wall_s=watch.seconds["wall"], load_s=watch.seconds["load"],

@@ -13,8 +13,9 @@ import pytest
 import quantdask.backends
 from quantdask.backends import Backend
 from quantdask.demo_model import DEMO_SWEEP
+from quantdask.reference import REFERENCE_TOPIC, reference_key
 from quantdask.scheduler import run_sweep
-from quantdask.store import read_results
+from quantdask.store import read_layers, read_results
 from quantdask.sweep_file import load_sweep, sweep_from_dict
 from tests.conftest import sweep_dict
 
@@ -48,6 +49,42 @@ def test_every_demo_job_is_done_with_plausible_metrics(demo_run):
         assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1.0
         assert row["wall_s"] > 0 and row["peak_host_rss_bytes"] > 0
         assert row["queued_at"] <= row["started_at"] <= row["finished_at"]
+
+
+def test_quality_is_measured_against_the_baseline(demo_run):
+    _, results, _ = demo_run
+    by_label = {row["config_label"]: row for row in results.to_dicts()}
+    assert by_label["baseline"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+    assert by_label["baseline"]["top1_agreement"] == 1.0
+    kl = {label: row["kl_divergence"] for label, row in by_label.items()}
+    # As measured on the demo model: 8-bit < nf4 < fp4 (figures in the closing note).
+    assert 0 < max(kl["int8 t=6"], kl["int8 t=0"]) < min(kl["nf4"], kl["nf4 dq"])
+    assert max(kl["nf4"], kl["nf4 dq"]) < min(kl["fp4"], kl["fp4 dq"])
+    assert by_label["fp4"]["top1_agreement"] < by_label["nf4"]["top1_agreement"] < 1.0
+
+
+def test_the_reference_ran_once_for_the_model(demo_run, cluster):
+    _, results, _ = demo_run
+    sweep = load_sweep(DEMO_SWEEP)
+    key = reference_key(sweep.models[0], sweep.eval)
+    events = [msg for _, msg in cluster.client.get_events(REFERENCE_TOPIC) if msg["key"] == key]
+    assert len(events) == 1  # 7 jobs, one reference
+
+
+def test_one_layer_row_per_quantized_linear_per_job(demo_run):
+    run_dir, results, _ = demo_run
+    layers = read_layers(run_dir)
+    per_job = dict(layers.group_by("job_id").len().iter_rows())
+    quantized = results.filter(pl.col("backend") == "bitsandbytes")["job_id"]
+    assert per_job == {job_id: 28 for job_id in quantized}  # 4 blocks x 7 linears; no lm_head
+    assert layers["position"].max() == 27 and layers["output_rel_error"].min() > 0
+
+
+def test_a_fresh_run_reproduces_the_metrics(demo_run, cluster, tmp_path):
+    _, results, _ = demo_run
+    again = run_sweep(load_sweep(DEMO_SWEEP), tmp_path / "again", cluster.client)
+    metrics = ["job_id", "perplexity", "kl_divergence", "top1_agreement", "size_bytes"]
+    assert again.select(metrics).sort("job_id").equals(results.select(metrics).sort("job_id"))
 
 
 def test_both_workers_ran_jobs(demo_run, cluster):

@@ -141,3 +141,21 @@ def test_an_unsupported_job_is_skipped_with_the_reason(demo_model):
     assert record["status"] == "skipped"
     assert record["error_class"] == "unsupported"
     assert record["error_message"] == "this backend needs CUDA"
+
+
+def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, records):
+    # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
+    # the recorded errors must be those of the quantized weights, not of a repacked layout.
+    from quantdask.layers import weight_errors
+    from quantdask.model_source import cached_model_source
+
+    job = jobs_for(demo_model)["nf4"]
+    backend = get_backend(job.backend)
+    source, _ = cached_model_source(job.model)
+    fresh = weight_errors(backend.quantize(source, job.options, "cpu"), backend.dequantize_layer,
+                          source.state_dict)
+    recorded = records["nf4"]["layers"]
+    assert [r["layer"] for r in fresh] == [r["layer"] for r in recorded]
+    for mine, theirs in zip(fresh, recorded):
+        assert mine["weight_rel_error"] == pytest.approx(theirs["weight_rel_error"], rel=1e-6)
+        assert 0.05 < mine["weight_rel_error"] < 0.2  # nf4 with 64-wide blocks

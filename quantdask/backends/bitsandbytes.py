@@ -84,14 +84,8 @@ def dequantize_layer(module):
     import bitsandbytes as bnb
 
     if isinstance(module, bnb.nn.Linear4bit):
-        data, state = module.weight.data, module.weight.quant_state
-        if getattr(state, "packing_format_for_cpu", False):
-            # On CPU the first forward pass repacks 4-bit weights for bitsandbytes' kernel;
-            # undo that on a copy (the layer keeps its fast layout).
-            from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
-
-            data, state = _convert_weight_packed_for_cpu_inverse(data.clone(), state)
-        return bnb.functional.dequantize_4bit(data, state).float()
+        # Valid before the first forward pass only: on CPU that pass repacks 4-bit weights.
+        return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
     if isinstance(module, bnb.nn.Linear8bitLt):
         # LLM.int8 stores int8 rows (CB) with one absmax scale per row (SCB); the first
         # forward pass moves SCB from the weight to the layer's matmul state.
