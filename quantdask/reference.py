@@ -47,11 +47,25 @@ def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
 
 def compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
     """Tokenize ``text`` into eval windows and run the unquantized model over them."""
-    import torch
-
-    from quantdask.worker import quiet_libraries, torch_device
+    from quantdask.devices import this_workers_sampler
+    from quantdask.worker import quiet_libraries
 
     quiet_libraries()
+    sampler = this_workers_sampler()
+    if sampler is not None:  # the device's samples meanwhile belong to the reference
+        sampler.current_job = reference_key(model, settings)
+    try:
+        return _compute_reference(model, settings, text)
+    finally:
+        if sampler is not None:
+            sampler.current_job = None
+
+
+def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
+    import torch
+
+    from quantdask.worker import torch_device
+
     source, _ = cached_model_source(model)
     windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
                            settings.samples)

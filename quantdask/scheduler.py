@@ -21,6 +21,7 @@ import polars as pl
 from distributed import Client, Future, as_completed
 
 from quantdask.backends import get_backend
+from quantdask.devices import DeviceSampler, drain_this_worker
 from quantdask.reference import compute_reference, reference_key
 from quantdask.spec import Job, Sweep, expand_grid
 from quantdask.store import RunStore
@@ -120,6 +121,7 @@ class _SweepDriver:
                 attempt.worker_name = message["name"]
 
     def run(self, jobs: list[Job]) -> None:
+        self.client.register_plugin(DeviceSampler())
         self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
         try:
             for job in jobs:
@@ -133,6 +135,9 @@ class _SweepDriver:
                     time.sleep(POLL_S)
         finally:
             self.client.unsubscribe_topic(JOB_START_TOPIC)
+        # The idle time since each worker's last job.
+        for samples in self.client.run(drain_this_worker).values():
+            self.store.write_samples(samples)
 
     def _collect(self, future: Future) -> None:
         with self._lock:
@@ -172,6 +177,7 @@ class _SweepDriver:
 
     def _finish(self, attempt: _Attempt, record: dict[str, Any]) -> None:
         job = attempt.job
+        self.store.write_samples(record.pop("device_samples", None) or [])
         _write_logs(self.store, job, attempt.number, record)
         if record["status"] == "failed" and attempt.number <= job.retries:
             log.warning("%s attempt %d failed (%s: %s); retrying", job.id, attempt.number,

@@ -72,6 +72,16 @@ LAYER_SCHEMA: dict[str, pl.DataType] = {
     "output_rel_error": pl.Float64(),  # same input, quantized vs original weight, probe batch
 }
 
+SAMPLE_SCHEMA: dict[str, pl.DataType] = {
+    "worker": pl.String(),
+    "device": pl.String(),  # cuda:<physical id> or cpu
+    "time": _UTC,
+    "job_id": pl.String(),  # the job (or reference-...) running when sampled; null when idle
+    "utilization_pct": pl.Float64(),  # GPU utilization (NVML) or the worker process's CPU %
+    "memory_used_bytes": pl.Int64(),  # device memory in use (NVML) or the process's RSS
+    "memory_total_bytes": pl.Int64(),
+}
+
 _PYTHON_TYPES: dict[type, tuple[type, ...]] = {
     pl.String: (str,),
     pl.Int64: (int,),
@@ -112,14 +122,16 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     return {column: record.get(column) for column in RESULT_SCHEMA}
 
 
-def layers_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    """Per-layer rows as a frame; every column is required in every row."""
+def rows_to_frame(rows: list[dict[str, Any]], schema: dict[str, pl.DataType], what: str,
+                  optional: tuple[str, ...] = ()) -> pl.DataFrame:
+    """Rows of a secondary frame (layers, device samples) checked against ``schema``: every
+    column but ``optional`` is required in every row."""
     for row in rows:
-        missing = [c for c in LAYER_SCHEMA if row.get(c) is None]
+        missing = [c for c in schema if c not in optional and row.get(c) is None]
         if missing:
-            raise SchemaError(f"layer row {row.get('layer')!r} lacks {', '.join(missing)}")
-        _check_types(row, LAYER_SCHEMA, "layer")
-    return pl.DataFrame(rows, schema=LAYER_SCHEMA)
+            raise SchemaError(f"{what} row lacks {', '.join(missing)}: {row!r}")
+        _check_types(row, schema, what)
+    return pl.DataFrame(rows, schema=schema)
 
 
 def empty_frame(schema: dict[str, pl.DataType]) -> pl.DataFrame:

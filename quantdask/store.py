@@ -5,6 +5,7 @@ Layout::
     RUN_DIR/jobs.json               the planned jobs of the last sweep run here
     RUN_DIR/results/<job_id>.parquet  one row per finished job (the results schema)
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
+    RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
     RUN_DIR/logs/workers/worker-<name>.log  a worker's log, every job it ran
 """
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,10 @@ from quantdask.errors import RunDirError
 from quantdask.schema import (
     LAYER_SCHEMA,
     RESULT_SCHEMA,
+    SAMPLE_SCHEMA,
     empty_frame,
-    layers_to_frame,
     records_to_frame,
+    rows_to_frame,
 )
 
 FINAL_STATUSES = ("done", "skipped")
@@ -59,11 +62,13 @@ class RunStore:
             raise RunDirError(f"run directory {self.root} exists and is not a directory")
         self.results_dir = self.root / "results"
         self.layers_dir = self.root / "layers"
+        self.samples_dir = self.root / "samples"
         self.job_logs_dir = self.root / "logs" / "jobs"
         self.worker_logs_dir = self.root / "logs" / "workers"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.layers_dir, self.job_logs_dir, self.worker_logs_dir):
+        for d in (self.results_dir, self.layers_dir, self.samples_dir, self.job_logs_dir,
+                  self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -79,11 +84,24 @@ class RunStore:
 
     def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
         """Persist a job's per-layer rows (``job_id`` and ``position`` added), atomically."""
-        frame = layers_to_frame([{**row, "job_id": job_id, "position": i}
-                                 for i, row in enumerate(rows)])
+        frame = rows_to_frame([{**row, "job_id": job_id, "position": i}
+                               for i, row in enumerate(rows)], LAYER_SCHEMA, "layer")
         path = self.layers_dir / f"{job_id}.parquet"
         _atomic_write(path, frame.write_parquet)
         return path
+
+    def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
+        """Persist a batch of device samples (one worker's drain) as a new file."""
+        if not samples:
+            return None
+        frame = rows_to_frame(samples, SAMPLE_SCHEMA, "device sample", optional=("job_id",))
+        name = _SAFE_NAME.sub("_", samples[0]["worker"])
+        path = self.samples_dir / f"{name}-{time.time_ns()}.parquet"
+        _atomic_write(path, frame.write_parquet)
+        return path
+
+    def read_samples(self) -> pl.DataFrame:
+        return _read_dir(self.samples_dir, SAMPLE_SCHEMA).sort("worker", "time")
 
     def read_results(self) -> pl.DataFrame:
         return _read_dir(self.results_dir, RESULT_SCHEMA).sort("finished_at")
@@ -125,6 +143,11 @@ def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
     if not files:
         return empty_frame(schema)
     return pl.concat([pl.read_parquet(f) for f in files], how="vertical")
+
+
+def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Utilization and memory of every worker's device over time (one row per sample)."""
+    return RunStore(run_dir).read_samples()
 
 
 def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:

@@ -14,6 +14,7 @@ import socket
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from quantdask.devices import this_workers_sampler
 from quantdask.errors import UnsupportedHere
 from quantdask.layers import add_output_errors, weight_errors
 from quantdask.metrics import PeakMemory, Stopwatch, model_size_bytes, physical_gpu_id, quality
@@ -96,8 +97,8 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
 
     ``reference`` is the model's shared eval windows and baseline log-probs (computed here when
     not given). Never raises for a job's own failure: the class, message and traceback come
-    back in the record (``status`` failed or skipped), with the job's log under ``log`` and its
-    per-layer rows under ``layers``.
+    back in the record (``status`` failed or skipped), with the job's log under ``log``, its
+    per-layer rows under ``layers`` and the worker's device samples under ``device_samples``.
     """
     import torch
 
@@ -110,6 +111,10 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
     log.setLevel(logging.INFO)
     worker, host = _announce_start()
     record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
+    sampler = this_workers_sampler()
+    if sampler is not None:  # mark the job's samples, and take one even if the job is short
+        sampler.current_job = job.id
+        sampler.sample_now()
     try:
         device, device_label, cuda = torch_device()
         record["device"] = device_label
@@ -158,6 +163,10 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
         log.removeHandler(handler)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if sampler is not None:
+            sampler.sample_now()
+            sampler.current_job = None
+            record["device_samples"] = sampler.drain()
     record["finished_at"] = _now()
     record["log"] = buffer.getvalue()
     return record

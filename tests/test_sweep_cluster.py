@@ -15,7 +15,8 @@ from quantdask.backends import Backend
 from quantdask.demo_model import DEMO_SWEEP
 from quantdask.reference import REFERENCE_TOPIC, reference_key
 from quantdask.scheduler import run_sweep
-from quantdask.store import read_layers, read_results
+from quantdask.store import read_device_samples, read_layers, read_results
+from quantdask.summary import device_summary
 from quantdask.sweep_file import load_sweep, sweep_from_dict
 from tests.conftest import sweep_dict
 
@@ -85,6 +86,21 @@ def test_a_fresh_run_reproduces_the_metrics(demo_run, cluster, tmp_path):
     again = run_sweep(load_sweep(DEMO_SWEEP), tmp_path / "again", cluster.client)
     metrics = ["job_id", "perplexity", "kl_divergence", "top1_agreement", "size_bytes"]
     assert again.select(metrics).sort("job_id").equals(results.select(metrics).sort("job_id"))
+
+
+def test_device_samples_and_per_device_summary(demo_run):
+    run_dir, results, _ = demo_run
+    samples = read_device_samples(run_dir)
+    assert set(samples["worker"]) == set(results["worker"]) and set(samples["device"]) == {"cpu"}
+    sampled_jobs = set(samples["job_id"].drop_nulls())
+    assert set(results["job_id"]) <= sampled_jobs  # every job was sampled while it ran
+    assert any(j.startswith("reference-") for j in sampled_jobs)
+    assert samples["memory_used_bytes"].min() > 0
+    summary = device_summary(results, samples)
+    assert summary["jobs"].sum() == 7 and summary.height == 2
+    for row in summary.to_dicts():
+        assert row["busy_s"] > 0 and 0 < row["utilization"] <= 1.0
+        assert row["peak_device_mem_bytes"] > 0 and row["samples"] > 0
 
 
 def test_both_workers_ran_jobs(demo_run, cluster):

@@ -1,0 +1,142 @@
+"""What each worker's device is doing over time: utilization and memory, sampled in the background.
+
+A :class:`DeviceSampler` worker plugin samples its worker's device every ``interval_s``: the GPU
+through NVML, or, on a CPU slot, the worker process (CPU %, RSS). Jobs drain the samples into
+their records and the driver drains the rest at the end of a sweep, so the device-samples frame
+covers busy and idle time alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+from collections import deque
+from typing import Any, Protocol
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+SAMPLER_NAME = "quantdask-device-sampler"
+MAX_BUFFERED = 100_000  # samples kept between drains; the oldest go first
+
+
+class DeviceProbe(Protocol):
+    """One reading of a device: utilization in percent and memory in bytes."""
+
+    device: str
+
+    def sample(self) -> dict[str, float | int]: ...
+
+
+class NvmlProbe:
+    """A GPU read through NVML. ``nvml`` is the ``pynvml`` module (or a fake with its API).
+
+    NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES: pass the physical id.
+    """
+
+    def __init__(self, physical_id: int, nvml: Any = None):
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as err:
+                raise ImportError("GPU sampling needs NVML: pip install nvidia-ml-py "
+                                  "(or quantdask[gpu])") from err
+        self.nvml = nvml
+        nvml.nvmlInit()
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(physical_id)
+        self.device = f"cuda:{physical_id}"
+
+    def sample(self) -> dict[str, float | int]:
+        rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
+        memory = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
+        return {"utilization_pct": float(rates.gpu), "memory_used_bytes": int(memory.used),
+                "memory_total_bytes": int(memory.total)}
+
+
+class ProcessProbe:
+    """A CPU slot: the worker process's CPU use and resident memory."""
+
+    device = "cpu"
+
+    def __init__(self):
+        import psutil
+
+        self.process = psutil.Process()
+        self.total = psutil.virtual_memory().total
+        self.process.cpu_percent(None)  # the first call only starts the measurement
+
+    def sample(self) -> dict[str, float | int]:
+        return {"utilization_pct": float(self.process.cpu_percent(None)),
+                "memory_used_bytes": int(self.process.memory_info().rss),
+                "memory_total_bytes": int(self.total)}
+
+
+def default_probe() -> DeviceProbe:
+    """NVML for this worker's GPU when it has one, else the process probe."""
+    import torch
+
+    from quantdask.metrics import physical_gpu_id
+
+    if torch.cuda.is_available():
+        return NvmlProbe(int(physical_gpu_id(0)))
+    return ProcessProbe()
+
+
+class DeviceSampler(WorkerPlugin):
+    """Samples the worker's device every ``interval_s`` seconds in a daemon thread."""
+
+    name = SAMPLER_NAME
+    idempotent = True  # registering again (another sweep, same cluster) keeps the running one
+
+    def __init__(self, interval_s: float = 0.5, probe_factory=default_probe):
+        # Only picklable settings here: the plugin travels to the workers, state is made there.
+        self.interval_s = interval_s
+        self.probe_factory = probe_factory
+
+    def setup(self, worker=None) -> None:
+        self.worker_name = str(worker.name) if worker is not None else f"pid-{os.getpid()}"
+        self.current_job: str | None = None
+        self._samples: deque[dict[str, Any]] = deque(maxlen=MAX_BUFFERED)
+        self._stop = threading.Event()
+        self.probe = self.probe_factory()
+        self._thread = threading.Thread(target=self._run, name=SAMPLER_NAME, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.sample_now()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample_now(self) -> None:
+        reading = self.probe.sample()
+        self._samples.append({"worker": self.worker_name, "device": self.probe.device,
+                              "time": dt.datetime.now(dt.UTC), "job_id": self.current_job,
+                              **reading})
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every sample taken since the last drain (and forget them)."""
+        taken = []
+        while self._samples:
+            taken.append(self._samples.popleft())
+        return taken
+
+    def teardown(self, worker=None) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def this_workers_sampler() -> DeviceSampler | None:
+    """The sampler of the Dask worker running this code (None outside a worker or without one)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().plugins.get(SAMPLER_NAME)
+    except ValueError:
+        return None
+
+
+def drain_this_worker() -> list[dict[str, Any]]:
+    """For ``client.run``: the calling worker's undrained samples."""
+    sampler = this_workers_sampler()
+    return sampler.drain() if sampler is not None else []

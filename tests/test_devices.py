@@ -1,0 +1,97 @@
+"""Device sampling behind a small interface (a fake NVML here), and the per-device summary."""
+
+from __future__ import annotations
+
+import datetime as dt
+from types import SimpleNamespace
+
+import polars as pl
+import pytest
+
+from quantdask.devices import DeviceSampler, NvmlProbe, ProcessProbe
+from quantdask.metrics import physical_gpu_id
+from quantdask.summary import device_summary
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 2**30
+
+
+class FakeNvml:
+    """The slice of pynvml's API quantdask uses, for two GPUs with fixed readings."""
+
+    def __init__(self):
+        self.initialized = False
+        self.readings = {0: (10, 1 * GIB), 1: (85, 30 * GIB)}
+
+    def nvmlInit(self):
+        self.initialized = True
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        assert self.initialized, "nvmlInit first"
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=self.readings[handle][0], memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=self.readings[handle][1], total=141 * GIB, free=0)
+
+
+def test_nvml_probe_reads_the_physical_gpu():
+    probe = NvmlProbe(1, nvml=FakeNvml())
+    assert probe.device == "cuda:1"
+    assert probe.sample() == {"utilization_pct": 85.0, "memory_used_bytes": 30 * GIB,
+                              "memory_total_bytes": 141 * GIB}
+
+
+def test_physical_gpu_id_respects_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # as dask-cuda sets it for worker 5
+    assert physical_gpu_id(0) == "5" and physical_gpu_id(1) == "7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert physical_gpu_id(0) == "0"
+
+
+def test_sampler_tags_samples_with_the_running_job_and_drains_them():
+    sampler = DeviceSampler(interval_s=60, probe_factory=lambda: NvmlProbe(0, nvml=FakeNvml()))
+    sampler.setup(None)
+    try:
+        sampler.current_job = "bitsandbytes-1"
+        sampler.sample_now()
+        sampler.current_job = None
+        sampler.sample_now()
+        samples = sampler.drain()
+    finally:
+        sampler.teardown(None)
+    # The thread's first sample (idle) plus the two taken here.
+    assert [s["job_id"] for s in samples] == [None, "bitsandbytes-1", None]
+    assert {s["device"] for s in samples} == {"cuda:0"}
+    assert all(s["utilization_pct"] == 10.0 for s in samples)
+    assert sampler.drain() == []
+
+
+def test_process_probe_reads_this_process():
+    reading = ProcessProbe().sample()
+    assert reading["memory_used_bytes"] > 10_000_000
+    assert reading["memory_total_bytes"] > reading["memory_used_bytes"]
+    assert reading["utilization_pct"] >= 0
+
+
+def test_device_summary_busy_idle_and_utilization():
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def at(seconds):
+        return t0 + dt.timedelta(seconds=seconds)
+
+    results = pl.DataFrame({
+        "worker": ["0", "0", "1"], "device": ["cuda:0", "cuda:0", "cuda:1"],
+        "started_at": [at(0), at(4), at(0)], "finished_at": [at(4), at(10), at(5)],
+        "peak_device_mem_bytes": [100, 300, 200],
+    })
+    summary = device_summary(results).to_dicts()
+    assert summary == [
+        {"worker": "0", "device": "cuda:0", "jobs": 2, "busy_s": 10.0, "idle_s": 0.0,
+         "utilization": 1.0, "peak_device_mem_bytes": 300},
+        {"worker": "1", "device": "cuda:1", "jobs": 1, "busy_s": 5.0, "idle_s": 5.0,
+         "utilization": 0.5, "peak_device_mem_bytes": 200},
+    ]
