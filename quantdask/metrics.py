@@ -118,15 +118,24 @@ def model_size_bytes(model: torch.nn.Module) -> int:
     ``state_dict`` is what a checkpoint of the quantized model holds (bitsandbytes adds absmax,
     quant maps and scales there); shared tensors are counted once.
     """
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
     total = 0
-    for tensor in model.state_dict().values():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += tensor.numel() * tensor.element_size()
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) not in seen:  # keep_vars: a tied tensor is the same object twice
+            seen.add(id(tensor))
+            total += tensor_nbytes(tensor)
     return total
+
+
+def tensor_nbytes(tensor) -> int:
+    """Bytes a tensor stores; for a tensor subclass (torchao), the sum of its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_nbytes(getattr(tensor, n)) for n in names
+                   if getattr(tensor, n) is not None)
+    return tensor.numel() * tensor.element_size()
 
 
 def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tensor:

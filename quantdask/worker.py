@@ -60,28 +60,31 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-# bitsandbytes notices that are noise, not news: one per 8-bit matmul of a float32 model, and
-# one per process saying that the optional hub-downloaded CPU kernel is absent (we want it so).
-_BNB_NOISE = {
+# Library notices that are noise, not news: bitsandbytes logs one per 8-bit matmul of a float32
+# model, and one saying its optional hub-downloaded CPU kernel is absent (we want it so);
+# torchao (imported by transformers when installed) says its CUDA-only extensions are absent.
+_LIBRARY_NOISE = {
     "bitsandbytes.autograd._functions": "inputs will be cast",
     "bitsandbytes.backends.cpu.ops": "from kernels-community",
+    "torchao": "Failed to load",
+    "torch.utils._pytree": "is an Enum subclass",
 }
 
 
-def _drop_bnb_noise(record: logging.LogRecord) -> bool:
-    return _BNB_NOISE.get(record.name, "\0") not in record.getMessage()
+def _drop_library_noise(record: logging.LogRecord) -> bool:
+    return _LIBRARY_NOISE.get(record.name, "\0") not in record.getMessage()
 
 
 def quiet_libraries() -> None:
-    """Silence progress bars and per-call notices of transformers and bitsandbytes."""
+    """Silence progress bars and known notices of transformers, bitsandbytes and torchao."""
+    for name in _LIBRARY_NOISE:
+        logger = logging.getLogger(name)
+        if _drop_library_noise not in logger.filters:
+            logger.addFilter(_drop_library_noise)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    for name in _BNB_NOISE:
-        logger = logging.getLogger(name)
-        if _drop_bnb_noise not in logger.filters:
-            logger.addFilter(_drop_bnb_noise)
 
 
 def _local_reference(job: Job) -> Reference:

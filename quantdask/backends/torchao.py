@@ -1,0 +1,119 @@
+"""torchao weight-only quantization: int8 (per channel) and int4 (grouped), an optional backend.
+
+Install with ``pip install 'quantdask[torchao]'``. On a CPU, int4 uses torchao's CPU int4 kernel
+(group sizes 32, 64, 128); on CUDA, the tile-packed layout, which needs a bfloat16 model.
+"""
+
+from __future__ import annotations
+
+from quantdask.backends.base import Backend, Option
+from quantdask.errors import SpecError, UnsupportedHere
+
+OPTIONS = {
+    "mode": Option(str, choices=("int8_weight_only", "int4_weight_only"),
+                   help="int8 per-channel or int4 grouped weights"),
+    "group_size": Option(int, choices=(32, 64, 128, 256),
+                         help="int4: input features sharing one scale (default 128)"),
+    "skip_modules": Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
+                           check_hint="must be a list of module names",
+                           help="modules left unquantized (default: lm_head)"),
+}
+CPU_INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def complete_options(options: dict) -> dict:
+    if "mode" not in options:
+        raise SpecError("mode", "is required for torchao: int8_weight_only or int4_weight_only")
+    if options["mode"] == "int8_weight_only":
+        if "group_size" in options:
+            raise SpecError("group_size", "applies to int4_weight_only only; remove it")
+        return {"skip_modules": ["lm_head"], **options}
+    return {"group_size": 128, "skip_modules": ["lm_head"], **options}
+
+
+def config_label(options: dict) -> str:
+    if options["mode"] == "int8_weight_only":
+        label = "ao int8wo"
+    else:
+        label = f"ao int4wo g{options['group_size']}"
+    if options["skip_modules"] != ["lm_head"]:
+        label += " skip=" + ",".join(options["skip_modules"])
+    return label
+
+
+def _import_torchao():
+    try:
+        import torchao.quantization as quantization
+    except ImportError as err:
+        raise UnsupportedHere(f"torchao is not installed on this worker ({err}); "
+                              "pip install 'quantdask[torchao]'") from err
+    return quantization
+
+
+def _targets(model, skip: list[str]) -> dict:
+    import torch
+
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+            and not any(name == s or name.startswith(f"{s}.") or name.endswith(f".{s}")
+                        for s in skip)}
+
+
+def quantize_torchao(source, options: dict, device: str):
+    quantization = _import_torchao()
+    model = source.build(device)
+    targets = _targets(model, options["skip_modules"])
+    if options["mode"] == "int8_weight_only":
+        config = quantization.Int8WeightOnlyConfig()
+    else:
+        group = options["group_size"]
+        # torchao skips a layer whose width its group size does not divide, silently: refuse
+        # instead, so a result never claims int4 for a partly quantized model.
+        narrow = [(n, m.in_features) for n, m in targets.items() if m.in_features % group]
+        if narrow:
+            name, width = narrow[0]
+            raise UnsupportedHere(f"group_size={group} does not divide {name}.in_features="
+                                  f"{width}; choose a group size that divides every layer width")
+        if device.startswith("cuda"):
+            if str(source.dtype) != "torch.bfloat16":
+                raise UnsupportedHere("torchao int4 on CUDA needs a bfloat16 model; "
+                                      "set the model's dtype: bfloat16")
+            config = quantization.Int4WeightOnlyConfig(group_size=group,
+                                                       int4_packing_format="tile_packed_to_4d")
+        else:
+            if group not in CPU_INT4_GROUP_SIZES:
+                raise UnsupportedHere(f"torchao int4 on a CPU supports group_size "
+                                      f"{CPU_INT4_GROUP_SIZES}, not {group}")
+            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+            config = PrototypeInt4WeightOnlyConfig(group_size=group)
+    wanted = set(targets.values())
+    quantization.quantize_(model, config, filter_fn=lambda module, fqn: module in wanted)
+    return model
+
+
+def dequantize_layer(module):
+    """A torchao-quantized linear layer's weight as float32; None for any other module."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, torch.nn.Linear) or not is_traceable_wrapper_subclass(weight):
+        return None
+    try:
+        return weight.dequantize().float()
+    except NotImplementedError:
+        # Some packed int4 layouts cannot dequantize; W^T = linear(I, W) recovers the weight.
+        eye = torch.eye(module.in_features, dtype=weight.dtype, device=weight.device)
+        return torch.nn.functional.linear(eye, weight).t().float()
+
+
+torchao_backend = Backend(
+    name="torchao",
+    quantize=quantize_torchao,
+    options=OPTIONS,
+    complete=complete_options,
+    label=config_label,
+    dequantize_layer=dequantize_layer,
+    description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
+)

@@ -1,0 +1,114 @@
+"""Backends: the registry, torchao for real, and a user's own backend swept on a real cluster."""
+
+from __future__ import annotations
+
+import sys
+
+import polars as pl
+import pytest
+
+import quantdask.backends
+from quantdask.backends import Backend, Option, get_backend, register_backend
+from quantdask.demo_model import DEMO_EVAL_TEXT
+from quantdask.errors import SpecError
+from quantdask.reference import compute_reference
+from quantdask.scheduler import run_sweep
+from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.store import read_layers
+from quantdask.worker import run_job
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def sweep_of(demo_model, *blocks: BackendBlock) -> Sweep:
+    return Sweep(name="b", models=[ModelSpec(path=demo_model)], backends=list(blocks),
+                 eval=EvalSettings(text=DEMO_EVAL_TEXT, seq_len=64, samples=8))
+
+
+@pytest.fixture(scope="module")
+def torchao_records(demo_model):
+    sweep = sweep_of(demo_model, BackendBlock(
+        "torchao", grid={"mode": ["int4_weight_only"], "group_size": [32, 128, 256]},
+        configs=[{"mode": "int8_weight_only"}]))
+    jobs = expand_grid(sweep)
+    with open(jobs[0].eval.text_path) as f:
+        reference = compute_reference(jobs[0].model, jobs[0].eval, f.read())
+    return {job.config_label: run_job(job, get_backend(job.backend), reference=reference)
+            for job in jobs}
+
+
+def test_torchao_quantizes_for_real(torchao_records):
+    r = torchao_records
+    assert {k: v["status"] for k, v in r.items()} == {
+        "baseline": "done", "ao int4wo g32": "done", "ao int4wo g128": "done",
+        "ao int4wo g256": "skipped", "ao int8wo": "done"}
+    assert r["ao int4wo g128"]["size_bytes"] < r["ao int4wo g32"]["size_bytes"] \
+        < r["ao int8wo"]["size_bytes"] < r["baseline"]["size_bytes"]
+    assert 0 < r["ao int8wo"]["kl_divergence"] < r["ao int4wo g32"]["kl_divergence"]
+    for label in ("ao int4wo g32", "ao int4wo g128", "ao int8wo"):
+        assert len(r[label]["layers"]) == 28
+    g32 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g32"]["layers"]}
+    g128 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g128"]["layers"]}
+    assert all(g32[name] < g128[name] for name in g32)  # smaller groups, smaller error
+    # The baseline ran after torchao in this process: the cached weights were left intact.
+    assert r["baseline"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_group_size_that_does_not_divide_a_layer_skips_the_job(torchao_records):
+    skipped = torchao_records["ao int4wo g256"]
+    assert skipped["error_class"] == "unsupported"
+    assert "group_size=256 does not divide model.layers.0.self_attn.q_proj.in_features=128" \
+        in skipped["error_message"]
+
+
+def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails
+    job = expand_grid(sweep_of(demo_model, BackendBlock(
+        "torchao", configs=[{"mode": "int8_weight_only"}])))[1]
+    record = run_job(job, get_backend("torchao"))
+    assert record["status"] == "skipped"
+    assert "pip install 'quantdask[torchao]'" in record["error_message"]
+
+
+def test_torchao_options_are_validated():
+    with pytest.raises(SpecError, match="configs\\[0\\].group_size: applies to int4"):
+        BackendBlock("torchao", configs=[{"mode": "int8_weight_only", "group_size": 64}])
+    with pytest.raises(SpecError, match="grid.group_size: must be 32 or 64 or 128 or 256"):
+        BackendBlock("torchao", grid={"mode": ["int4_weight_only"], "group_size": [48]})
+
+
+def fake_quantize(source, options, device):
+    """Round every decoder linear weight to ``bits`` per output row (symmetric, in float)."""
+    import torch
+
+    model = source.build(device)
+    levels = 2 ** (options["bits"] - 1) - 1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            weight = module.weight.detach()
+            scale = weight.abs().amax(dim=1, keepdim=True) / levels
+            module.weight = torch.nn.Parameter((weight / scale).round() * scale)
+            module.fake_quantized = True
+    return model
+
+
+def fake_dequantize(module):
+    return module.weight.detach().float() if getattr(module, "fake_quantized", False) else None
+
+
+def test_a_users_backend_is_swept_on_the_real_cluster(cluster, demo_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(quantdask.backends, "_REGISTRY", dict(quantdask.backends._REGISTRY))
+    register_backend(Backend("rtn", fake_quantize, dequantize_layer=fake_dequantize, options={
+        "bits": Option(int, choices=(3, 4, 8), help="bits per weight")}))
+    sweep = sweep_of(demo_model, BackendBlock("rtn", grid={"bits": [3, 4, 8]}))
+    results = run_sweep(sweep, tmp_path / "run", cluster.client)
+    rows = {row["config_label"]: row for row in results.to_dicts()}
+    assert {k: v["status"] for k, v in rows.items()} == {
+        "baseline": "done", "bits=3": "done", "bits=4": "done", "bits=8": "done"}
+    kl = [rows[f"bits={b}"]["kl_divergence"] for b in (8, 4, 3)]
+    assert 0 < kl[0] < kl[1] < kl[2]
+    layers = read_layers(tmp_path / "run").join(results.select("job_id", "config_label"),
+                                                on="job_id")
+    assert layers.group_by("config_label").len().sort("config_label").rows() == [
+        ("bits=3", 28), ("bits=4", 28), ("bits=8", 28)]
+    assert layers.filter(pl.col("config_label") == "bits=8")["weight_rel_error"].max() < 0.01
