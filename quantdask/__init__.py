@@ -11,7 +11,13 @@ from quantdask.cluster import ClusterHandle, start_cluster
 from quantdask.errors import QuantdaskError, SchemaError, SpecError, UnsupportedHere
 from quantdask.scheduler import run_sweep
 from quantdask.spec import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
-from quantdask.store import job_status, read_device_samples, read_layers, read_results
+from quantdask.store import (
+    job_status,
+    read_attempts,
+    read_device_samples,
+    read_layers,
+    read_results,
+)
 from quantdask.summary import device_summary
 from quantdask.sweep_file import load_sweep, sweep_from_dict
 
@@ -21,6 +27,6 @@ __all__ = [
     "Backend", "BackendBlock", "ClusterHandle", "EvalSettings", "Job", "ModelSpec", "Option",
     "QuantdaskError", "SchemaError", "SpecError", "Sweep", "UnsupportedHere", "backend_names",
     "device_summary", "expand_grid", "get_backend", "job_status", "load_sweep",
-    "read_device_samples", "read_layers", "read_results", "register_backend", "run_sweep",
-    "start_cluster", "sweep_from_dict",
+    "read_attempts", "read_device_samples", "read_layers", "read_results", "register_backend",
+    "run_sweep", "start_cluster", "sweep_from_dict",
 ]

@@ -18,6 +18,11 @@ from quantdask.errors import SpecError
 
 log = logging.getLogger("quantdask.cluster")
 
+SCHEDULER_OPTIONS = {"allowed_failures": 0}
+"""Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
+retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
+(A scheduler reached by address keeps its own setting.)"""
+
 
 class TorchThreads(WorkerPlugin):
     """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it."""
@@ -129,6 +134,9 @@ def start_cluster(
     cluster = LocalCluster(
         n_workers=n, threads_per_worker=1, processes=True, host=host,
         dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
+        scheduler_kwargs=SCHEDULER_OPTIONS,
+        # CPU slots stay on the CPU even on a machine with GPUs.
+        env={"CUDA_VISIBLE_DEVICES": ""},
     )
     client = Client(cluster)
     client.register_plugin(TorchThreads(threads))
@@ -146,6 +154,7 @@ def _start_cuda_cluster(gpus: list[int], host: str, dashboard_address: str | Non
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), threads_per_worker=1, host=host,
         dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
+        scheduler_kwargs=SCHEDULER_OPTIONS,
     )
     client = Client(cluster)
     log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,

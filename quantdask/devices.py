@@ -9,12 +9,15 @@ covers busy and idle time alike.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import threading
 from collections import deque
 from typing import Any, Protocol
 
 from distributed.diagnostics.plugin import WorkerPlugin
+
+log = logging.getLogger("quantdask.devices")
 
 SAMPLER_NAME = "quantdask-device-sampler"
 MAX_BUFFERED = 100_000  # samples kept between drains; the oldest go first
@@ -34,7 +37,7 @@ class NvmlProbe:
     NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES: pass the physical id.
     """
 
-    def __init__(self, physical_id: int, nvml: Any = None):
+    def __init__(self, physical_id: int | str, nvml: Any = None):
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -43,7 +46,10 @@ class NvmlProbe:
                                   "(or quantdask[gpu])") from err
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(physical_id)
+        if str(physical_id).isdigit():
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(int(physical_id))
+        else:  # CUDA_VISIBLE_DEVICES may name GPUs by UUID (GPU-..., MIG-...)
+            self.handle = nvml.nvmlDeviceGetHandleByUUID(str(physical_id))
         self.device = f"cuda:{physical_id}"
 
     def sample(self) -> dict[str, float | int]:
@@ -78,7 +84,7 @@ def default_probe() -> DeviceProbe:
     from quantdask.metrics import physical_gpu_id
 
     if torch.cuda.is_available():
-        return NvmlProbe(int(physical_gpu_id(0)))
+        return NvmlProbe(physical_gpu_id(0))
     return ProcessProbe()
 
 
@@ -98,7 +104,11 @@ class DeviceSampler(WorkerPlugin):
         self.current_job: str | None = None
         self._samples: deque[dict[str, Any]] = deque(maxlen=MAX_BUFFERED)
         self._stop = threading.Event()
-        self.probe = self.probe_factory()
+        try:
+            self.probe = self.probe_factory()
+        except Exception as error:  # noqa: BLE001 - no NVML, a GPU id NVML cannot map, ...
+            log.error("no device sampling on worker %s: %s", self.worker_name, error)
+            self.probe = None
         self._thread = threading.Thread(target=self._run, name=SAMPLER_NAME, daemon=True)
         self._thread.start()
 
@@ -109,7 +119,15 @@ class DeviceSampler(WorkerPlugin):
                 return
 
     def sample_now(self) -> None:
-        reading = self.probe.sample()
+        if self.probe is None:
+            return
+        try:
+            reading = self.probe.sample()
+        except Exception as error:  # noqa: BLE001 - e.g. NVML queries a MIG slice refuses
+            # Sampling is telemetry: it must never fail a job. Turn it off, say so once.
+            log.error("device sampling on worker %s stopped: %s", self.worker_name, error)
+            self.probe = None
+            return
         self._samples.append({"worker": self.worker_name, "device": self.probe.device,
                               "time": dt.datetime.now(dt.UTC), "job_id": self.current_job,
                               **reading})

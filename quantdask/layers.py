@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 
 def _sqnr_db(signal: float, noise: float) -> float:
-    return math.inf if noise == 0 else 10.0 * math.log10(signal / noise)
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10.0 * math.log10(signal / noise)
 
 
 def weight_errors(

@@ -168,6 +168,8 @@ def quality(model: torch.nn.Module, windows: torch.Tensor, reference_log_probs: 
     KL is KL(reference || model) per predicted token, averaged over tokens (nats); top-1
     agreement is the share of positions where both pick the same most likely next token.
     """
+    import torch
+
     nll = kl = agree = 0.0
     tokens = 0
     for i, log_q in enumerate(forward_log_probs(model, windows, batch_size, device)):
@@ -175,11 +177,17 @@ def quality(model: torch.nn.Module, windows: torch.Tensor, reference_log_probs: 
         log_p = reference_log_probs[rows]
         targets = windows[rows, 1:]
         nll -= log_q.gather(-1, targets.unsqueeze(-1)).sum().item()
-        kl += (log_p.exp() * (log_p - log_q)).sum().item()
+        # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
+        kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q), 0.0).sum().item()
         agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
         tokens += targets.numel()
-    return {"perplexity": math.exp(nll / tokens), "kl_divergence": max(kl / tokens, 0.0),
-            "top1_agreement": agree / tokens, "eval_tokens": tokens}
+    scores = {"perplexity": math.exp(nll / tokens), "kl_divergence": max(kl / tokens, 0.0),
+              "top1_agreement": agree / tokens, "eval_tokens": tokens}
+    broken = [name for name in ("perplexity", "kl_divergence") if not math.isfinite(scores[name])]
+    if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement
+        raise ArithmeticError(f"non-finite {', '.join(broken)} ({scores}); the quantized model "
+                              "produced inf/nan logits")
+    return scores
 
 
 def physical_gpu_id(local_index: int = 0) -> str:

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dask.sizeof import sizeof
+
 from quantdask.metrics import eval_windows, forward_log_probs
 from quantdask.model_source import cached_model_source
 
@@ -38,6 +40,12 @@ class Reference:
         return sum(t.numel() * t.element_size() for t in (self.windows, self.log_probs))
 
 
+@sizeof.register(Reference)
+def _reference_size(reference: Reference) -> int:
+    # Dask weighs data to decide what to keep and spill; a reference can be gigabytes.
+    return reference.nbytes
+
+
 def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
     """A Dask key naming the reference of ``model`` on ``settings``' windows."""
     identity = json.dumps({"model": model.identity(), "eval": settings.identity()},
@@ -54,10 +62,12 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Re
     sampler = this_workers_sampler()
     if sampler is not None:  # the device's samples meanwhile belong to the reference
         sampler.current_job = reference_key(model, settings)
+        sampler.sample_now()
     try:
         return _compute_reference(model, settings, text)
     finally:
         if sampler is not None:
+            sampler.sample_now()
             sampler.current_job = None
 
 

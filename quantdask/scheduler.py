@@ -1,5 +1,9 @@
 """Run a sweep on a Dask cluster: one future per job, results persisted as they arrive.
 
+The driver submits every job at once (Dask's scheduler places them by resources and priority),
+collects results as they complete, records every attempt, retries failures by class (see
+``retry``), enforces per-attempt deadlines and takes failing devices out of rotation.
+
 >>> with start_cluster(workers=2) as cluster:  # doctest: +SKIP
 ...     results = run_sweep(load_sweep("data/demo_sweep.yaml"), "runs/demo", cluster.client)
 """
@@ -13,16 +17,19 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 from distributed import Client, Future, as_completed
+from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
 from quantdask.devices import DeviceSampler, drain_this_worker
 from quantdask.reference import compute_reference, reference_key
+from quantdask.retry import DeviceHealth, decide
 from quantdask.spec import Job, Sweep, expand_grid
 from quantdask.store import RunStore
 from quantdask.worker import JOB_START_TOPIC, run_job
@@ -30,7 +37,10 @@ from quantdask.worker import JOB_START_TOPIC, run_job
 log = logging.getLogger("quantdask.scheduler")
 
 POLL_S = 0.05
-"""How often the driver checks deadlines while no result is ready."""
+"""How often the driver checks deadlines and due retries while no result is ready."""
+
+MAX_REQUEUES = 5
+"""Times a job may be put back in the queue, uncounted, because the worker it waited on died."""
 
 
 @dataclass
@@ -38,7 +48,9 @@ class _Attempt:
     job: Job
     number: int
     queued_at: dt.datetime
+    key: str
     started: float | None = None  # driver's monotonic clock when the worker began it
+    started_at: dt.datetime | None = None
     worker_address: str | None = None
     worker_name: str | None = None
 
@@ -53,58 +65,63 @@ def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
     ]
 
 
-def attempt_key(job: Job, attempt: int) -> str:
-    # A Dask key names one computation: a retry needs a key of its own, or Dask hands back the
-    # first attempt's (failed) result.
-    return job.id if attempt == 1 else f"{job.id}-attempt{attempt}"
-
-
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _failed_outside(error_class: str, message: str, tb: str = "") -> dict[str, Any]:
-    """The record of an attempt that ended outside run_job (worker lost, cancelled, timed out)."""
-    return {"status": "failed", "error_class": error_class, "error_message": message,
-            "traceback": tb or None, "finished_at": _now(), "log": ""}
+def _failed_outside(failure_class: str, error_class: str, message: str,
+                    tb: str = "") -> dict[str, Any]:
+    """The record of an attempt that ended outside run_job (worker lost, timed out)."""
+    return {"status": "failed", "failure_class": failure_class, "error_class": error_class,
+            "error_message": message, "traceback": tb or None, "finished_at": _now(), "log": ""}
 
 
 class _SweepDriver:
     """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
 
-    def __init__(self, client: Client, store: RunStore, on_result):
+    def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result):
         self.client = client
         self.store = store
+        self.sweep = sweep
         self.on_result = on_result
+        self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
         self.references: dict[str, Future] = {}
-        self.pending = as_completed()
+        self.delayed: list[tuple[float, Job, int]] = []  # (due, job, attempt) for backoff
+        self.health = DeviceHealth(limit=sweep.exclude_device_after)
+        self.pending = as_completed(loop=client.loop)
+        self.requeues: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._reference_tries: dict[str, int] = {}
+        self._submissions = 0
+        self._submitted: set[str] = set()
         self._eval_texts: dict[str, str] = {}
 
     def _reference(self, job: Job) -> Future:
         """The future of ``job``'s model reference: submitted once per model, again only if the
-        previous one failed (a job's retry must not inherit a failed dependency)."""
+        previous one failed (a retry must not inherit a failed dependency)."""
         key = reference_key(job.model, job.eval)
         future = self.references.get(key)
         if future is None or future.status in ("error", "cancelled"):
-            tries = self._reference_tries[key] = self._reference_tries.get(key, 0) + 1
             if job.eval.text_path not in self._eval_texts:
                 with open(job.eval.text_path, encoding="utf-8") as f:
                     self._eval_texts[job.eval.text_path] = f.read()
+            self._submissions += 1
             future = self.client.submit(
                 compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
-                key=key if tries == 1 else f"{key}-retry{tries}", resources=job.resources,
-                priority=job.priority + 10, pure=False, retries=0,
+                key=key if future is None else f"{key}-{self._submissions}",
+                resources=job.resources, priority=job.priority + 10, pure=False, retries=0,
             )
             self.references[key] = future
         return future
 
     def submit(self, job: Job, number: int) -> None:
-        key = attempt_key(job, number)
+        # A Dask key names one computation: each resubmission needs a key of its own, or Dask
+        # hands back the earlier (failed) result.
+        self._submissions += 1
+        key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
+        self._submitted.add(job.id)
         with self._lock:
-            self.attempts[key] = _Attempt(job, number, _now())
+            self.attempts[key] = _Attempt(job, number, _now(), key)
         self.pending.add(self.client.submit(
             run_job, job, get_backend(job.backend), number, self._reference(job), key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
@@ -117,27 +134,43 @@ class _SweepDriver:
             attempt = self.attempts.get(message["key"])
             if attempt is not None and attempt.started is None:
                 attempt.started = time.monotonic()
+                attempt.started_at = _now()
                 attempt.worker_address = message["address"]
                 attempt.worker_name = message["name"]
 
     def run(self, jobs: list[Job]) -> None:
         self.client.register_plugin(DeviceSampler())
+        self.client.run(drain_this_worker)  # samples from before this sweep are not its own
         self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
         try:
             for job in jobs:
                 self.submit(job, 1)
-            while not self.pending.is_empty():
+            while not self.pending.is_empty() or self.delayed:
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future in ready:
                     self._collect(future)
+                self._enforce_deadlines()
+                self._submit_due_retries()
                 if not ready:
-                    self._enforce_deadlines()
                     time.sleep(POLL_S)
         finally:
             self.client.unsubscribe_topic(JOB_START_TOPIC)
+            # On an error (or an interrupt in a notebook) nothing may keep running unseen.
+            with self._lock:
+                keys = list(self.attempts)
+                self.attempts.clear()
+            self.client.cancel([Future(k, self.client) for k in keys]
+                               + list(self.references.values()))
         # The idle time since each worker's last job.
         for samples in self.client.run(drain_this_worker).values():
-            self.store.write_samples(samples)
+            self._write_samples(samples)
+
+    def _submit_due_retries(self) -> None:
+        now = time.monotonic()
+        due = [entry for entry in self.delayed if entry[0] <= now]
+        self.delayed = [entry for entry in self.delayed if entry[0] > now]
+        for _, job, number in due:
+            self.submit(job, number)
 
     def _collect(self, future: Future) -> None:
         with self._lock:
@@ -146,10 +179,24 @@ class _SweepDriver:
             return
         try:
             record = future.result()
-        except Exception as error:  # noqa: BLE001 - the attempt failed outside run_job
-            record = _failed_outside(type(error).__name__, str(error) or type(error).__name__,
+        except Exception as error:  # noqa: BLE001 - the attempt ended outside run_job
+            future.release()
+            lost = isinstance(error, KilledWorker) or "CommClosed" in type(error).__name__
+            job = attempt.job
+            if lost and attempt.started is None and self.requeues.get(job.id, 0) < MAX_REQUEUES:
+                # The worker it was queued on (or its reference's) died before it began: that
+                # is not an attempt of this job, so it goes back in the queue uncounted.
+                self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
+                log.info("%s was queued on a lost worker; resubmitting", job.id)
+                self.submit(job, attempt.number)
+                return
+            # A failed reference fails its jobs too: that is a failed attempt of each.
+            record = _failed_outside("worker_lost" if lost else "job_error",
+                                     type(error).__name__, str(error) or type(error).__name__,
                                      "".join(traceback.format_exception(error)))
-        future.release()
+            record["worker"] = attempt.worker_name
+        else:
+            future.release()
         self._finish(attempt, record)
 
     def _enforce_deadlines(self) -> None:
@@ -165,7 +212,7 @@ class _SweepDriver:
             log.warning("%s: %s", key, message)
             Future(key, self.client).cancel()
             self._replace_worker(attempt.worker_address)
-            self._finish(attempt, {**_failed_outside("timeout", message),
+            self._finish(attempt, {**_failed_outside("timeout", "JobTimeout", message),
                                    "worker": attempt.worker_name})
 
     def _replace_worker(self, address: str | None) -> None:
@@ -175,15 +222,45 @@ class _SweepDriver:
         except Exception as error:  # noqa: BLE001 - e.g. a worker without a nanny
             log.error("could not restart worker %s after a timeout: %s", address, error)
 
+    def _exclude(self, attempt: _Attempt) -> None:
+        """Take a worker whose device keeps failing out of rotation, unless it is the last."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        reason = self.health.excluded[attempt.worker_name]
+        if len(workers) <= 1 or attempt.worker_address not in workers:
+            log.error("worker %s %s, but it is the last one: kept", attempt.worker_name, reason)
+            return
+        log.error("worker %s %s: taking it out of rotation", attempt.worker_name, reason)
+        self.store.record_excluded_worker(attempt.worker_name, reason)
+        self.client.retire_workers([attempt.worker_address], close_workers=True)
+
     def _finish(self, attempt: _Attempt, record: dict[str, Any]) -> None:
         job = attempt.job
-        self.store.write_samples(record.pop("device_samples", None) or [])
+        samples = record.pop("device_samples", None) or []
         _write_logs(self.store, job, attempt.number, record)
-        if record["status"] == "failed" and attempt.number <= job.retries:
-            log.warning("%s attempt %d failed (%s: %s); retrying", job.id, attempt.number,
-                        record["error_class"], record["error_message"])
-            self.submit(job, attempt.number + 1)
-            return
+        self.store.write_attempt({
+            "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
+            "key": attempt.key, "worker": record.get("worker"),
+            "device": record.get("device"), "started_at": record.get("started_at")
+            or attempt.started_at, "finished_at": record["finished_at"],
+            "status": record["status"], "failure_class": record.get("failure_class"),
+            "error_class": record.get("error_class"), "error_message": record.get("error_message"),
+        })
+        worker = record.get("worker") or attempt.worker_name
+        if record["status"] == "done" and worker:
+            self.health.succeeded(worker)
+        if record["status"] == "failed":
+            if worker and self.health.failed(worker, job.id, record["failure_class"]):
+                self._exclude(attempt)
+            decision = decide(job, attempt.number, record["failure_class"],
+                              self.sweep.retry_backoff_s)
+            if decision.retry:
+                log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
+                            record["failure_class"], record["error_class"],
+                            record["error_message"], decision.reason)
+                self.delayed.append((time.monotonic() + decision.delay_s, decision.job,
+                                     attempt.number + 1))
+                self._write_samples(samples)
+                return
         record.update(
             job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
             config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
@@ -194,8 +271,16 @@ class _SweepDriver:
             self.store.write_layers(job.id, layers)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
+        self._write_samples(samples)
         if self.on_result is not None:
             self.on_result(record)
+
+    def _write_samples(self, samples: list[dict[str, Any]]) -> None:
+        # Telemetry must never cost a result: a bad batch is logged and dropped.
+        try:
+            self.store.write_samples(samples)
+        except Exception as error:  # noqa: BLE001
+            log.error("dropped %d device samples: %s", len(samples), error)
 
 
 def run_sweep(
@@ -207,26 +292,31 @@ def run_sweep(
     """Run every job of ``sweep`` not already finished in ``run_dir``; return the sweep's results.
 
     Each finished job is written to ``run_dir`` as soon as it arrives, so an interrupted sweep
-    resumes where it stopped. A failed attempt is retried up to ``sweep.retries`` times under a
-    new key; an attempt running past ``sweep.timeout_s`` fails as ``timeout`` and its worker is
-    restarted. ``on_result(record)`` is called after each write.
+    resumes where it stopped (a second driver on the same run directory is refused). Failed
+    attempts are retried by failure class up to ``sweep.retries`` times; an attempt running
+    past ``sweep.timeout_s`` fails as ``timeout`` and its worker is restarted; a worker that
+    fails ``sweep.exclude_device_after`` different jobs in a row is retired. Every attempt is
+    recorded (``read_attempts``). ``on_result(record)`` is called after each result is written.
     """
     store = RunStore(run_dir).create()
-    jobs = expand_grid(sweep)
-    store.write_plan(plan_rows(jobs))
-    finished = store.finished_job_ids()
-    todo = [job for job in jobs if job.id not in finished]
-    log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
-             len(jobs) - len(todo), len(todo))
-    _SweepDriver(client, store, on_result).run(todo)
-    ids = [job.id for job in jobs]
-    return store.read_results().filter(pl.col("job_id").is_in(ids))
+    with store.lock():
+        store.set_aside_unreadable()
+        jobs = expand_grid(sweep)
+        store.write_plan(plan_rows(jobs))
+        finished = store.finished_job_ids()
+        todo = [job for job in jobs if job.id not in finished]
+        log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
+                 len(jobs) - len(todo), len(todo))
+        _SweepDriver(client, store, sweep, on_result).run(todo)
+        ids = [job.id for job in jobs]
+        return store.read_results().filter(pl.col("job_id").is_in(ids))
 
 
 def _write_logs(store: RunStore, job: Job, attempt: int, record: dict[str, Any]) -> None:
     text = record.pop("log", "") or (
-        f"{_now().isoformat()} ERROR {job.id} attempt={attempt} failed outside the job: "
-        f"{record.get('error_class')}: {record.get('error_message')}\n"
+        f"{_now().isoformat()} ERROR {job.id} attempt={attempt} failed outside the job "
+        f"({record.get('failure_class')}): {record.get('error_class')}: "
+        f"{record.get('error_message')}\n"
     )
     store.append_job_log(job.id, text)
     store.append_worker_log(record.get("worker") or "unknown-worker", text)

@@ -44,7 +44,8 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
     "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
     "eval_tokens": pl.Int64(),
-    "error_class": pl.String(),
+    "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
+    "error_class": pl.String(),  # the exception's type
     "error_message": pl.String(),
     "traceback": pl.String(),
 }
@@ -57,8 +58,8 @@ METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quanti
            "kl_divergence", "top1_agreement", "eval_tokens")
 REQUIRED_BY_STATUS = {
     "done": ALWAYS_REQUIRED + METRICS,
-    "failed": ALWAYS_REQUIRED + ("error_class", "error_message"),
-    "skipped": ALWAYS_REQUIRED + ("error_class", "error_message"),
+    "failed": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
+    "skipped": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
 }
 
 LAYER_SCHEMA: dict[str, pl.DataType] = {
@@ -70,6 +71,24 @@ LAYER_SCHEMA: dict[str, pl.DataType] = {
     "weight_rel_error": pl.Float64(),  # ||W_q - W|| / ||W||
     "weight_sqnr_db": pl.Float64(),  # 10 log10(||W||^2 / ||W_q - W||^2)
     "output_rel_error": pl.Float64(),  # same input, quantized vs original weight, probe batch
+}
+
+FAILURE_CLASSES = ("unsupported", "out_of_memory", "worker_lost", "timeout", "job_error")
+"""How a failed or skipped job is classified, and so what the scheduler does about it."""
+
+ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
+    "run_id": pl.String(),  # the driver session that made the attempt
+    "job_id": pl.String(),
+    "attempt": pl.Int64(),
+    "key": pl.String(),  # its Dask key
+    "worker": pl.String(),
+    "device": pl.String(),
+    "started_at": _UTC,
+    "finished_at": _UTC,
+    "status": pl.String(),  # done, failed or skipped
+    "failure_class": pl.String(),
+    "error_class": pl.String(),
+    "error_message": pl.String(),
 }
 
 SAMPLE_SCHEMA: dict[str, pl.DataType] = {
@@ -118,6 +137,9 @@ def validate_record(record: dict[str, Any]) -> dict[str, Any]:
     missing = [c for c in REQUIRED_BY_STATUS[status] if record.get(c) is None]
     if missing:
         raise SchemaError(f"{status} record {record.get('job_id')!r} lacks {', '.join(missing)}")
+    if record.get("failure_class") not in (None, *FAILURE_CLASSES):
+        raise SchemaError(f"failure_class must be one of {', '.join(FAILURE_CLASSES)}, "
+                          f"got {record['failure_class']!r}")
     _check_types(record, RESULT_SCHEMA, "result")
     return {column: record.get(column) for column in RESULT_SCHEMA}
 

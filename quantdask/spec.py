@@ -26,6 +26,10 @@ from quantdask.backends import BASELINE, get_backend
 from quantdask.errors import SpecError
 from quantdask.model_source import DTYPES
 
+FAULT_KINDS = ("raise", "oom", "kill", "hang")
+"""Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
+the worker process killed (SIGKILL), or a hang past any deadline."""
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _NAME = re.compile(r"^[\w.-]+$")
 
@@ -46,6 +50,21 @@ def _positive_int(field_name: str, value: Any) -> int:
 
 def _resolve_root(root: str) -> str:
     return os.path.abspath(root or ".")
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def _fingerprint(directory: str) -> str:
+    """A cheap content fingerprint of a model directory (no weights are read)."""
+    digest = hashlib.sha256()
+    with open(os.path.join(directory, "config.json"), "rb") as f:
+        digest.update(f.read())
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(_WEIGHT_SUFFIXES):
+            size = os.path.getsize(os.path.join(directory, name))
+            digest.update(f"{name}:{size}".encode())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -96,8 +115,14 @@ class ModelSpec:
         return self.name or os.path.basename(ref.rstrip("/"))
 
     def identity(self) -> dict:
-        """The fields that decide what the model is (not where this machine keeps it)."""
-        ref = {"hub": self.hub, "revision": self.revision} if self.hub else {"path": self.path}
+        """The fields that decide what the model is: for a local directory, its name and a
+        fingerprint of its files (config.json's content, each weight file's name and size), so
+        a model retrained in place gets new ids and the same model at two paths the same."""
+        if self.hub:
+            ref = {"hub": self.hub, "revision": self.revision}
+        else:
+            ref = {"path": os.path.basename(os.path.normpath(self.path)),
+                   "fingerprint": _fingerprint(self.location)}
         return {**ref, "dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
 
 
@@ -196,6 +221,9 @@ class Sweep:
     timeout_s: float = 3600.0
     priority: int = 0
     jobs_per_gpu: int = 1
+    retry_backoff_s: float = 2.0
+    exclude_device_after: int = 3
+    faults: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and _NAME.match(self.name)):
@@ -224,6 +252,36 @@ class Sweep:
             raise SpecError("timeout_s", f"must be a number of seconds > 0, got {self.timeout_s}")
         _require("priority", self.priority, int, "an integer")
         _positive_int("jobs_per_gpu", self.jobs_per_gpu)
+        _require("retry_backoff_s", self.retry_backoff_s, (int, float), "a number of seconds >= 0")
+        if self.retry_backoff_s < 0:
+            raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
+        _positive_int("exclude_device_after", self.exclude_device_after)
+        object.__setattr__(self, "faults", tuple(self._checked_faults()))
+
+    def _checked_faults(self):
+        _require("faults", self.faults, (list, tuple), "a list of fault mappings")
+        labels = {"baseline"} | {get_backend(b.backend).config_label(o)
+                                 for b in self.backends for o in b.option_sets()}
+        models = {m.label for m in self.models}
+        for i, fault in enumerate(self.faults):
+            where = f"faults[{i}]"
+            _require(where, fault, dict, "a mapping with config, kind and optionally attempt "
+                                         "and model")
+            unknown = sorted(set(fault) - {"config", "kind", "attempt", "model"})
+            if unknown:
+                raise SpecError(f"{where}.{unknown[0]}",
+                                "unknown key; allowed: config, kind, attempt, model")
+            if fault.get("config") not in labels:
+                raise SpecError(f"{where}.config", f"no job has config label "
+                                f"{fault.get('config')!r}; labels: {', '.join(sorted(labels))}")
+            if fault.get("kind") not in FAULT_KINDS:
+                raise SpecError(f"{where}.kind", f"must be one of {', '.join(FAULT_KINDS)}, "
+                                                 f"got {fault.get('kind')!r}")
+            if "model" in fault and fault["model"] not in models:
+                raise SpecError(f"{where}.model", f"no model is named {fault['model']!r}; "
+                                                  f"models: {', '.join(sorted(models))}")
+            _positive_int(f"{where}.attempt", fault.get("attempt", 1))
+            yield {"attempt": 1, **fault}
 
 
 @dataclass(frozen=True)
@@ -242,6 +300,7 @@ class Job:
     retries: int
     timeout_s: float
     gpu_share: float
+    faults: tuple[tuple[int, str], ...] = ()  # (attempt, kind) to inject; not part of the id
 
     @property
     def is_baseline(self) -> bool:
@@ -291,6 +350,9 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     config_label=get_backend(backend).config_label(options), eval=sweep.eval,
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
+                    faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
+                                 if f["config"] == get_backend(backend).config_label(options)
+                                 and f.get("model", model.label) == model.label),
                 )
     return list(jobs.values())
 

@@ -6,13 +6,19 @@ Layout::
     RUN_DIR/results/<job_id>.parquet  one row per finished job (the results schema)
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
+    RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
+    RUN_DIR/excluded_workers.json   workers taken out of rotation, and why
+    RUN_DIR/.lock                   held (flock) by the driver running a sweep here
     RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
     RUN_DIR/logs/workers/worker-<name>.log  a worker's log, every job it ran
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import re
 import tempfile
@@ -22,20 +28,24 @@ from typing import Any
 
 import polars as pl
 
-from quantdask.errors import RunDirError
+from quantdask.errors import RunDirError, SchemaError
 from quantdask.schema import (
+    ATTEMPT_SCHEMA,
     LAYER_SCHEMA,
     RESULT_SCHEMA,
     SAMPLE_SCHEMA,
     empty_frame,
     records_to_frame,
     rows_to_frame,
+    validate_record,
 )
 
-FINAL_STATUSES = ("done", "skipped")
-"""Statuses a rerun keeps. A failed job is tried again by the next run of its sweep."""
+FINAL_STATUSES = ("done",)
+"""Statuses a rerun keeps. Failed jobs are tried again by the next run of their sweep, and so
+are skipped ones: what is unsupported depends on the machine (a library installed since, a GPU)."""
 
 _SAFE_NAME = re.compile(r"[^\w.-]+")
+log = logging.getLogger("quantdask.store")
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -63,12 +73,13 @@ class RunStore:
         self.results_dir = self.root / "results"
         self.layers_dir = self.root / "layers"
         self.samples_dir = self.root / "samples"
+        self.attempts_dir = self.root / "attempts"
         self.job_logs_dir = self.root / "logs" / "jobs"
         self.worker_logs_dir = self.root / "logs" / "workers"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.layers_dir, self.samples_dir, self.job_logs_dir,
-                  self.worker_logs_dir):
+        for d in (self.results_dir, self.layers_dir, self.samples_dir, self.attempts_dir,
+                  self.job_logs_dir, self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -100,6 +111,71 @@ class RunStore:
         _atomic_write(path, frame.write_parquet)
         return path
 
+    def write_attempt(self, row: dict[str, Any]) -> Path:
+        """Persist one try of a job (the attempts schema), atomically."""
+        frame = rows_to_frame([row], ATTEMPT_SCHEMA, "attempt",
+                              optional=("worker", "device", "started_at", "failure_class",
+                                        "error_class", "error_message"))
+        name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
+        path = self.attempts_dir / name
+        _atomic_write(path, frame.write_parquet)
+        return path
+
+    def record_excluded_worker(self, worker: str, reason: str) -> None:
+        """Note that ``worker`` was taken out of rotation, and why (``excluded_workers.json``)."""
+        excluded = self.read_excluded_workers()
+        excluded.append({"worker": worker, "reason": reason,
+                         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        _atomic_write(self.root / "excluded_workers.json",
+                      lambda f: f.write(json.dumps(excluded, indent=1).encode()))
+
+    def read_excluded_workers(self) -> list[dict[str, str]]:
+        path = self.root / "excluded_workers.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def read_attempts(self) -> pl.DataFrame:
+        return _read_dir(self.attempts_dir, ATTEMPT_SCHEMA).sort("finished_at")
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold the run directory for one driver: a second one is refused, a dead one's lock
+        goes with its process (flock), so a rerun after ``kill -9`` proceeds."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise RunDirError(f"run directory {self.root} is in use by another quantdask "
+                                  f"run (pid {holder}); wait for it to finish or choose "
+                                  "another --run-dir") from None
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            try:
+                yield self
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def set_aside_unreadable(self) -> list[Path]:
+        """Move result files that cannot be read (or do not fit the schema) aside, and delete
+        temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
+        moved = []
+        for directory in (self.results_dir, self.layers_dir, self.attempts_dir, self.samples_dir):
+            if not directory.is_dir():
+                continue
+            for tmp in directory.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+            for path in _unreadable(directory, _SCHEMAS[directory.name]):
+                target = path.with_name(f"{path.name}.unreadable-{time.time_ns()}")
+                path.rename(target)
+                log.warning("set aside unreadable %s as %s; its job will run again",
+                            path, target.name)
+                moved.append(target)
+        return moved
+
     def read_samples(self) -> pl.DataFrame:
         return _read_dir(self.samples_dir, SAMPLE_SCHEMA).sort("worker", "time")
 
@@ -107,16 +183,24 @@ class RunStore:
         return _read_dir(self.results_dir, RESULT_SCHEMA).sort("finished_at")
 
     def read_layers(self) -> pl.DataFrame:
-        """Per-layer rows of the jobs whose result is recorded (a crash between the two writes
-        leaves layers without a result: they are not shown, and the rerun replaces them)."""
-        recorded = self.read_results()["job_id"].to_list()
+        """Per-layer rows of the jobs recorded done (a crash between the two writes leaves
+        layers without a result: they are not shown, and the rerun replaces them)."""
+        results = self.read_results()
+        recorded = results.filter(pl.col("status") == "done")["job_id"].to_list()
         layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
         return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
 
     def finished_job_ids(self) -> set[str]:
-        """Jobs whose recorded result is final (done or skipped): a rerun does not run them."""
-        results = self.read_results()
-        return set(results.filter(pl.col("status").is_in(FINAL_STATUSES))["job_id"])
+        """Jobs whose recorded result is final: done, with every metric this version requires
+        (a result from an older version that lacks one is measured again)."""
+        finished = set()
+        for row in self.read_results().filter(pl.col("status").is_in(FINAL_STATUSES)).to_dicts():
+            try:
+                validate_record({k: v for k, v in row.items() if v is not None})
+            except SchemaError:
+                continue
+            finished.add(row["job_id"])
+        return finished
 
     def write_plan(self, jobs: list[dict[str, Any]]) -> None:
         _atomic_write(self.root / "jobs.json",
@@ -138,11 +222,43 @@ class RunStore:
             f.write(text if text.endswith("\n") else text + "\n")
 
 
+_SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "samples": SAMPLE_SCHEMA,
+            "attempts": ATTEMPT_SCHEMA}
+
+
+def _read_file(path: Path, schema: dict) -> pl.DataFrame | None:
+    """The file's rows in ``schema`` (columns a file from an older version lacks are null), or
+    None when the file cannot be decoded or its columns cannot take the schema's types."""
+    try:
+        frame = pl.read_parquet(path)
+        missing = [pl.lit(None, dtype).alias(c) for c, dtype in schema.items()
+                   if c not in frame.columns]
+        return frame.with_columns(missing).select(
+            [pl.col(c).cast(dtype) for c, dtype in schema.items()])
+    except Exception:  # noqa: BLE001 - any decoding failure means a damaged file
+        return None
+
+
+def _unreadable(directory: Path, schema: dict) -> list[Path]:
+    return [p for p in sorted(directory.glob("*.parquet")) if _read_file(p, schema) is None]
+
+
 def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
-    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
-    if not files:
-        return empty_frame(schema)
-    return pl.concat([pl.read_parquet(f) for f in files], how="vertical")
+    """Every readable file of ``directory`` as one frame; damaged ones are left out (with a
+    warning) until a run sets them aside and reruns their jobs."""
+    frames = []
+    for path in sorted(directory.glob("*.parquet")) if directory.is_dir() else []:
+        frame = _read_file(path, schema)
+        if frame is None:
+            log.warning("%s is unreadable or has another schema; left out", path)
+        else:
+            frames.append(frame)
+    return pl.concat(frames, how="vertical") if frames else empty_frame(schema)
+
+
+def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every try of every job of ``run_dir``: one row per attempt."""
+    return RunStore(run_dir).read_attempts()
 
 
 def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:

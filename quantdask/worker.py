@@ -10,7 +10,10 @@ from __future__ import annotations
 import datetime as dt
 import io
 import logging
+import os
+import signal
 import socket
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +90,31 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def inject_fault(kind: str, attempt: int) -> None:
+    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``)."""
+    import torch
+
+    log.warning("injecting fault %r on attempt %d", kind, attempt)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on attempt {attempt}")
+    if kind == "oom":
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected on attempt {attempt})")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:  # only the scheduler's deadline (a worker restart) ends this
+            time.sleep(60)
+
+
+def failure_class_of(error: BaseException) -> str:
+    """``out_of_memory`` for an allocation failure on any device, else ``job_error``."""
+    import torch
+
+    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return "out_of_memory"
+    return "out_of_memory" if "out of memory" in str(error).lower() else "job_error"
+
+
 def _local_reference(job: Job) -> Reference:
     from quantdask.reference import compute_reference
 
@@ -123,6 +151,9 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
         record["device"] = device_label
         log.info("start on worker %s (%s) device %s: %s %s", worker, host, device_label,
                  job.backend, job.config_label)
+        for fault_attempt, kind in job.faults:
+            if fault_attempt == attempt:
+                inject_fault(kind, attempt)
         reference = reference or _local_reference(job)
         torch.manual_seed(job.seed)
         watch = Stopwatch()
@@ -155,13 +186,16 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
                  record["bits_per_weight"], scores["perplexity"], scores["kl_divergence"],
                  scores["top1_agreement"], len(record["layers"]))
     except UnsupportedHere as err:
-        record.update(status="skipped", error_class="unsupported", error_message=str(err))
+        record.update(status="skipped", failure_class="unsupported",
+                      error_class=type(err).__name__, error_message=str(err))
         log.warning("skipped: %s", err)
     except Exception as err:
-        record.update(status="failed", error_class=type(err).__name__,
+        record.update(status="failed", failure_class=failure_class_of(err),
+                      error_class=type(err).__name__,
                       error_message=str(err) or type(err).__name__,
                       traceback=traceback.format_exc())
-        log.error("failed: %s: %s\n%s", type(err).__name__, err, record["traceback"])
+        log.error("failed (%s): %s: %s\n%s", record["failure_class"], type(err).__name__, err,
+                  record["traceback"])
     finally:
         log.removeHandler(handler)
         if torch.cuda.is_available():

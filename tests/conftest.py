@@ -28,6 +28,7 @@ def sweep_dict(**overrides) -> dict:
         "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 32, "samples": 8, "batch_size": 8},
         "seed": 0,
         "retries": 0,
+        "retry_backoff_s": 0.1,
     }
     data.update(overrides)
     return data

@@ -56,7 +56,8 @@ def test_torchao_quantizes_for_real(torchao_records):
 
 def test_a_group_size_that_does_not_divide_a_layer_skips_the_job(torchao_records):
     skipped = torchao_records["ao int4wo g256"]
-    assert skipped["error_class"] == "unsupported"
+    assert skipped["failure_class"] == "unsupported"
+    assert skipped["error_class"] == "UnsupportedHere"
     assert "group_size=256 does not divide model.layers.0.self_attn.q_proj.in_features=128" \
         in skipped["error_message"]
 

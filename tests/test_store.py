@@ -8,8 +8,8 @@ import os
 import polars as pl
 import pytest
 
-from quantdask.errors import SchemaError
-from quantdask.schema import RESULT_SCHEMA, validate_record
+from quantdask.errors import RunDirError, SchemaError
+from quantdask.schema import RESULT_SCHEMA, records_to_frame, validate_record
 from quantdask.store import RunStore, job_status, read_results
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,40 +59,90 @@ def test_records_that_do_not_fit_the_schema_are_rejected(change, message, tmp_pa
 def test_failed_and_skipped_need_a_reason_not_metrics():
     failed = {k: v for k, v in done_record(status="failed").items() if k not in
               ("perplexity", "size_bytes", "wall_s")}
-    with pytest.raises(SchemaError, match="error_class, error_message"):
+    with pytest.raises(SchemaError, match="failure_class, error_class, error_message"):
         validate_record(failed)
-    ok = validate_record({**failed, "error_class": "RuntimeError", "error_message": "boom"})
+    with pytest.raises(SchemaError, match="failure_class must be one of"):
+        validate_record({**failed, "failure_class": "bad luck", "error_class": "RuntimeError",
+                         "error_message": "boom"})
+    ok = validate_record({**failed, "failure_class": "job_error", "error_class": "RuntimeError",
+                          "error_message": "boom"})
     assert ok["perplexity"] is None and ok["error_class"] == "RuntimeError"
 
 
 def test_write_is_atomic_and_replaces_the_previous_result(tmp_path):
     store = RunStore(tmp_path).create()
-    store.write_result(done_record(status="failed", error_class="E", error_message="m"))
+    store.write_result(done_record(status="failed", failure_class="job_error", error_class="E",
+                                   error_message="m"))
     store.write_result(done_record())
     names = [p.name for p in store.results_dir.iterdir()]
     assert names == ["bitsandbytes-0000000000000001.parquet"]
     assert read_results(tmp_path)["status"].to_list() == ["done"]
 
 
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+def test_a_write_that_dies_halfway_keeps_the_previous_result(tmp_path, monkeypatch):
     store = RunStore(tmp_path).create()
+    store.write_result(done_record(perplexity=2.5))
+    real_write = pl.DataFrame.write_parquet
 
-    def crash(*args, **kwargs):
+    def crash_halfway(frame, file, *args, **kwargs):
+        real_write(frame, file, *args, **kwargs)
+        file.truncate(10)  # part of the bytes reached the disk, then the process "died"
         raise OSError("disk full")
 
-    monkeypatch.setattr(pl.DataFrame, "write_parquet", crash)
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", crash_halfway)
     with pytest.raises(OSError):
-        store.write_result(done_record())
-    assert os.listdir(store.results_dir) == []
+        store.write_result(done_record(perplexity=9.9))
+    assert os.listdir(store.results_dir) == ["bitsandbytes-0000000000000001.parquet"]
+    assert read_results(tmp_path)["perplexity"].to_list() == [2.5]
 
 
-def test_finished_jobs_are_done_or_skipped_not_failed(tmp_path):
+def test_a_damaged_result_is_set_aside_and_its_job_runs_again(tmp_path):
     store = RunStore(tmp_path).create()
     store.write_result(done_record("a"))
-    store.write_result(done_record("b", status="skipped", error_class="unsupported",
+    store.write_result(done_record("b"))
+    (store.results_dir / "b.parquet").write_bytes(b"PAR1 torn write")
+    (store.results_dir / ".a.parquet.x.tmp").write_bytes(b"left by a crash")
+    assert read_results(tmp_path)["job_id"].to_list() == ["a"]  # readable rows still read
+    with store.lock():
+        moved = store.set_aside_unreadable()
+    assert [p.name.split(".unreadable-")[0] for p in moved] == ["b.parquet"]
+    assert sorted(os.listdir(store.results_dir))[0] == "a.parquet"
+    assert not any(n.endswith(".tmp") for n in os.listdir(store.results_dir))
+    assert store.finished_job_ids() == {"a"}
+
+
+def test_results_from_an_older_version_read_with_nulls_and_are_measured_again(tmp_path):
+    store = RunStore(tmp_path).create()
+    old = records_to_frame([done_record("old")]).drop("kl_divergence", "top1_agreement")
+    old.write_parquet(store.results_dir / "old.parquet")
+    store.write_result(done_record("new"))
+    frame = read_results(tmp_path)
+    assert frame.schema == pl.Schema(RESULT_SCHEMA)
+    assert frame.filter(pl.col("job_id") == "old")["kl_divergence"].to_list() == [None]
+    assert store.finished_job_ids() == {"new"}
+
+
+def test_a_second_driver_on_the_same_run_dir_is_refused(tmp_path):
+    store = RunStore(tmp_path).create()
+    with store.lock():
+        expected = f"in use by another quantdask run \\(pid {os.getpid()}\\)"
+        with pytest.raises(RunDirError, match=expected):
+            with RunStore(tmp_path).lock():
+                pass
+    with RunStore(tmp_path).lock():  # released with its holder
+        pass
+
+
+def test_finished_jobs_are_the_done_ones(tmp_path):
+    store = RunStore(tmp_path).create()
+    store.write_result(done_record("a"))
+    store.write_result(done_record("b", status="skipped", failure_class="unsupported",
+                                   error_class="UnsupportedHere",
                                    error_message="needs CUDA"))
-    store.write_result(done_record("c", status="failed", error_class="E", error_message="m"))
-    assert store.finished_job_ids() == {"a", "b"}
+    store.write_result(done_record("c", status="failed", failure_class="job_error", error_class="E",
+                                   error_message="m"))
+    # Skipped and failed jobs run again: what is unsupported depends on the machine.
+    assert store.finished_job_ids() == {"a"}
 
 
 def test_empty_run_dir_reads_as_an_empty_frame_with_the_schema(tmp_path):

@@ -149,7 +149,7 @@ def test_a_failed_attempt_is_retried_under_a_new_key(cluster, tmp_path, monkeypa
     row = results.filter(pl.col("backend") == "flaky").row(0, named=True)
     assert row["status"] == "done" and row["attempts"] == 2
     log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
-    assert "attempt=1 failed: RuntimeError: transient failure" in log
+    assert "attempt=1 failed (job_error): RuntimeError: transient failure" in log
     assert "attempt=2 done" in log
 
 
@@ -203,7 +203,8 @@ def test_a_hung_job_times_out_its_worker_is_replaced_and_the_retry_runs(cluster,
     assert row["status"] == "done" and row["attempts"] == 2
     assert elapsed < 60  # the deadline plus a worker restart, not the 600 s hang
     log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
-    assert "attempt=1 failed outside the job: timeout: no result after timeout_s=3s" in log
+    assert ("attempt=1 failed outside the job (timeout): JobTimeout: no result after "
+            "timeout_s=3s") in log
     worker_logs = (tmp_path / "run" / "logs" / "workers").glob("worker-*.log")
-    assert any("timeout: no result" in p.read_text() for p in worker_logs)
+    assert any("JobTimeout: no result" in p.read_text() for p in worker_logs)
     cluster.client.wait_for_workers(2, timeout=60)

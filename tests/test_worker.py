@@ -122,7 +122,8 @@ def test_a_failing_job_returns_its_class_message_and_traceback(demo_model, refer
     assert record["error_class"] == "RuntimeError"
     assert record["error_message"] == "the backend broke"
     assert "Traceback" in record["traceback"] and "in broken" in record["traceback"]
-    assert "attempt=2 failed: RuntimeError" in record["log"]
+    assert "attempt=2 failed (job_error): RuntimeError" in record["log"]
+    assert record["failure_class"] == "job_error"
 
 
 def test_too_little_eval_text_is_a_clear_failure(demo_model):
@@ -139,7 +140,8 @@ def test_an_unsupported_job_is_skipped_with_the_reason(demo_model):
     job = jobs_for(demo_model)["nf4"]
     record = run_job(job, Backend("cuda-only", needs_cuda))
     assert record["status"] == "skipped"
-    assert record["error_class"] == "unsupported"
+    assert record["failure_class"] == "unsupported"
+    assert record["error_class"] == "UnsupportedHere"
     assert record["error_message"] == "this backend needs CUDA"
 
 

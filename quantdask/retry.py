@@ -1,0 +1,91 @@
+"""What to do after an attempt fails: its failure class decides (see GUIDE's failure table).
+
+| class          | action                                                              |
+|----------------|---------------------------------------------------------------------|
+| unsupported    | recorded skipped with the reason; never retried                     |
+| out_of_memory  | retried with more room: a whole GPU, half the eval batch            |
+| worker_lost    | retried at once (the dead worker is gone; another one takes it)     |
+| timeout        | retried at once on a fresh worker (the hung one was restarted)      |
+| job_error      | retried after an exponential backoff                                |
+
+Every retry counts against the sweep's ``retries``; past it the job is recorded failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from quantdask.spec import Job
+
+MAX_BACKOFF_S = 300.0
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    delay_s: float = 0.0
+    job: Job | None = None  # the job to run next (it may ask for more room)
+    reason: str = ""
+
+
+def decide(job: Job, attempt: int, failure_class: str, backoff_s: float) -> RetryDecision:
+    """Whether and how to run ``job`` again after ``attempt`` failed as ``failure_class``."""
+    if failure_class == "unsupported":
+        return RetryDecision(False, reason="unsupported here; not retried")
+    if attempt > job.retries:
+        return RetryDecision(False, reason=f"no retries left ({job.retries} allowed)")
+    if failure_class == "out_of_memory":
+        roomier = with_more_room(job)
+        return RetryDecision(True, 0.0, roomier, reason=(
+            f"retrying with a whole device and eval batch {roomier.eval.batch_size}"))
+    if failure_class == "job_error":
+        delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+        return RetryDecision(True, delay, job, reason=f"retrying in {delay:g}s")
+    return RetryDecision(True, 0.0, job, reason="retrying")
+
+
+def with_more_room(job: Job) -> Job:
+    """``job`` on a device of its own, evaluating half as many windows per forward pass."""
+    smaller = dataclasses.replace(job.eval, batch_size=max(1, job.eval.batch_size // 2))
+    return dataclasses.replace(job, gpu_share=1.0, eval=smaller)
+
+
+@dataclass
+class DeviceHealth:
+    """Takes a device out of rotation when it fails ``limit`` different jobs in a row while
+    other devices completed jobs meanwhile (so the fault is the device's, not the sweep's: a
+    config bug that fails every job everywhere retires nobody).
+
+    Only failures that can be the device's fault count (job errors, out of memory); a done job
+    on the device clears its record.
+    """
+
+    limit: int = 3
+    streaks: dict[str, list[str]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    done: dict[str, int] = field(default_factory=dict)  # jobs completed, per worker
+    _others_done_at_start: dict[str, int] = field(default_factory=dict)
+
+    def _others_done(self, worker: str) -> int:
+        return sum(n for w, n in self.done.items() if w != worker)
+
+    def succeeded(self, worker: str) -> None:
+        self.done[worker] = self.done.get(worker, 0) + 1
+        self.streaks.pop(worker, None)
+
+    def failed(self, worker: str, job_id: str, failure_class: str) -> bool:
+        """Note a failure; True when ``worker`` should now be taken out of rotation."""
+        if failure_class not in ("job_error", "out_of_memory") or worker in self.excluded:
+            return False
+        streak = self.streaks.setdefault(worker, [])
+        if not streak:
+            self._others_done_at_start[worker] = self._others_done(worker)
+        if job_id not in streak:
+            streak.append(job_id)
+        peers_healthy = self._others_done(worker) > self._others_done_at_start[worker]
+        if len(streak) >= self.limit and peers_healthy:
+            self.excluded[worker] = (f"failed {len(streak)} different jobs in a row: "
+                                     f"{', '.join(streak)}")
+            return True
+        return False
