@@ -95,8 +95,10 @@ def _run(sweep, args) -> int:
 
     from quantdask.cluster import start_cluster
     from quantdask.scheduler import run_sweep
+    from quantdask.store import RunStore, read_attempts
 
     run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
+    RunStore(run_dir).check_unlocked()
     with start_cluster(workers=args.workers, gpus=args.gpus, scheduler=args.scheduler,
                        host=args.host) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
@@ -109,16 +111,23 @@ def _run(sweep, args) -> int:
                                    "bits_per_weight", "perplexity", "wall_s"]))
     counts = {s: results.filter(pl.col("status") == s).height
               for s in ("done", "failed", "skipped")}
+    attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
+    retried = attempts.filter(pl.col("status") == "failed").height
     print(f"{results.height} jobs: {counts['done']} done, {counts['failed']} failed, "
-          f"{counts['skipped']} skipped")
+          f"{counts['skipped']} skipped ({retried} failed attempts in this run directory)")
+    for excluded in RunStore(run_dir).read_excluded_workers():
+        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
     print(f"results: {os.path.join(run_dir, 'results')}  "
           f"(python: quantdask.read_results({run_dir!r}))")
     print(f"logs: {os.path.join(run_dir, 'logs')}")
+    for row in results.filter(pl.col("status") != "done").to_dicts():
+        log_path = os.path.join(run_dir, "logs", "jobs", f"{row['job_id']}.log")
+        message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
+        print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
+              f"{row['error_class']}: {message} (log: {log_path})")
     if counts["failed"]:
-        for row in results.filter(results["status"] == "failed").to_dicts():
-            log_path = os.path.join(run_dir, "logs", "jobs", f"{row['job_id']}.log")
-            print(f"failed: {row['job_id']} {row['config_label']}: {row['error_class']}: "
-                  f"{row['error_message']} (log: {log_path})")
+        print(f"{counts['failed']} jobs failed; their logs are in "
+              f"{os.path.join(run_dir, 'logs', 'jobs')}")
         return EXIT_FAILED_JOBS
     return 0
 

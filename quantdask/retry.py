@@ -53,39 +53,38 @@ def with_more_room(job: Job) -> Job:
 
 @dataclass
 class DeviceHealth:
-    """Takes a device out of rotation when it fails ``limit`` different jobs in a row while
-    other devices completed jobs meanwhile (so the fault is the device's, not the sweep's: a
-    config bug that fails every job everywhere retires nobody).
+    """Takes a device out of rotation when it failed ``limit`` different jobs in a row and those
+    jobs then ran fine on other devices: the evidence points at the device, not at the jobs (a
+    config that fails everywhere retires nobody).
 
     Only failures that can be the device's fault count (job errors, out of memory); a done job
-    on the device clears its record.
+    on the device clears its record. The scheduler sends a failed job's retry to other workers
+    where it can, which is also what gathers the evidence.
     """
 
     limit: int = 3
     streaks: dict[str, list[str]] = field(default_factory=dict)
+    cleared_elsewhere: dict[str, set[str]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
-    done: dict[str, int] = field(default_factory=dict)  # jobs completed, per worker
-    _others_done_at_start: dict[str, int] = field(default_factory=dict)
 
-    def _others_done(self, worker: str) -> int:
-        return sum(n for w, n in self.done.items() if w != worker)
+    def failed(self, worker: str, job_id: str, failure_class: str) -> None:
+        if failure_class in ("job_error", "out_of_memory") and worker not in self.excluded:
+            streak = self.streaks.setdefault(worker, [])
+            if job_id not in streak:
+                streak.append(job_id)
 
-    def succeeded(self, worker: str) -> None:
-        self.done[worker] = self.done.get(worker, 0) + 1
+    def succeeded(self, worker: str, job_id: str) -> list[str]:
+        """Note a done job; returns the workers that this proves bad (newly excluded)."""
         self.streaks.pop(worker, None)
-
-    def failed(self, worker: str, job_id: str, failure_class: str) -> bool:
-        """Note a failure; True when ``worker`` should now be taken out of rotation."""
-        if failure_class not in ("job_error", "out_of_memory") or worker in self.excluded:
-            return False
-        streak = self.streaks.setdefault(worker, [])
-        if not streak:
-            self._others_done_at_start[worker] = self._others_done(worker)
-        if job_id not in streak:
-            streak.append(job_id)
-        peers_healthy = self._others_done(worker) > self._others_done_at_start[worker]
-        if len(streak) >= self.limit and peers_healthy:
-            self.excluded[worker] = (f"failed {len(streak)} different jobs in a row: "
-                                     f"{', '.join(streak)}")
-            return True
-        return False
+        self.cleared_elsewhere.pop(worker, None)
+        newly = []
+        for other, streak in self.streaks.items():
+            if job_id in streak and other not in self.excluded:
+                cleared = self.cleared_elsewhere.setdefault(other, set())
+                cleared.add(job_id)
+                if len(cleared) >= self.limit:
+                    self.excluded[other] = (
+                        f"failed {len(streak)} different jobs in a row, {len(cleared)} of which "
+                        f"then ran fine elsewhere: {', '.join(sorted(cleared))}")
+                    newly.append(other)
+        return newly

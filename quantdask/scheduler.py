@@ -19,7 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
@@ -39,7 +39,7 @@ log = logging.getLogger("quantdask.scheduler")
 POLL_S = 0.05
 """How often the driver checks deadlines and due retries while no result is ready."""
 
-MAX_REQUEUES = 5
+MAX_REQUEUES = 3
 """Times a job may be put back in the queue, uncounted, because the worker it waited on died."""
 
 
@@ -53,6 +53,7 @@ class _Attempt:
     started_at: dt.datetime | None = None
     worker_address: str | None = None
     worker_name: str | None = None
+    restricted_to: list[str] = field(default_factory=list)  # worker addresses it may run on
 
 
 def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
@@ -87,12 +88,14 @@ class _SweepDriver:
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
         self.references: dict[str, Future] = {}
-        self.delayed: list[tuple[float, Job, int]] = []  # (due, job, attempt) for backoff
+        # Retries waiting for their backoff: (due, job, attempt, worker the last one failed on).
+        self.delayed: list[tuple[float, Job, int, str | None]] = []
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
         self.pending = as_completed(loop=client.loop)
         self.requeues: dict[str, int] = {}
         self._lock = threading.Lock()
         self._submissions = 0
+        self._next_stranded_check = 0.0
         self._submitted: set[str] = set()
         self._eval_texts: dict[str, str] = {}
 
@@ -114,17 +117,21 @@ class _SweepDriver:
             self.references[key] = future
         return future
 
-    def submit(self, job: Job, number: int) -> None:
+    def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
+        """Submit an attempt of ``job``; a retry runs on workers other than ``avoid`` (the one
+        its last attempt failed on) when there are others."""
         # A Dask key names one computation: each resubmission needs a key of its own, or Dask
         # hands back the earlier (failed) result.
         self._submissions += 1
         key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
         self._submitted.add(job.id)
+        elsewhere = [a for a, name in self._workers().items() if name != avoid] if avoid else []
         with self._lock:
-            self.attempts[key] = _Attempt(job, number, _now(), key)
+            self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere)
         self.pending.add(self.client.submit(
             run_job, job, get_backend(job.backend), number, self._reference(job), key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
+            workers=elsewhere or None,
         ))
 
     def _on_job_start(self, event) -> None:
@@ -151,6 +158,7 @@ class _SweepDriver:
                     self._collect(future)
                 self._enforce_deadlines()
                 self._submit_due_retries()
+                self._release_stranded()
                 if not ready:
                     time.sleep(POLL_S)
         finally:
@@ -165,12 +173,29 @@ class _SweepDriver:
         for samples in self.client.run(drain_this_worker).values():
             self._write_samples(samples)
 
+    def _release_stranded(self) -> None:
+        """Resubmit, unrestricted, a waiting retry whose allowed workers are all gone (a worker
+        restarted under a new address): Dask would hold it forever."""
+        now = time.monotonic()
+        if now < self._next_stranded_check:
+            return
+        self._next_stranded_check = now + 2.0
+        alive = set(self._workers())
+        with self._lock:
+            stranded = [(k, a) for k, a in self.attempts.items() if a.restricted_to
+                        and a.started is None and not alive.intersection(a.restricted_to)]
+            for key, _ in stranded:
+                del self.attempts[key]
+        for key, attempt in stranded:
+            Future(key, self.client).cancel()
+            self.submit(attempt.job, attempt.number)
+
     def _submit_due_retries(self) -> None:
         now = time.monotonic()
         due = [entry for entry in self.delayed if entry[0] <= now]
         self.delayed = [entry for entry in self.delayed if entry[0] > now]
-        for _, job, number in due:
-            self.submit(job, number)
+        for _, job, number, failed_on in due:
+            self.submit(job, number, avoid=failed_on)
 
     def _collect(self, future: Future) -> None:
         with self._lock:
@@ -222,16 +247,22 @@ class _SweepDriver:
         except Exception as error:  # noqa: BLE001 - e.g. a worker without a nanny
             log.error("could not restart worker %s after a timeout: %s", address, error)
 
-    def _exclude(self, attempt: _Attempt) -> None:
+    def _workers(self) -> dict[str, str]:
+        """Live workers: address -> name."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        return {address: str(w["name"]) for address, w in info.items()}
+
+    def _exclude(self, name: str) -> None:
         """Take a worker whose device keeps failing out of rotation, unless it is the last."""
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        reason = self.health.excluded[attempt.worker_name]
-        if len(workers) <= 1 or attempt.worker_address not in workers:
-            log.error("worker %s %s, but it is the last one: kept", attempt.worker_name, reason)
+        workers = self._workers()
+        reason = self.health.excluded[name]
+        addresses = [a for a, n in workers.items() if n == name]
+        if len(workers) <= 1 or not addresses:
+            log.error("worker %s %s, but it is the last one (or gone): kept", name, reason)
             return
-        log.error("worker %s %s: taking it out of rotation", attempt.worker_name, reason)
-        self.store.record_excluded_worker(attempt.worker_name, reason)
-        self.client.retire_workers([attempt.worker_address], close_workers=True)
+        log.error("worker %s %s: taking it out of rotation", name, reason)
+        self.store.record_excluded_worker(name, reason)
+        self.client.retire_workers(addresses, close_workers=True)
 
     def _finish(self, attempt: _Attempt, record: dict[str, Any]) -> None:
         job = attempt.job
@@ -247,18 +278,22 @@ class _SweepDriver:
         })
         worker = record.get("worker") or attempt.worker_name
         if record["status"] == "done" and worker:
-            self.health.succeeded(worker)
+            for bad in self.health.succeeded(worker, job.id):
+                self._exclude(bad)
         if record["status"] == "failed":
-            if worker and self.health.failed(worker, job.id, record["failure_class"]):
-                self._exclude(attempt)
+            if worker:
+                self.health.failed(worker, job.id, record["failure_class"])
             decision = decide(job, attempt.number, record["failure_class"],
                               self.sweep.retry_backoff_s)
+            note = (f"{_now().isoformat()} WARNING {job.id} attempt={attempt.number} "
+                    f"{record['failure_class']}: {decision.reason}\n")
+            self.store.append_job_log(job.id, note)
             if decision.retry:
                 log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
                             record["failure_class"], record["error_class"],
                             record["error_message"], decision.reason)
                 self.delayed.append((time.monotonic() + decision.delay_s, decision.job,
-                                     attempt.number + 1))
+                                     attempt.number + 1, worker))
                 self._write_samples(samples)
                 return
         record.update(

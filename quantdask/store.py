@@ -159,6 +159,13 @@ class RunStore:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def check_unlocked(self) -> None:
+        """Raise :class:`RunDirError` now if another driver holds the run directory (so a CLI
+        refuses before starting a cluster); :meth:`lock` still decides."""
+        if (self.root / ".lock").exists():
+            with self.lock():
+                pass
+
     def set_aside_unreadable(self) -> list[Path]:
         """Move result files that cannot be read (or do not fit the schema) aside, and delete
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""

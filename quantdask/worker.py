@@ -100,6 +100,9 @@ def inject_fault(kind: str, attempt: int) -> None:
     if kind == "oom":
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected on attempt {attempt})")
     if kind == "kill":
+        # A crash in mid-job: the worker's start announcement has left before it dies (one
+        # lost at once would make the job look never started, and it would be requeued).
+        time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         while True:  # only the scheduler's deadline (a worker restart) ends this

@@ -1,0 +1,188 @@
+"""Nothing lost: every failure class on a real LocalCluster, worker chaos, a killed driver."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+import quantdask.backends
+from quantdask.backends import Backend
+from quantdask.cluster import start_cluster
+from quantdask.scheduler import run_sweep
+from quantdask.store import RunStore, read_attempts, read_results
+from quantdask.sweep_file import sweep_from_dict
+from tests.conftest import REPO, sweep_dict
+
+pytestmark = [pytest.mark.slow]
+
+BNB = "bitsandbytes"
+
+
+def result_files(run_dir) -> list[Path]:
+    return sorted((Path(run_dir) / "results").glob("*.parquet"))
+
+
+@pytest.mark.timeout(240)
+def test_each_failure_class_gets_its_treatment(cluster, tmp_path):
+    data = sweep_dict(
+        backends=[{"backend": BNB, "grid": {"bits": [4, 8]}},
+                  {"backend": "torchao", "configs": [{"mode": "int4_weight_only",
+                                                     "group_size": 256}]}],
+        retries=2,
+        faults=[{"config": "nf4", "attempt": 1, "kind": "raise"},
+                {"config": "int8 t=6", "attempt": 1, "kind": "oom"},
+                {"config": "baseline", "attempt": 1, "kind": "kill"}],
+    )
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    rows = {row["config_label"]: row for row in results.to_dicts()}
+    assert {k: (v["status"], v["attempts"]) for k, v in rows.items()} == {
+        "baseline": ("done", 2), "nf4": ("done", 2), "int8 t=6": ("done", 2),
+        "ao int4wo g256": ("skipped", 1)}
+    assert rows["ao int4wo g256"]["failure_class"] == "unsupported"
+    attempts = read_attempts(tmp_path / "run").join(
+        results.select("job_id", "config_label"), on="job_id")
+    failed = dict(attempts.filter(pl.col("status") == "failed")
+                  .select("config_label", "failure_class").iter_rows())
+    assert failed == {"nf4": "job_error", "int8 t=6": "out_of_memory",
+                      "baseline": "worker_lost"}
+    assert attempts.height == 7  # 3 failed + 3 done + 1 skipped: one row per try
+    int8_log = (tmp_path / "run" / "logs" / "jobs" / f"{rows['int8 t=6']['job_id']}.log")
+    assert "out_of_memory: retrying with a whole device and eval batch 4" in int8_log.read_text()
+    assert len(result_files(tmp_path / "run")) == 4  # each job's result written once
+    cluster.client.wait_for_workers(2, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_is_cut_at_the_deadline(cluster, tmp_path):
+    data = sweep_dict(retries=0, timeout_s=6,
+                      faults=[{"config": "nf4", "attempt": 1, "kind": "hang"}])
+    started = time.monotonic()
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    row = results.filter(pl.col("config_label") == "nf4").row(0, named=True)
+    assert row["status"] == "failed" and row["failure_class"] == "timeout"
+    assert time.monotonic() - started < 60
+    cluster.client.wait_for_workers(2, timeout=60)
+
+
+def failing_on_worker_1(source, options, device):
+    from distributed import get_worker
+
+    if str(get_worker().name) == "1":
+        raise RuntimeError("this device is broken")
+    time.sleep(0.5)  # healthy work takes a while, so jobs are spread over both workers
+    return source.build(device)
+
+
+@pytest.mark.timeout(300)
+def test_a_device_failing_different_jobs_is_taken_out_of_rotation(tmp_path, monkeypatch):
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "fragile",
+                        Backend("fragile", failing_on_worker_1,
+                                options={"n": quantdask.backends.Option(int)}))
+    data = sweep_dict(backends=[{"backend": "fragile", "grid": {"n": list(range(16))}}],
+                      retries=4, exclude_device_after=2)
+    with start_cluster(workers=2) as cluster:
+        results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+        remaining = {str(w["name"]) for w in
+                     cluster.client.scheduler_info(n_workers=-1)["workers"].values()}
+    assert results["status"].to_list() == ["done"] * 17
+    excluded = RunStore(tmp_path / "run").read_excluded_workers()
+    assert [e["worker"] for e in excluded] == ["1"]
+    assert re.search(r"failed \d+ different jobs in a row, 2 of which then ran fine elsewhere",
+                     excluded[0]["reason"])
+    assert remaining == {"0"}
+
+
+@pytest.mark.timeout(600)
+def test_chaos_workers_killed_at_random_every_job_one_result(tmp_path):
+    data = sweep_dict(
+        backends=[{"backend": BNB, "grid": {"bits": [8], "int8_threshold": list(range(16))}},
+                  {"backend": BNB, "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
+                                            "double_quant": [False, True]}}],
+        retries=6)
+    data["eval"].update(seq_len=128, samples=48)  # about a second a job
+    sweep = sweep_from_dict(data)
+    rng = random.Random(7)
+    kills = []
+    with start_cluster(workers=2) as cluster:
+        outcome = {}
+        runner = threading.Thread(target=lambda: outcome.setdefault(
+            "results", run_sweep(sweep, tmp_path / "run", cluster.client)))
+        runner.start()
+        time.sleep(6)
+        while runner.is_alive() and len(kills) < 4:
+            pids = cluster.client.run(os.getpid)
+            victim = pids[rng.choice(sorted(pids))]
+            os.kill(victim, signal.SIGKILL)
+            kills.append(victim)
+            time.sleep(rng.uniform(3, 6))
+        runner.join(timeout=400)
+    results = outcome["results"]
+    assert len(kills) >= 2
+    assert results.height == 21 and results["status"].to_list() == ["done"] * 21
+    assert len(result_files(tmp_path / "run")) == 21  # no duplicate, none lost
+    attempts = read_attempts(tmp_path / "run")
+    lost = attempts.filter(pl.col("failure_class") == "worker_lost").height
+    print(f"chaos: {len(kills)} workers killed, {lost} attempts lost with them, "
+          f"{results.height} jobs done, 0 lost, 0 duplicated")
+
+
+def quantdask_run(sweep: str, run_dir: Path, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "quantdask.cli", "run", sweep, "--workers", "2",
+         "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+        **kwargs)
+
+
+@pytest.mark.timeout(600)
+def test_killing_the_driver_then_rerunning_finishes_without_rerunning_or_duplicating(tmp_path):
+    data = sweep_dict(backends=[{"backend": BNB, "grid": {"bits": [8],
+                                                          "int8_threshold": list(range(12))}}],
+                      retries=2)
+    data["eval"].update(seq_len=128, samples=48)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    first = quantdask_run(str(sweep), run_dir)
+    try:
+        deadline = time.monotonic() + 240
+        while len(result_files(run_dir)) < 4 and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        # While it runs, a second driver on the same run directory is refused.
+        second = subprocess.run(
+            [sys.executable, "-m", "quantdask.cli", "run", str(sweep), "--run-dir",
+             str(run_dir)], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert second.returncode == 2 and "is in use by another quantdask run" in second.stderr
+        os.kill(first.pid, signal.SIGKILL)  # kill -9 of the driver alone
+        first.wait(timeout=30)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # then its orphaned workers, if any are left
+    before = {p.name: p.stat().st_mtime_ns for p in result_files(run_dir)}
+    assert 4 <= len(before) < 13
+    rerun = quantdask_run(str(sweep), run_dir)
+    out, err = rerun.communicate(timeout=400)
+    assert rerun.returncode == 0, err
+    after = {p.name: p.stat().st_mtime_ns for p in result_files(run_dir)}
+    assert len(after) == 13 and all(after[name] == stamp for name, stamp in before.items())
+    results = read_results(run_dir)
+    assert results["job_id"].n_unique() == 13 and results["status"].to_list() == ["done"] * 13
+    # The rerun's attempts touched only the jobs without a result.
+    attempts = read_attempts(run_dir)
+    runs = attempts["run_id"].unique().sort().to_list()
+    rerun_jobs = set(attempts.filter(pl.col("run_id") == runs[-1])["job_id"])
+    assert rerun_jobs.isdisjoint(name.removesuffix(".parquet") for name in before)
+    print(f"driver kill: {len(before)} results before the kill, {13 - len(before)} run after, "
+          "0 rerun, 0 duplicated")
