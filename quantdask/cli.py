@@ -100,7 +100,8 @@ def _run(sweep, args) -> int:
     run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
     RunStore(run_dir).check_unlocked()
     with start_cluster(workers=args.workers, gpus=args.gpus, scheduler=args.scheduler,
-                       host=args.host) as cluster:
+                       host=args.host,
+                       jobs_per_worker=1 if args.scheduler else sweep.jobs_per_gpu) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
               f"Dask dashboard: {cluster.dashboard_link}", flush=True)
         results = run_sweep(sweep, run_dir, cluster.client, on_result=_print_progress())
@@ -150,16 +151,19 @@ def cmd_demo(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from quantdask.store import job_status
+    from quantdask.store import RunStore, job_status
 
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")
     frame = job_status(args.run_dir)
     print(_table(frame.to_dicts(), [c for c in ("job_id", "model", "config_label", "status",
                                                  "attempts", "worker", "perplexity",
-                                                 "error_message") if c in frame.columns]))
+                                                 "failure_class", "error_message")
+                                     if c in frame.columns]))
     counts = frame.group_by("status").len().sort("status").rows()
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
+    for excluded in RunStore(args.run_dir).read_excluded_workers():
+        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
     return 0
 
 

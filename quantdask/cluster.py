@@ -55,7 +55,7 @@ class ClusterHandle:
     client: Client
     cluster: Any = None
     kind: str = "external"
-    gpus: list[int] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)  # physical GPU ids
 
     @property
     def dashboard_link(self) -> str:
@@ -97,7 +97,8 @@ def start_cluster(
     scheduler: str | None = None,
     host: str = "127.0.0.1",
     dashboard_address: str | None = "127.0.0.1:0",
-    threads_per_worker: int | None = None,
+    torch_threads: int | None = None,
+    jobs_per_worker: int = 1,
 ) -> ClusterHandle:
     """A cluster to run sweeps on; use it as a context manager.
 
@@ -108,8 +109,12 @@ def start_cluster(
       each holding resource ``GPU=1`` as a CPU slot that stands in for a GPU.
 
     Servers bind to ``host`` (127.0.0.1 unless you choose otherwise); ``dashboard_address=None``
-    turns the dashboard off.
+    turns the dashboard off. ``jobs_per_worker`` (a sweep's ``jobs_per_gpu``) is how many jobs
+    one worker may run at once; ``torch_threads`` caps torch's threads on CPU slots.
     """
+    if isinstance(jobs_per_worker, bool) or not isinstance(jobs_per_worker, int) \
+            or jobs_per_worker < 1:
+        raise SpecError("jobs_per_worker", f"must be a positive integer, got {jobs_per_worker!r}")
     if scheduler is not None:
         if workers is not None or gpus is not None:
             raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
@@ -126,13 +131,19 @@ def start_cluster(
         raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
                                 f"{available} (ids 0-{available - 1})")
     if available and workers is None:
-        return _start_cuda_cluster(selected or list(range(available)), host, dashboard_address)
+        # Ids count the GPUs this process sees: map them through an inherited
+        # CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation) to the physical ones.
+        inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                     if g.strip()]
+        local = selected or list(range(available))
+        physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
+        return _start_cuda_cluster(physical, host, dashboard_address, jobs_per_worker)
     n = workers or 2
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
+    threads = torch_threads or max(1, (os.cpu_count() or 1) // (n * jobs_per_worker))
     from distributed import LocalCluster
 
     cluster = LocalCluster(
-        n_workers=n, threads_per_worker=1, processes=True, host=host,
+        n_workers=n, threads_per_worker=jobs_per_worker, processes=True, host=host,
         dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
         scheduler_kwargs=SCHEDULER_OPTIONS,
         # CPU slots stay on the CPU even on a machine with GPUs.
@@ -144,7 +155,8 @@ def start_cluster(
     return ClusterHandle(client=client, cluster=cluster, kind="cpu")
 
 
-def _start_cuda_cluster(gpus: list[int], host: str, dashboard_address: str | None) -> ClusterHandle:
+def _start_cuda_cluster(gpus: list[str], host: str, dashboard_address: str | None,
+                        jobs_per_worker: int) -> ClusterHandle:
     # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
     try:
         from dask_cuda import LocalCUDACluster
@@ -152,11 +164,12 @@ def _start_cuda_cluster(gpus: list[int], host: str, dashboard_address: str | Non
         raise SpecError("gpus", f"dask-cuda is needed for GPU workers ({err}); "
                                 "pip install 'quantdask[gpu]'") from None
     cluster = LocalCUDACluster(
-        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), threads_per_worker=1, host=host,
+        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), threads_per_worker=jobs_per_worker,
+        host=host,
         dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
         scheduler_kwargs=SCHEDULER_OPTIONS,
     )
     client = Client(cluster)
     log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,
              client.dashboard_link)
-    return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=gpus)
+    return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))

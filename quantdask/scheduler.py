@@ -245,7 +245,10 @@ class _SweepDriver:
         try:
             self.client.restart_workers([address], timeout=60)
         except Exception as error:  # noqa: BLE001 - e.g. a worker without a nanny
-            log.error("could not restart worker %s after a timeout: %s", address, error)
+            # It cannot be restarted: retire it, or it would hold its device hung forever.
+            log.error("could not restart worker %s after a timeout (%s); retiring it",
+                      address, error)
+            self.client.retire_workers([address], close_workers=True)
 
     def _workers(self) -> dict[str, str]:
         """Live workers: address -> name."""

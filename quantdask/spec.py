@@ -244,12 +244,15 @@ class Sweep:
                                                      "give each a distinct `name`")
         _require("eval", self.eval, EvalSettings, "the eval settings")
         _require("seed", self.seed, int, "an integer")
+        if not 0 <= self.seed < 2**63:
+            raise SpecError("seed", f"must be between 0 and 2**63 - 1, got {self.seed}")
         _require("retries", self.retries, int, "an integer >= 0")
         if self.retries < 0:
             raise SpecError("retries", f"must be an integer >= 0, got {self.retries}")
         _require("timeout_s", self.timeout_s, (int, float), "a number of seconds > 0")
-        if self.timeout_s <= 0:
-            raise SpecError("timeout_s", f"must be a number of seconds > 0, got {self.timeout_s}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # also rejects NaN
+            raise SpecError("timeout_s", f"must be a finite number of seconds > 0, "
+                                         f"got {self.timeout_s}")
         _require("priority", self.priority, int, "an integer")
         _positive_int("jobs_per_gpu", self.jobs_per_gpu)
         _require("retry_backoff_s", self.retry_backoff_s, (int, float), "a number of seconds >= 0")

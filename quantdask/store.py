@@ -58,6 +58,12 @@ def _atomic_write(path: Path, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        # The rename itself must reach the disk too, or a power cut can forget it.
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -291,7 +297,7 @@ def job_status(run_dir: str | os.PathLike) -> pl.DataFrame:
     store = RunStore(run_dir)
     plan = store.read_plan()
     results = store.read_results().select("job_id", "status", "attempts", "worker", "wall_s",
-                                          "perplexity", "error_message")
+                                          "perplexity", "failure_class", "error_message")
     if not plan:
         return results.with_columns(pl.lit(None, pl.String).alias("config_label"))
     planned = pl.DataFrame(plan).select("job_id", "model", "backend", "config_label", "priority")

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,9 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
     quiet_libraries()
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
+    # Jobs packed on one worker run in threads of one process: keep this job's lines only.
+    this_thread = threading.get_ident()
+    handler.addFilter(lambda line: line.thread == this_thread)
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s %(levelname)s {job.id} attempt={attempt} %(message)s"))
     log.addHandler(handler)

@@ -23,11 +23,20 @@ from tests.conftest import sweep_dict
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
+def reference_events(cluster, sweep) -> int:
+    key = reference_key(sweep.models[0], sweep.eval)
+    return sum(msg["key"] == key for _, msg in cluster.client.get_events(REFERENCE_TOPIC))
+
+
 @pytest.fixture(scope="module")
 def demo_run(cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("demo-run")
     arrived = []
-    results = run_sweep(load_sweep(DEMO_SWEEP), run_dir, cluster.client, on_result=arrived.append)
+    sweep = load_sweep(DEMO_SWEEP)
+    before = reference_events(cluster, sweep)
+    results = run_sweep(sweep, run_dir, cluster.client, on_result=arrived.append)
+    run_dir.joinpath("references-computed").write_text(
+        str(reference_events(cluster, sweep) - before))
     return run_dir, results, arrived
 
 
@@ -64,12 +73,10 @@ def test_quality_is_measured_against_the_baseline(demo_run):
     assert by_label["fp4"]["top1_agreement"] < by_label["nf4"]["top1_agreement"] < 1.0
 
 
-def test_the_reference_ran_once_for_the_model(demo_run, cluster):
-    _, results, _ = demo_run
-    sweep = load_sweep(DEMO_SWEEP)
-    key = reference_key(sweep.models[0], sweep.eval)
-    events = [msg for _, msg in cluster.client.get_events(REFERENCE_TOPIC) if msg["key"] == key]
-    assert len(events) == 1  # 7 jobs, one reference
+def test_the_reference_ran_once_for_the_model(demo_run):
+    run_dir, results, _ = demo_run
+    assert results.height == 7
+    assert (run_dir / "references-computed").read_text() == "1"  # 7 jobs, one reference
 
 
 def test_one_layer_row_per_quantized_linear_per_job(demo_run):
@@ -208,3 +215,25 @@ def test_a_hung_job_times_out_its_worker_is_replaced_and_the_retry_runs(cluster,
     worker_logs = (tmp_path / "run" / "logs" / "workers").glob("worker-*.log")
     assert any("JobTimeout: no result" in p.read_text() for p in worker_logs)
     cluster.client.wait_for_workers(2, timeout=60)
+
+
+def sleeps_then_builds(source, options, device):
+    time.sleep(1.0)
+    return source.build(device)
+
+
+def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
+    from quantdask.cluster import start_cluster
+
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "sleepy", Backend(
+        "sleepy", sleeps_then_builds, options={"n": quantdask.backends.Option(int)}))
+    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "sleepy", "grid": {"n": [1, 2]}}],
+                                       jobs_per_gpu=2))
+    with start_cluster(workers=1, jobs_per_worker=2) as cluster:
+        results = run_sweep(sweep, tmp_path / "run", cluster.client)
+    rows = results.filter(pl.col("backend") == "sleepy").sort("started_at").to_dicts()
+    assert [r["status"] for r in rows] == ["done", "done"]
+    assert rows[0]["worker"] == rows[1]["worker"]
+    assert rows[1]["started_at"] < rows[0]["finished_at"]  # they ran at the same time
+    logs = [(tmp_path / "run" / "logs" / "jobs" / f"{r['job_id']}.log").read_text() for r in rows]
+    assert rows[1]["job_id"] not in logs[0] and rows[0]["job_id"] not in logs[1]
