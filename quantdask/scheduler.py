@@ -54,6 +54,7 @@ class _Attempt:
     worker_address: str | None = None
     worker_name: str | None = None
     restricted_to: list[str] = field(default_factory=list)  # worker addresses it may run on
+    reference_key: str = ""  # the Dask key of the reference it depends on
 
 
 def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
@@ -96,6 +97,9 @@ class _SweepDriver:
         self._lock = threading.Lock()
         self._submissions = 0
         self._next_stranded_check = 0.0
+        self._reference_keys: dict[str, float] = {}  # reference key -> its deadline (s)
+        self.reference_starts: dict[str, tuple[float, str]] = {}  # key -> (start, address)
+        self._cut_references: set[str] = set()
         self._submitted: set[str] = set()
         self._eval_texts: dict[str, str] = {}
 
@@ -115,6 +119,7 @@ class _SweepDriver:
                 resources=job.resources, priority=job.priority + 10, pure=False, retries=0,
             )
             self.references[key] = future
+            self._reference_keys[future.key] = job.timeout_s
         return future
 
     def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
@@ -126,24 +131,29 @@ class _SweepDriver:
         key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
         self._submitted.add(job.id)
         elsewhere = [a for a, name in self._workers().items() if name != avoid] if avoid else []
+        reference = self._reference(job)
         with self._lock:
-            self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere)
+            self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
+                                          reference_key=reference.key)
         self.pending.add(self.client.submit(
-            run_job, job, get_backend(job.backend), number, self._reference(job), key=key,
+            run_job, job, get_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
             workers=elsewhere or None,
         ))
 
     def _on_job_start(self, event) -> None:
-        # Runs on the client's event loop thread: only note when and where the attempt began.
+        # Runs on the client's event loop thread: only note when and where a task began (again,
+        # if a scheduler of its own re-ran it after a worker died).
         _, message = event
         with self._lock:
             attempt = self.attempts.get(message["key"])
-            if attempt is not None and attempt.started is None:
+            if attempt is not None:
                 attempt.started = time.monotonic()
                 attempt.started_at = _now()
                 attempt.worker_address = message["address"]
                 attempt.worker_name = message["name"]
+            elif message["key"] in self._reference_keys:
+                self.reference_starts[message["key"]] = (time.monotonic(), message["address"])
 
     def run(self, jobs: list[Job]) -> None:
         self.client.register_plugin(DeviceSampler())
@@ -216,9 +226,14 @@ class _SweepDriver:
                 self.submit(job, attempt.number)
                 return
             # A failed reference fails its jobs too: that is a failed attempt of each.
-            record = _failed_outside("worker_lost" if lost else "job_error",
-                                     type(error).__name__, str(error) or type(error).__name__,
-                                     "".join(traceback.format_exception(error)))
+            if attempt.reference_key in self._cut_references:
+                record = _failed_outside(
+                    "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
+                    f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted")
+            else:
+                record = _failed_outside("worker_lost" if lost else "job_error",
+                                         type(error).__name__, str(error) or type(error).__name__,
+                                         "".join(traceback.format_exception(error)))
             record["worker"] = attempt.worker_name
         else:
             future.release()
@@ -226,6 +241,19 @@ class _SweepDriver:
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
+        for key, (started, address) in list(self.reference_starts.items()):
+            future = next((f for f in self.references.values() if f.key == key), None)
+            if future is None or future.done():
+                del self.reference_starts[key]
+            elif now - started > self._reference_keys[key]:
+                # A hung reference would hold every job of its model: cut it like a job. Its
+                # jobs then fail (an attempt each) and their retries get a new reference.
+                log.warning("reference %s: no result after %gs; restarting its worker", key,
+                            self._reference_keys[key])
+                del self.reference_starts[key]
+                self._cut_references.add(key)
+                future.cancel()
+                self._replace_worker(address)
         with self._lock:
             late = [(key, a) for key, a in self.attempts.items()
                     if a.started is not None and now - a.started > a.job.timeout_s]
@@ -242,13 +270,13 @@ class _SweepDriver:
 
     def _replace_worker(self, address: str | None) -> None:
         # A hung Python thread cannot be interrupted: only a new worker process frees the device.
+        # (Dask removes a worker that has no nanny to restart it; a slow restart goes on.)
         try:
-            self.client.restart_workers([address], timeout=60)
-        except Exception as error:  # noqa: BLE001 - e.g. a worker without a nanny
-            # It cannot be restarted: retire it, or it would hold its device hung forever.
-            log.error("could not restart worker %s after a timeout (%s); retiring it",
-                      address, error)
-            self.client.retire_workers([address], close_workers=True)
+            status = self.client.restart_workers([address], timeout=120, raise_for_error=False)
+        except Exception as error:  # noqa: BLE001 - the worker may be gone already
+            status = {address: repr(error)}
+        if status.get(address) != "OK":
+            log.warning("restarting worker %s: %s", address, status.get(address))
 
     def _workers(self) -> dict[str, str]:
         """Live workers: address -> name."""

@@ -26,6 +26,13 @@ from tests.conftest import REPO, sweep_dict
 
 pytestmark = [pytest.mark.slow]
 
+
+@pytest.fixture(scope="module")
+def fault_cluster():
+    """A cluster of its own: these tests kill and restart workers, the session's stays whole."""
+    with start_cluster(workers=2) as handle:
+        yield handle
+
 BNB = "bitsandbytes"
 
 
@@ -34,7 +41,8 @@ def result_files(run_dir) -> list[Path]:
 
 
 @pytest.mark.timeout(240)
-def test_each_failure_class_gets_its_treatment(cluster, tmp_path):
+def test_each_failure_class_gets_its_treatment(fault_cluster, tmp_path):
+    cluster = fault_cluster
     data = sweep_dict(
         backends=[{"backend": BNB, "grid": {"bits": [4, 8]}},
                   {"backend": "torchao", "configs": [{"mode": "int4_weight_only",
@@ -60,19 +68,27 @@ def test_each_failure_class_gets_its_treatment(cluster, tmp_path):
     int8_log = (tmp_path / "run" / "logs" / "jobs" / f"{rows['int8 t=6']['job_id']}.log")
     assert "out_of_memory: retrying with a whole device and eval batch 4" in int8_log.read_text()
     assert len(result_files(tmp_path / "run")) == 4  # each job's result written once
-    cluster.client.wait_for_workers(2, timeout=60)
+    cluster.client.wait_for_workers(2, timeout=120)
 
 
-@pytest.mark.timeout(120)
-def test_a_hang_is_cut_at_the_deadline(cluster, tmp_path):
-    data = sweep_dict(retries=0, timeout_s=6,
+@pytest.mark.timeout(240)
+def test_a_hang_is_cut_at_the_deadline_and_retried_on_a_fresh_worker(fault_cluster, tmp_path):
+    cluster = fault_cluster
+    data = sweep_dict(retries=1, timeout_s=8,
                       faults=[{"config": "nf4", "attempt": 1, "kind": "hang"}])
     started = time.monotonic()
     results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    elapsed = time.monotonic() - started
     row = results.filter(pl.col("config_label") == "nf4").row(0, named=True)
-    assert row["status"] == "failed" and row["failure_class"] == "timeout"
-    assert time.monotonic() - started < 60
-    cluster.client.wait_for_workers(2, timeout=60)
+    assert row["status"] == "done" and row["attempts"] == 2
+    assert elapsed < 150  # the deadline plus a worker restart, not a hang
+    attempts = read_attempts(tmp_path / "run").filter(pl.col("job_id") == row["job_id"])
+    assert attempts.sort("attempt")["failure_class"].to_list() == ["timeout", None]
+    log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
+    assert "failed outside the job (timeout): JobTimeout: no result after timeout_s=8s" in log
+    worker_logs = (tmp_path / "run" / "logs" / "workers").glob("worker-*.log")
+    assert any("JobTimeout: no result" in p.read_text() for p in worker_logs)
+    cluster.client.wait_for_workers(2, timeout=120)
 
 
 def failing_on_worker_1(source, options, device):
@@ -186,3 +202,27 @@ def test_killing_the_driver_then_rerunning_finishes_without_rerunning_or_duplica
     assert rerun_jobs.isdisjoint(name.removesuffix(".parquet") for name in before)
     print(f"driver kill: {len(before)} results before the kill, {13 - len(before)} run after, "
           "0 rerun, 0 duplicated")
+
+
+@pytest.mark.timeout(180)
+def test_a_reference_past_the_deadline_is_cut_and_its_jobs_fail_as_timeout(fault_cluster,
+                                                                            tmp_path):
+    cluster = fault_cluster
+    # A model no worker holds yet (its config differs), and a deadline shorter than loading it
+    # takes: the reference never makes it.
+    import shutil
+
+    from quantdask.demo_model import DEMO_MODEL_DIR
+
+    model = shutil.copytree(DEMO_MODEL_DIR, tmp_path / "fresh-model")
+    config = model / "config.json"
+    config.write_text(config.read_text().replace("{", '{"quantdask_test_copy": 1,', 1))
+    data = sweep_dict(retries=1, timeout_s=0.05, models=[{"name": "fresh", "path": str(model)}])
+    started = time.monotonic()
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    assert time.monotonic() - started < 120
+    assert results["status"].to_list() == ["failed", "failed"]
+    assert results["failure_class"].to_list() == ["timeout", "timeout"]
+    assert results["attempts"].to_list() == [2, 2]
+    assert all("model's reference" in m for m in results["error_message"])
+    cluster.client.wait_for_workers(2, timeout=120)

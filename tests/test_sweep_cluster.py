@@ -190,33 +190,6 @@ def test_servers_bind_to_loopback_only(cluster):
     assert listening and set(listening) <= {"127.0.0.1"}
 
 
-def test_a_hung_job_times_out_its_worker_is_replaced_and_the_retry_runs(cluster, tmp_path,
-                                                                        monkeypatch):
-    marker = tmp_path / "hung-once"
-
-    def hangs_once(source, options, device):
-        if not marker.exists():
-            marker.write_text("x")
-            time.sleep(600)  # far past the deadline: only a worker restart ends it
-        return source.build(device)
-
-    monkeypatch.setitem(quantdask.backends._REGISTRY, "hangs", Backend("hangs", hangs_once))
-    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "hangs", "configs": [{}]}],
-                                       retries=1, timeout_s=3))
-    started = time.monotonic()
-    results = run_sweep(sweep, tmp_path / "run", cluster.client)
-    elapsed = time.monotonic() - started
-    row = results.filter(pl.col("backend") == "hangs").row(0, named=True)
-    assert row["status"] == "done" and row["attempts"] == 2
-    assert elapsed < 60  # the deadline plus a worker restart, not the 600 s hang
-    log = (tmp_path / "run" / "logs" / "jobs" / f"{row['job_id']}.log").read_text()
-    assert ("attempt=1 failed outside the job (timeout): JobTimeout: no result after "
-            "timeout_s=3s") in log
-    worker_logs = (tmp_path / "run" / "logs" / "workers").glob("worker-*.log")
-    assert any("JobTimeout: no result" in p.read_text() for p in worker_logs)
-    cluster.client.wait_for_workers(2, timeout=60)
-
-
 def sleeps_then_builds(source, options, device):
     time.sleep(1.0)
     return source.build(device)
