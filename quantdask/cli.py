@@ -55,7 +55,7 @@ def _print_progress():
         nonlocal count
         count += 1
         if record["status"] == "done":
-            detail = (f"ppl {record['perplexity']:.4g}, "
+            detail = (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
                       f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
         else:
             detail = f"{record['error_class']}: {record['error_message']}".splitlines()[0]
@@ -109,7 +109,8 @@ def _run(sweep, args) -> int:
                         pl.col("config_label"), descending=[False, False, True, False],
                         nulls_last=True)
     print(_table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "perplexity", "wall_s"]))
+                                   "bits_per_weight", "perplexity", "kl_divergence",
+                                   "top1_agreement", "wall_s"]))
     counts = {s: results.filter(pl.col("status") == s).height
               for s in ("done", "failed", "skipped")}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
