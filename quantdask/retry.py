@@ -57,9 +57,8 @@ class DeviceHealth:
     jobs then ran fine on other devices: the evidence points at the device, not at the jobs (a
     config that fails everywhere retires nobody).
 
-    Only failures that can be the device's fault count (job errors, out of memory); a done job
-    on the device clears its record. The scheduler sends a failed job's retry to other workers
-    where it can, which is also what gathers the evidence.
+    Only job errors count; a done job on the device clears its record. The scheduler sends a
+    failed job's retry to other workers where it can, which is also what gathers the evidence.
     """
 
     limit: int = 3
@@ -68,7 +67,9 @@ class DeviceHealth:
     excluded: dict[str, str] = field(default_factory=dict)
 
     def failed(self, worker: str, job_id: str, failure_class: str) -> None:
-        if failure_class in ("job_error", "out_of_memory") and worker not in self.excluded:
+        # Out of memory does not count: its retry gets more room, so success elsewhere would
+        # prove nothing against this device.
+        if failure_class == "job_error" and worker not in self.excluded:
             streak = self.streaks.setdefault(worker, [])
             if job_id not in streak:
                 streak.append(job_id)

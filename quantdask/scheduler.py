@@ -19,25 +19,31 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import polars as pl
 from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
 from quantdask.devices import DeviceSampler, drain_this_worker
+from quantdask.errors import UnsupportedHere
 from quantdask.reference import compute_reference, reference_key
-from quantdask.retry import DeviceHealth, decide
+from quantdask.retry import DeviceHealth, RetryDecision, decide
 from quantdask.spec import Job, Sweep, expand_grid
 from quantdask.store import RunStore
-from quantdask.worker import JOB_START_TOPIC, run_job
+from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 
 log = logging.getLogger("quantdask.scheduler")
 
 POLL_S = 0.05
 """How often the driver checks deadlines and due retries while no result is ready."""
+
+NO_WORKERS_GRACE_S = 120.0
+"""How long a sweep waits for workers to come back when none is left before failing the rest."""
 
 MAX_REQUEUES = 3
 """Times a job may be put back in the queue, uncounted, because the worker it waited on died."""
@@ -92,11 +98,13 @@ class _SweepDriver:
         # Retries waiting for their backoff: (due, job, attempt, worker the last one failed on).
         self.delayed: list[tuple[float, Job, int, str | None]] = []
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
-        self.pending = as_completed(loop=client.loop)
+        self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)
         self.requeues: dict[str, int] = {}
         self._lock = threading.Lock()
         self._submissions = 0
+        self._backends: dict[str, bytes] = {}
         self._next_stranded_check = 0.0
+        self._no_workers_since: float | None = None
         self._reference_keys: dict[str, float] = {}  # reference key -> its deadline (s)
         self.reference_starts: dict[str, tuple[float, str]] = {}  # key -> (start, address)
         self._cut_references: set[str] = set()
@@ -122,6 +130,11 @@ class _SweepDriver:
             self._reference_keys[future.key] = job.timeout_s
         return future
 
+    def _pickled_backend(self, name: str) -> bytes:
+        if name not in self._backends:
+            self._backends[name] = cloudpickle.dumps(get_backend(name))
+        return self._backends[name]
+
     def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
         """Submit an attempt of ``job``; a retry runs on workers other than ``avoid`` (the one
         its last attempt failed on) when there are others."""
@@ -136,7 +149,7 @@ class _SweepDriver:
             self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
                                           reference_key=reference.key)
         self.pending.add(self.client.submit(
-            run_job, job, get_backend(job.backend), number, reference, key=key,
+            run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
             workers=elsewhere or None,
         ))
@@ -157,18 +170,20 @@ class _SweepDriver:
 
     def run(self, jobs: list[Job]) -> None:
         self.client.register_plugin(DeviceSampler())
-        self.client.run(drain_this_worker)  # samples from before this sweep are not its own
+        # Samples from before this sweep are not its own.
+        self.client.run(drain_this_worker, on_error="ignore")
         self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
         try:
             for job in jobs:
                 self.submit(job, 1)
             while not self.pending.is_empty() or self.delayed:
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
-                for future in ready:
-                    self._collect(future)
+                for future, result in ready:
+                    self._collect(future, result)
                 self._enforce_deadlines()
                 self._submit_due_retries()
                 self._release_stranded()
+                self._give_up_without_workers()
                 if not ready:
                     time.sleep(POLL_S)
         finally:
@@ -180,7 +195,7 @@ class _SweepDriver:
             self.client.cancel([Future(k, self.client) for k in keys]
                                + list(self.references.values()))
         # The idle time since each worker's last job.
-        for samples in self.client.run(drain_this_worker).values():
+        for samples in self.client.run(drain_this_worker, on_error="ignore").values():
             self._write_samples(samples)
 
     def _release_stranded(self) -> None:
@@ -191,6 +206,7 @@ class _SweepDriver:
             return
         self._next_stranded_check = now + 2.0
         alive = set(self._workers())
+        self._no_workers_since = None if alive else (self._no_workers_since or now)
         with self._lock:
             stranded = [(k, a) for k, a in self.attempts.items() if a.restricted_to
                         and a.started is None and not alive.intersection(a.restricted_to)]
@@ -207,36 +223,50 @@ class _SweepDriver:
         for _, job, number, failed_on in due:
             self.submit(job, number, avoid=failed_on)
 
-    def _collect(self, future: Future) -> None:
+    def _collect(self, future: Future, result: Any) -> None:
+        """Handle one completed future; ``result`` was gathered on the client's event loop (so a
+        result whose worker dies meanwhile never blocks this loop)."""
         with self._lock:
             attempt = self.attempts.pop(future.key, None)
+        future.release()
         if attempt is None:  # an attempt already given up on (timed out) and cancelled
             return
-        try:
-            record = future.result()
-        except Exception as error:  # noqa: BLE001 - the attempt ended outside run_job
-            future.release()
-            lost = isinstance(error, KilledWorker) or "CommClosed" in type(error).__name__
-            job = attempt.job
-            if lost and attempt.started is None and self.requeues.get(job.id, 0) < MAX_REQUEUES:
-                # The worker it was queued on (or its reference's) died before it began: that
-                # is not an attempt of this job, so it goes back in the queue uncounted.
-                self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
-                log.info("%s was queued on a lost worker; resubmitting", job.id)
-                self.submit(job, attempt.number)
-                return
-            # A failed reference fails its jobs too: that is a failed attempt of each.
-            if attempt.reference_key in self._cut_references:
-                record = _failed_outside(
-                    "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
-                    f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted")
-            else:
-                record = _failed_outside("worker_lost" if lost else "job_error",
-                                         type(error).__name__, str(error) or type(error).__name__,
-                                         "".join(traceback.format_exception(error)))
-            record["worker"] = attempt.worker_name
+        if future.status == "finished" and isinstance(result, dict):
+            self._finish(attempt, result)
+            return
+        error = result[1] if future.status == "error" else CancelledError(
+            f"{future.key} was cancelled")
+        job = attempt.job
+        lost = isinstance(error, (KilledWorker, CancelledError)) \
+            or "CommClosed" in type(error).__name__
+        cut = attempt.reference_key in self._cut_references
+        if lost and not cut and attempt.started is None \
+                and self.requeues.get(job.id, 0) < MAX_REQUEUES:
+            # The worker it was queued on (or its reference's) died, or the scheduler dropped
+            # it, before it began: not an attempt of this job, so it is requeued uncounted.
+            self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
+            log.info("%s was dropped before it started (%s); resubmitting", job.id,
+                     type(error).__name__)
+            self.submit(job, attempt.number)
+            return
+        reference = self.references.get(reference_key(job.model, job.eval))
+        if cut:
+            record = _failed_outside(
+                "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
+                f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted")
+        elif isinstance(error, UnsupportedHere):
+            record = {**_failed_outside("unsupported", type(error).__name__, str(error)),
+                      "status": "skipped"}
         else:
-            future.release()
+            # A failed reference fails each of its model's jobs: one failed attempt each.
+            where = ("in its model's reference: " if reference is not None
+                     and reference.key == attempt.reference_key and reference.status == "error"
+                     else "")
+            record = _failed_outside(
+                "worker_lost" if lost else failure_class_of(error), type(error).__name__,
+                where + (str(error) or type(error).__name__),
+                "".join(traceback.format_exception(error)))
+        record["worker"] = attempt.worker_name
         self._finish(attempt, record)
 
     def _enforce_deadlines(self) -> None:
@@ -295,7 +325,25 @@ class _SweepDriver:
         self.store.record_excluded_worker(name, reason)
         self.client.retire_workers(addresses, close_workers=True)
 
-    def _finish(self, attempt: _Attempt, record: dict[str, Any]) -> None:
+    def _give_up_without_workers(self) -> None:
+        """With no worker left for NO_WORKERS_GRACE_S, fail what is left instead of waiting."""
+        if self._no_workers_since is None \
+                or time.monotonic() - self._no_workers_since < NO_WORKERS_GRACE_S:
+            return
+        with self._lock:
+            left = list(self.attempts.items())
+            self.attempts.clear()
+        left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
+                 for _, attempt_job, number, _ in self.delayed]
+        self.delayed = []
+        self.client.cancel([Future(k, self.client) for k, _ in left])
+        message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
+        log.error("%s: failing %d jobs", message, len(left))
+        for _, attempt in left:
+            self._finish(attempt, _failed_outside("worker_lost", "NoWorkers", message),
+                         final=True)
+
+    def _finish(self, attempt: _Attempt, record: dict[str, Any], final: bool = False) -> None:
         job = attempt.job
         samples = record.pop("device_samples", None) or []
         _write_logs(self.store, job, attempt.number, record)
@@ -308,14 +356,13 @@ class _SweepDriver:
             "error_class": record.get("error_class"), "error_message": record.get("error_message"),
         })
         worker = record.get("worker") or attempt.worker_name
-        if record["status"] == "done" and worker:
-            for bad in self.health.succeeded(worker, job.id):
-                self._exclude(bad)
         if record["status"] == "failed":
             if worker:
                 self.health.failed(worker, job.id, record["failure_class"])
             decision = decide(job, attempt.number, record["failure_class"],
                               self.sweep.retry_backoff_s)
+            if final:
+                decision = RetryDecision(False, reason="not retried: no worker left")
             note = (f"{_now().isoformat()} WARNING {job.id} attempt={attempt.number} "
                     f"{record['failure_class']}: {decision.reason}\n")
             self.store.append_job_log(job.id, note)
@@ -337,6 +384,12 @@ class _SweepDriver:
             self.store.write_layers(job.id, layers)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
+        if record["status"] == "done" and worker:  # after the result is safe on disk
+            for bad in self.health.succeeded(worker, job.id):
+                try:
+                    self._exclude(bad)
+                except Exception as error:  # noqa: BLE001 - the sweep goes on regardless
+                    log.error("could not take worker %s out of rotation: %s", bad, error)
         self._write_samples(samples)
         if self.on_result is not None:
             self.on_result(record)

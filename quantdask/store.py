@@ -212,7 +212,9 @@ class RunStore:
                 validate_record({k: v for k, v in row.items() if v is not None})
             except SchemaError:
                 continue
-            finished.add(row["job_id"])
+            # Its per-layer rows are part of a done job: one set aside means run it again.
+            if (self.layers_dir / f"{row['job_id']}.parquet").exists():
+                finished.add(row["job_id"])
         return finished
 
     def write_plan(self, jobs: list[dict[str, Any]]) -> None:
@@ -248,8 +250,8 @@ def _read_file(path: Path, schema: dict) -> pl.DataFrame | None:
                    if c not in frame.columns]
         return frame.with_columns(missing).select(
             [pl.col(c).cast(dtype) for c, dtype in schema.items()])
-    except Exception:  # noqa: BLE001 - any decoding failure means a damaged file
-        return None
+    except (pl.exceptions.PolarsError, ValueError):  # damaged or not Parquet; an OSError
+        return None  # (a flaky network disk) is raised, not taken for damage
 
 
 def _unreadable(directory: Path, schema: dict) -> list[Path]:

@@ -7,6 +7,7 @@ Dask dependency (see ``reference``), so a sweep of many configs pays the cold st
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import logging
@@ -17,6 +18,8 @@ import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
+
+import cloudpickle
 
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import UnsupportedHere
@@ -116,7 +119,9 @@ def failure_class_of(error: BaseException) -> str:
 
     if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
         return "out_of_memory"
-    return "out_of_memory" if "out of memory" in str(error).lower() else "job_error"
+    message = str(error).lower()
+    allocation = ("out of memory", "can't allocate memory", "cannot allocate memory")
+    return "out_of_memory" if any(m in message for m in allocation) else "job_error"
 
 
 def _local_reference(job: Job) -> Reference:
@@ -126,18 +131,19 @@ def _local_reference(job: Job) -> Reference:
         return compute_reference(job.model, job.eval, f.read())
 
 
-def run_job(job: Job, backend: Backend, attempt: int = 1,
+def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             reference: Reference | None = None) -> dict[str, Any]:
     """Run one job here and return its record: metrics when done, the reason when not.
 
-    ``reference`` is the model's shared eval windows and baseline log-probs (computed here when
-    not given). Never raises for a job's own failure: the class, message and traceback come
-    back in the record (``status`` failed or skipped), with the job's log under ``log``, its
-    per-layer rows under ``layers`` and the worker's device samples under ``device_samples``.
+    ``backend`` may come pickled (bytes), so that one this worker cannot load (a notebook's,
+    from a module it lacks) fails as this job, not as the worker. ``reference`` is the model's
+    shared eval windows and baseline log-probs (computed here when not given). Never raises for
+    a job's own failure: the class, message and traceback come back in the record (``status``
+    failed or skipped), with the job's log under ``log``, its per-layer rows under ``layers``
+    and the worker's device samples under ``device_samples``.
     """
     import torch
 
-    quiet_libraries()
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     # Jobs packed on one worker run in threads of one process: keep this job's lines only.
@@ -154,6 +160,9 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
         sampler.current_job = job.id
         sampler.sample_now()
     try:
+        quiet_libraries()
+        if isinstance(backend, bytes):
+            backend = cloudpickle.loads(backend)
         device, device_label, cuda = torch_device()
         record["device"] = device_label
         log.info("start on worker %s (%s) device %s: %s %s", worker, host, device_label,
@@ -206,7 +215,8 @@ def run_job(job: Job, backend: Backend, attempt: int = 1,
     finally:
         log.removeHandler(handler)
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
+                torch.cuda.empty_cache()
         if sampler is not None:
             sampler.sample_now()
             sampler.current_job = None

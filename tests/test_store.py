@@ -31,6 +31,12 @@ def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> d
     return record
 
 
+def record_done(store: RunStore, job_id: str) -> None:
+    """What the scheduler writes for a done job: its layer rows, then its result."""
+    store.write_layers(job_id, [])
+    store.write_result(done_record(job_id))
+
+
 def test_done_record_round_trips_with_the_full_schema(tmp_path):
     store = RunStore(tmp_path / "run").create()
     store.write_result(done_record())
@@ -98,8 +104,8 @@ def test_a_write_that_dies_halfway_keeps_the_previous_result(tmp_path, monkeypat
 
 def test_a_damaged_result_is_set_aside_and_its_job_runs_again(tmp_path):
     store = RunStore(tmp_path).create()
-    store.write_result(done_record("a"))
-    store.write_result(done_record("b"))
+    record_done(store, "a")
+    record_done(store, "b")
     (store.results_dir / "b.parquet").write_bytes(b"PAR1 torn write")
     (store.results_dir / ".a.parquet.x.tmp").write_bytes(b"left by a crash")
     assert read_results(tmp_path)["job_id"].to_list() == ["a"]  # readable rows still read
@@ -115,7 +121,8 @@ def test_results_from_an_older_version_read_with_nulls_and_are_measured_again(tm
     store = RunStore(tmp_path).create()
     old = records_to_frame([done_record("old")]).drop("kl_divergence", "top1_agreement")
     old.write_parquet(store.results_dir / "old.parquet")
-    store.write_result(done_record("new"))
+    store.write_layers("old", [])
+    record_done(store, "new")
     frame = read_results(tmp_path)
     assert frame.schema == pl.Schema(RESULT_SCHEMA)
     assert frame.filter(pl.col("job_id") == "old")["kl_divergence"].to_list() == [None]
@@ -135,7 +142,8 @@ def test_a_second_driver_on_the_same_run_dir_is_refused(tmp_path):
 
 def test_finished_jobs_are_the_done_ones(tmp_path):
     store = RunStore(tmp_path).create()
-    store.write_result(done_record("a"))
+    record_done(store, "a")
+    store.write_result(done_record("no-layers"))  # a crash between the two writes
     store.write_result(done_record("b", status="skipped", failure_class="unsupported",
                                    error_class="UnsupportedHere",
                                    error_message="needs CUDA"))
