@@ -151,9 +151,7 @@ def test_chaos_workers_killed_at_random_every_job_one_result(tmp_path):
     assert len(result_files(tmp_path / "run")) == 21  # no duplicate, none lost
     attempts = read_attempts(tmp_path / "run")
     lost = attempts.filter(pl.col("failure_class") == "worker_lost").height
-    requeued = attempts.height - results.height - lost  # other failed tries
     assert lost >= 1, "no kill hit a running job"  # (jobs of about a second, kills every 3-6 s)
-    assert requeued >= 0
     print(f"chaos: {len(kills)} workers killed, {lost} attempts lost with them, "
           f"{results.height} jobs done, 0 lost, 0 duplicated")
 
