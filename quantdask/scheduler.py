@@ -45,8 +45,10 @@ POLL_S = 0.05
 NO_WORKERS_GRACE_S = 120.0
 """How long a sweep waits for workers to come back when none is left before failing the rest."""
 
-MAX_REQUEUES = 3
-"""Times a job may be put back in the queue, uncounted, because the worker it waited on died."""
+MAX_REQUEUES = 10
+"""Times a job may be put back in the queue, uncounted, because the worker it waited on died
+(other jobs' crashes spend it too, so it is generous; it only bounds a job that kills its
+worker before its start is announced)."""
 
 
 @dataclass

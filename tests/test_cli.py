@@ -53,8 +53,8 @@ def test_run_with_a_failing_job_exits_1_and_points_at_its_log(write_sweep, tmp_p
     assert "2 jobs: 0 done, 2 failed, 0 skipped" in run.stdout
     log_line = [line for line in run.stdout.splitlines() if line.startswith("failed:")][0]
     log_path = tmp_path / log_line.rsplit("(log: ", 1)[1].rstrip(")")
-    assert "attempt=2 failed outside the job (job_error): ValueError: eval text has" \
-        in log_path.read_text()
+    assert ("attempt=2 failed outside the job (job_error): ValueError: in its model's "
+            "reference: eval text has") in log_path.read_text()
 
 
 def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, monkeypatch):
