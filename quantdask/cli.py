@@ -73,8 +73,7 @@ def _check_run_dir(path: str) -> str:
 
 
 def cmd_plan(args) -> int:
-    from quantdask.scheduler import plan_rows
-    from quantdask.spec import expand_grid
+    from quantdask.spec import expand_grid, plan_rows
     from quantdask.store import RunStore
     from quantdask.sweep_file import load_sweep
 

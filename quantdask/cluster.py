@@ -173,3 +173,30 @@ def _start_cuda_cluster(gpus: list[str], host: str, dashboard_address: str | Non
     log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,
              client.dashboard_link)
     return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))
+
+
+def live_workers(client: Client) -> dict[str, str]:
+    """The cluster's workers now: address -> name."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {address: str(w["name"]) for address, w in info.items()}
+
+
+def restart_worker(client: Client, address: str | None) -> None:
+    """Replace a worker's process (a hung Python thread cannot be interrupted; only a new
+    process frees its device). Dask removes a worker without a nanny; a slow restart goes on."""
+    try:
+        status = client.restart_workers([address], timeout=120, raise_for_error=False)
+    except Exception as error:  # noqa: BLE001 - the worker may be gone already
+        status = {address: repr(error)}
+    if status.get(address) != "OK":
+        log.warning("restarting worker %s: %s", address, status.get(address))
+
+
+def retire_worker(client: Client, name: str) -> bool:
+    """Retire the worker called ``name`` for good, unless it is the last; True if retired."""
+    workers = live_workers(client)
+    addresses = [a for a, n in workers.items() if n == name]
+    if len(workers) <= 1 or not addresses:
+        return False
+    client.retire_workers(addresses, close_workers=True)
+    return True

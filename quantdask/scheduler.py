@@ -29,11 +29,12 @@ from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
+from quantdask.cluster import live_workers, restart_worker, retire_worker
 from quantdask.devices import DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
 from quantdask.reference import compute_reference, reference_key
 from quantdask.retry import DeviceHealth, RetryDecision, decide
-from quantdask.spec import Job, Sweep, expand_grid
+from quantdask.spec import Job, Sweep, expand_grid, plan_rows
 from quantdask.store import RunStore
 from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 
@@ -63,16 +64,6 @@ class _Attempt:
     worker_name: str | None = None
     restricted_to: list[str] = field(default_factory=list)  # worker addresses it may run on
     reference_key: str = ""  # the Dask key of the reference it depends on
-
-
-def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
-    """Plain rows describing planned jobs (what ``quantdask plan`` prints and jobs.json holds)."""
-    return [
-        {"job_id": j.id, "model": j.model.label, "backend": j.backend,
-         "config_label": j.config_label, "config": json.dumps(j.options, sort_keys=True),
-         "priority": j.priority, "gpu_share": j.gpu_share}
-        for j in sorted(jobs, key=lambda j: -j.priority)
-    ]
 
 
 def _now() -> dt.datetime:
@@ -145,7 +136,8 @@ class _SweepDriver:
         self._submissions += 1
         key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
         self._submitted.add(job.id)
-        elsewhere = [a for a, name in self._workers().items() if name != avoid] if avoid else []
+        elsewhere = ([a for a, name in live_workers(self.client).items() if name != avoid]
+                     if avoid else [])
         reference = self._reference(job)
         with self._lock:
             self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
@@ -207,7 +199,7 @@ class _SweepDriver:
         if now < self._next_stranded_check:
             return
         self._next_stranded_check = now + 2.0
-        alive = set(self._workers())
+        alive = set(live_workers(self.client))
         self._no_workers_since = None if alive else (self._no_workers_since or now)
         with self._lock:
             stranded = [(k, a) for k, a in self.attempts.items() if a.restricted_to
@@ -285,7 +277,7 @@ class _SweepDriver:
                 del self.reference_starts[key]
                 self._cut_references.add(key)
                 future.cancel()
-                self._replace_worker(address)
+                restart_worker(self.client, address)
         with self._lock:
             late = [(key, a) for key, a in self.attempts.items()
                     if a.started is not None and now - a.started > a.job.timeout_s]
@@ -296,36 +288,18 @@ class _SweepDriver:
                        f"{attempt.worker_name}; the worker was restarted")
             log.warning("%s: %s", key, message)
             Future(key, self.client).cancel()
-            self._replace_worker(attempt.worker_address)
+            restart_worker(self.client, attempt.worker_address)
             self._finish(attempt, {**_failed_outside("timeout", "JobTimeout", message),
                                    "worker": attempt.worker_name})
 
-    def _replace_worker(self, address: str | None) -> None:
-        # A hung Python thread cannot be interrupted: only a new worker process frees the device.
-        # (Dask removes a worker that has no nanny to restart it; a slow restart goes on.)
-        try:
-            status = self.client.restart_workers([address], timeout=120, raise_for_error=False)
-        except Exception as error:  # noqa: BLE001 - the worker may be gone already
-            status = {address: repr(error)}
-        if status.get(address) != "OK":
-            log.warning("restarting worker %s: %s", address, status.get(address))
-
-    def _workers(self) -> dict[str, str]:
-        """Live workers: address -> name."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        return {address: str(w["name"]) for address, w in info.items()}
-
     def _exclude(self, name: str) -> None:
         """Take a worker whose device keeps failing out of rotation, unless it is the last."""
-        workers = self._workers()
         reason = self.health.excluded[name]
-        addresses = [a for a, n in workers.items() if n == name]
-        if len(workers) <= 1 or not addresses:
+        if retire_worker(self.client, name):
+            log.error("worker %s %s: taken out of rotation", name, reason)
+            self.store.record_excluded_worker(name, reason)
+        else:
             log.error("worker %s %s, but it is the last one (or gone): kept", name, reason)
-            return
-        log.error("worker %s %s: taking it out of rotation", name, reason)
-        self.store.record_excluded_worker(name, reason)
-        self.client.retire_workers(addresses, close_workers=True)
 
     def _give_up_without_workers(self) -> None:
         """With no worker left for NO_WORKERS_GRACE_S, fail what is left instead of waiting."""
@@ -348,7 +322,7 @@ class _SweepDriver:
     def _finish(self, attempt: _Attempt, record: dict[str, Any], final: bool = False) -> None:
         job = attempt.job
         samples = record.pop("device_samples", None) or []
-        _write_logs(self.store, job, attempt.number, record)
+        self.store.append_attempt_log(job.id, attempt.number, record)
         self.store.write_attempt({
             "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
             "key": attempt.key, "worker": record.get("worker"),
@@ -431,13 +405,3 @@ def run_sweep(
         _SweepDriver(client, store, sweep, on_result).run(todo)
         ids = [job.id for job in jobs]
         return store.read_results().filter(pl.col("job_id").is_in(ids))
-
-
-def _write_logs(store: RunStore, job: Job, attempt: int, record: dict[str, Any]) -> None:
-    text = record.pop("log", "") or (
-        f"{_now().isoformat()} ERROR {job.id} attempt={attempt} failed outside the job "
-        f"({record.get('failure_class')}): {record.get('error_class')}: "
-        f"{record.get('error_message')}\n"
-    )
-    store.append_job_log(job.id, text)
-    store.append_worker_log(record.get("worker") or "unknown-worker", text)

@@ -362,3 +362,13 @@ def expand_grid(sweep: Sweep) -> list[Job]:
 
 def field_names(cls) -> list[str]:
     return [f.name for f in fields(cls) if f.init and f.name != "root"]
+
+
+def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
+    """Plain rows describing planned jobs (what ``quantdask plan`` prints and jobs.json holds)."""
+    return [
+        {"job_id": j.id, "model": j.model.label, "backend": j.backend,
+         "config_label": j.config_label, "config": json.dumps(j.options, sort_keys=True),
+         "priority": j.priority, "gpu_share": j.gpu_share}
+        for j in sorted(jobs, key=lambda j: -j.priority)
+    ]

@@ -16,6 +16,7 @@ Layout::
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import logging
@@ -226,6 +227,16 @@ class RunStore:
         if not path.exists():
             return []
         return json.loads(path.read_text())
+
+    def append_attempt_log(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
+        """An attempt's log lines (``record["log"]``, taken out of the record) into its job's and
+        its worker's log; an attempt that ended outside the job gets a line saying why."""
+        text = record.pop("log", "") or (
+            f"{datetime.datetime.now(datetime.UTC).isoformat()} ERROR {job_id} "
+            f"attempt={attempt} failed outside the job ({record.get('failure_class')}): "
+            f"{record.get('error_class')}: {record.get('error_message')}\n")
+        self.append_job_log(job_id, text)
+        self.append_worker_log(record.get("worker") or "unknown-worker", text)
 
     def append_job_log(self, job_id: str, text: str) -> None:
         with open(self.job_logs_dir / f"{job_id}.log", "a", encoding="utf-8") as f:

@@ -191,7 +191,7 @@ def test_servers_bind_to_loopback_only(cluster):
 
 
 def sleeps_then_builds(source, options, device):
-    time.sleep(1.0)
+    time.sleep(3.0)
     return source.build(device)
 
 
