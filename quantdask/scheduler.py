@@ -114,13 +114,16 @@ class _SweepDriver:
                 with open(job.eval.text_path, encoding="utf-8") as f:
                     self._eval_texts[job.eval.text_path] = f.read()
             self._submissions += 1
+            # The Dask key is this driver's own: a key is an identity across clients, and a
+            # cancellation of another sweep's reference must never reach this one.
+            dask_key = f"{key}-{self.run_id}-{self._submissions}"
+            self._reference_keys[dask_key] = job.timeout_s  # before its start can be announced
             future = self.client.submit(
                 compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
-                key=key if future is None else f"{key}-{self._submissions}",
+                key=dask_key,
                 resources=job.resources, priority=job.priority + 10, pure=False, retries=0,
             )
             self.references[key] = future
-            self._reference_keys[future.key] = job.timeout_s
         return future
 
     def _pickled_backend(self, name: str) -> bytes:
@@ -180,14 +183,17 @@ class _SweepDriver:
                 self._give_up_without_workers()
                 if not ready:
                     time.sleep(POLL_S)
-        finally:
-            self.client.unsubscribe_topic(JOB_START_TOPIC)
+        except BaseException:
             # On an error (or an interrupt in a notebook) nothing may keep running unseen.
             with self._lock:
                 keys = list(self.attempts)
                 self.attempts.clear()
             self.client.cancel([Future(k, self.client) for k in keys]
                                + list(self.references.values()))
+            raise
+        finally:
+            self.client.unsubscribe_topic(JOB_START_TOPIC)
+            self.references.clear()  # released: Dask forgets them once no client holds them
         # The idle time since each worker's last job.
         for samples in self.client.run(drain_this_worker, on_error="ignore").values():
             self._write_samples(samples)
@@ -234,10 +240,11 @@ class _SweepDriver:
         lost = isinstance(error, (KilledWorker, CancelledError)) \
             or "CommClosed" in type(error).__name__
         cut = attempt.reference_key in self._cut_references
-        if lost and not cut and attempt.started is None \
-                and self.requeues.get(job.id, 0) < MAX_REQUEUES:
-            # The worker it was queued on (or its reference's) died, or the scheduler dropped
-            # it, before it began: not an attempt of this job, so it is requeued uncounted.
+        dropped = isinstance(error, CancelledError) or attempt.started is None
+        if lost and not cut and dropped and self.requeues.get(job.id, 0) < MAX_REQUEUES:
+            # The worker it was queued on (or its reference's) died before it began, or the
+            # scheduler dropped it (a cancellation quantdask did not make): not an attempt of
+            # this job, so it is requeued uncounted.
             self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
             log.info("%s was dropped before it started (%s); resubmitting", job.id,
                      type(error).__name__)
