@@ -56,9 +56,9 @@ def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
 def compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
     """Tokenize ``text`` into eval windows and run the unquantized model over them."""
     from quantdask.devices import this_workers_sampler
-    from quantdask.worker import quiet_libraries
+    from quantdask.worker import announce_start, quiet_libraries
 
-    _announce_start()
+    announce_start()  # its deadline starts now
     quiet_libraries()
     sampler = this_workers_sampler()
     if sampler is not None:  # the device's samples meanwhile belong to the reference
@@ -86,20 +86,6 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
     del fp_model
     _announce(reference_key(model, settings))
     return Reference(key=reference_key(model, settings), windows=windows, log_probs=log_probs)
-
-
-def _announce_start() -> None:
-    """Tell the driver the reference began (its deadline starts now)."""
-    from quantdask.worker import JOB_START_TOPIC
-
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except ValueError:  # computed outside a Dask worker
-        return
-    worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
-                                       "address": worker.address, "name": str(worker.name)})
 
 
 def _announce(key: str) -> None:

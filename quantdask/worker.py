@@ -41,8 +41,9 @@ PROBE_WINDOWS = 4
 """Eval windows in the probe batch that per-layer output error is measured on."""
 
 
-def _announce_start() -> tuple[str, str]:
-    """Tell the driver this attempt began (its deadline starts now); (worker name, host)."""
+def announce_start() -> tuple[str, str]:
+    """Tell the driver the running task (a job attempt or a reference) began, so its deadline
+    starts now; returns (worker name, host)."""
     try:
         from distributed import get_worker
 
@@ -153,7 +154,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         f"%(asctime)s %(levelname)s {job.id} attempt={attempt} %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    worker, host = _announce_start()
+    worker, host = announce_start()
     record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
     sampler = this_workers_sampler()
     if sampler is not None:  # mark the job's samples, and take one even if the job is short
