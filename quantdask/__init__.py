@@ -9,6 +9,8 @@
 from quantdask.backends import Backend, Option, backend_names, get_backend, register_backend
 from quantdask.cluster import ClusterHandle, start_cluster
 from quantdask.errors import QuantdaskError, SchemaError, SpecError, UnsupportedHere
+from quantdask.html_report import execute_notebook, write_report
+from quantdask.scaling import read_scaling, scale_sweep
 from quantdask.scheduler import run_sweep
 from quantdask.spec import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
 from quantdask.store import (
@@ -17,8 +19,9 @@ from quantdask.store import (
     read_device_samples,
     read_layers,
     read_results,
+    read_sessions,
 )
-from quantdask.summary import device_summary
+from quantdask.summary import device_summary, sweep_summary
 from quantdask.sweep_file import load_sweep, sweep_from_dict
 
 __version__ = "0.1.0"
@@ -26,7 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "BackendBlock", "ClusterHandle", "EvalSettings", "Job", "ModelSpec", "Option",
     "QuantdaskError", "SchemaError", "SpecError", "Sweep", "UnsupportedHere", "backend_names",
-    "device_summary", "expand_grid", "get_backend", "job_status", "load_sweep",
-    "read_attempts", "read_device_samples", "read_layers", "read_results", "register_backend",
-    "run_sweep", "start_cluster", "sweep_from_dict",
+    "device_summary", "execute_notebook", "expand_grid", "get_backend", "job_status",
+    "load_sweep", "read_attempts", "read_device_samples", "read_layers", "read_results",
+    "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
+    "start_cluster", "sweep_from_dict", "sweep_summary", "write_report",
 ]

@@ -133,10 +133,41 @@ def _run(sweep, args) -> int:
     return 0
 
 
+def _write_report(run_dir: str, output: str | None = None) -> int:
+    from quantdask.html_report import write_report
+
+    print(f"report: running the report notebook on {run_dir} ...", flush=True)
+    path = write_report(run_dir, output)
+    print(f"report: {path} (opens offline; executed notebook: {path.with_suffix('.ipynb')})")
+    return 0
+
+
+def _run_and_report(sweep, args, scaling: bool = False) -> int:
+    run_dir = args.run_dir = args.run_dir or os.path.join("runs", sweep.name)
+    status = _run(sweep, args)
+    if scaling:
+        scaling_dir = os.path.join(run_dir, "scaling")
+        if os.path.isdir(scaling_dir) and os.listdir(scaling_dir):
+            print(f"scaling: kept the earlier measurement in {scaling_dir} "
+                  "(delete it to measure again)")
+        else:
+            _scale(sweep, [1, 2], scaling_dir, args.host)
+    if args.no_report:
+        return status
+    try:
+        _write_report(run_dir)
+    except QuantdaskError as err:
+        # The results are safe on disk; say what failed and how to retry just the report.
+        print(f"quantdask: error: the report failed ({err}); the results are kept: "
+              f"`quantdask report {run_dir}` tries again", file=sys.stderr)
+        return status or EXIT_FAILED_JOBS
+    return status
+
+
 def cmd_run(args) -> int:
     from quantdask.sweep_file import load_sweep
 
-    return _run(load_sweep(args.sweep), args)
+    return _run_and_report(load_sweep(args.sweep), args)
 
 
 def cmd_demo(args) -> int:
@@ -147,7 +178,49 @@ def cmd_demo(args) -> int:
         print(f"quantdask: building the demo model in {DEMO_MODEL_DIR} (once)", flush=True)
         build_demo_model()
     args.run_dir = args.run_dir or os.path.join("runs", "demo")
-    return _run(load_sweep(DEMO_SWEEP), args)
+    return _run_and_report(load_sweep(DEMO_SWEEP), args, scaling=not args.no_scaling)
+
+
+def cmd_report(args) -> int:
+    if not os.path.isdir(args.run_dir):
+        raise RunDirError(f"no run directory at {args.run_dir}")
+    return _write_report(args.run_dir, args.output)
+
+
+def _worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be worker counts separated by commas, like 1,2,4; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive counts like 1,2,4; got {text!r}")
+    return counts
+
+
+def _scale(sweep, counts: list[int], out: str, host: str) -> int:
+    import polars as pl
+
+    from quantdask.scaling import scale_sweep
+
+    def announce(n, run_dir):
+        print(f"scaling: {n} worker{'s' if n > 1 else ''} -> {run_dir}", flush=True)
+
+    frame = scale_sweep(sweep, out, counts, host=host, on_count=announce)
+    print(_table(frame.with_columns(pl.col("scaling_efficiency") * 100).to_dicts(),
+                 ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
+                  "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound"]))
+    print(f"scaling: {os.path.join(out, 'scaling.parquet')} "
+          f"(python: quantdask.read_scaling({out!r}); notebook: notebooks/scaling.ipynb)")
+    return EXIT_FAILED_JOBS if (frame["done"] < frame["jobs"]).any() else 0
+
+
+def cmd_scale(args) -> int:
+    from quantdask.sweep_file import load_sweep
+
+    sweep = load_sweep(args.sweep)
+    out = args.out or os.path.join("runs", f"{sweep.name}-scaling")
+    return _scale(sweep, args.workers, out, args.host)
 
 
 def cmd_status(args) -> int:
@@ -181,10 +254,30 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1",
                        help="interface the local cluster binds to (default 127.0.0.1)")
 
-    run = commands.add_parser("run", help="run a sweep")
+    def report_args(p):
+        p.add_argument("--no-report", action="store_true",
+                       help="do not write RUN_DIR/report.html at the end")
+
+    run = commands.add_parser("run", help="run a sweep, then write its HTML report")
     run.add_argument("sweep", help="sweep YAML file")
     cluster_args(run)
+    report_args(run)
     run.set_defaults(func=cmd_run)
+
+    report = commands.add_parser("report", help="write a run directory's HTML report")
+    report.add_argument("run_dir")
+    report.add_argument("-o", "--output", help="HTML file to write (default RUN_DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+
+    scale = commands.add_parser("scale", help="run a sweep fresh at several worker counts")
+    scale.add_argument("sweep", help="sweep YAML file")
+    scale.add_argument("--workers", type=_worker_counts, default=[1, 2, 4],
+                       help="worker counts, e.g. 1,2,4 (GPUs with GPUs, else CPU slots)")
+    scale.add_argument("--out", help="a new directory for the runs and scaling.parquet "
+                                     "(default runs/<sweep name>-scaling)")
+    scale.add_argument("--host", default="127.0.0.1",
+                       help="interface the local clusters bind to (default 127.0.0.1)")
+    scale.set_defaults(func=cmd_scale)
 
     plan = commands.add_parser("plan", help="show a sweep's jobs; runs nothing")
     plan.add_argument("sweep", help="sweep YAML file")
@@ -195,8 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
 
-    demo = commands.add_parser("demo", help="run the built-in demo sweep")
+    demo = commands.add_parser("demo", help="run the built-in demo sweep, a scaling "
+                                             "measurement at 1 and 2 workers, and the report")
     cluster_args(demo)
+    report_args(demo)
+    demo.add_argument("--no-scaling", action="store_true",
+                      help="skip the scaling measurement (RUN_DIR/scaling)")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -38,6 +38,27 @@ class TorchThreads(WorkerPlugin):
         torch.set_num_threads(self.threads)
 
 
+class WarmImports(WorkerPlugin):
+    """Imports the heavy libraries when a worker starts (as dask-cuda's ``pre_import`` does):
+    otherwise each worker's first job pays seconds of imports, counted as its load time."""
+
+    name = "quantdask-warm-imports"
+    modules = ("torch", "transformers", "bitsandbytes")
+
+    def setup(self, worker) -> None:
+        import importlib
+
+        from quantdask.worker import quiet_libraries
+
+        quiet_libraries()  # before bitsandbytes' import-time notices
+        for module in self.modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:  # an optional backend: its jobs are skipped with the reason
+                pass
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (lazy)
+
+
 def cuda_device_count() -> int:
     """How many CUDA GPUs this machine has (0 when torch has no CUDA)."""
     try:
@@ -151,6 +172,7 @@ def start_cluster(
     )
     client = Client(cluster)
     client.register_plugin(TorchThreads(threads))
+    client.register_plugin(WarmImports())
     log.info("started %d CPU slots; dashboard %s", n, client.dashboard_link)
     return ClusterHandle(client=client, cluster=cluster, kind="cpu")
 
@@ -170,6 +192,7 @@ def _start_cuda_cluster(gpus: list[str], host: str, dashboard_address: str | Non
         scheduler_kwargs=SCHEDULER_OPTIONS,
     )
     client = Client(cluster)
+    client.register_plugin(WarmImports())
     log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,
              client.dashboard_link)
     return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))
@@ -179,6 +202,15 @@ def live_workers(client: Client) -> dict[str, str]:
     """The cluster's workers now: address -> name."""
     info = client.scheduler_info(n_workers=-1)["workers"]
     return {address: str(w["name"]) for address, w in info.items()}
+
+
+def cluster_capacity(client: Client, jobs_per_gpu: int = 1) -> tuple[int, int]:
+    """(workers, job slots) of the cluster now: a worker runs as many jobs at once as its
+    ``GPU`` resource allows (``jobs_per_gpu`` per unit) and its threads take."""
+    info = client.scheduler_info(n_workers=-1)["workers"].values()
+    slots = sum(min(w.get("nthreads", 1), int(w.get("resources", {}).get("GPU", 0) * jobs_per_gpu))
+                for w in info)
+    return len(info), slots
 
 
 def restart_worker(client: Client, address: str | None) -> None:

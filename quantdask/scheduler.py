@@ -29,7 +29,7 @@ from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
-from quantdask.cluster import live_workers, restart_worker, retire_worker
+from quantdask.cluster import cluster_capacity, live_workers, restart_worker, retire_worker
 from quantdask.devices import DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
 from quantdask.reference import compute_reference, reference_key
@@ -409,6 +409,16 @@ def run_sweep(
         todo = [job for job in jobs if job.id not in finished]
         log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
                  len(jobs) - len(todo), len(todo))
-        _SweepDriver(client, store, sweep, on_result).run(todo)
+        driver = _SweepDriver(client, store, sweep, on_result)
+        workers, slots = cluster_capacity(client, sweep.jobs_per_gpu)
+        session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": _now(),
+                   "finished_at": None, "completed": False, "workers": workers, "slots": slots,
+                   "jobs_planned": len(jobs), "jobs_run": len(todo)}
+        store.write_session(session)
+        try:
+            driver.run(todo)
+            session["completed"] = True
+        finally:
+            store.write_session({**session, "finished_at": _now()})
         ids = [job.id for job in jobs]
         return store.read_results().filter(pl.col("job_id").is_in(ids))

@@ -91,6 +91,18 @@ ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
     "error_message": pl.String(),
 }
 
+SESSION_SCHEMA: dict[str, pl.DataType] = {
+    "run_id": pl.String(),  # one driver session: one call of run_sweep on this run directory
+    "sweep": pl.String(),
+    "started_at": _UTC,
+    "finished_at": _UTC,  # null while it runs (or if the driver died)
+    "completed": pl.Boolean(),  # false when the session ended with an error or an interrupt
+    "workers": pl.Int64(),  # workers when it started
+    "slots": pl.Int64(),  # jobs those workers could run at once
+    "jobs_planned": pl.Int64(),
+    "jobs_run": pl.Int64(),  # jobs not yet finished at the start, so submitted this session
+}
+
 SAMPLE_SCHEMA: dict[str, pl.DataType] = {
     "worker": pl.String(),
     "device": pl.String(),  # cuda:<physical id> or cpu

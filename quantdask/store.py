@@ -7,6 +7,7 @@ Layout::
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
+    RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
     RUN_DIR/excluded_workers.json   workers taken out of rotation, and why
     RUN_DIR/.lock                   held (flock) by the driver running a sweep here
     RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
@@ -35,6 +36,7 @@ from quantdask.schema import (
     LAYER_SCHEMA,
     RESULT_SCHEMA,
     SAMPLE_SCHEMA,
+    SESSION_SCHEMA,
     empty_frame,
     records_to_frame,
     rows_to_frame,
@@ -49,7 +51,7 @@ _SAFE_NAME = re.compile(r"[^\w.-]+")
 log = logging.getLogger("quantdask.store")
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same directory, then rename: all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -81,12 +83,13 @@ class RunStore:
         self.layers_dir = self.root / "layers"
         self.samples_dir = self.root / "samples"
         self.attempts_dir = self.root / "attempts"
+        self.sessions_dir = self.root / "sessions"
         self.job_logs_dir = self.root / "logs" / "jobs"
         self.worker_logs_dir = self.root / "logs" / "workers"
 
     def create(self) -> RunStore:
         for d in (self.results_dir, self.layers_dir, self.samples_dir, self.attempts_dir,
-                  self.job_logs_dir, self.worker_logs_dir):
+                  self.sessions_dir, self.job_logs_dir, self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -97,7 +100,7 @@ class RunStore:
         """Validate ``record`` and persist it as the job's result, atomically."""
         frame = records_to_frame([record])
         path = self.result_path(record["job_id"])
-        _atomic_write(path, frame.write_parquet)
+        atomic_write(path, frame.write_parquet)
         return path
 
     def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
@@ -105,7 +108,7 @@ class RunStore:
         frame = rows_to_frame([{**row, "job_id": job_id, "position": i}
                                for i, row in enumerate(rows)], LAYER_SCHEMA, "layer")
         path = self.layers_dir / f"{job_id}.parquet"
-        _atomic_write(path, frame.write_parquet)
+        atomic_write(path, frame.write_parquet)
         return path
 
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
@@ -115,7 +118,7 @@ class RunStore:
         frame = rows_to_frame(samples, SAMPLE_SCHEMA, "device sample", optional=("job_id",))
         name = _SAFE_NAME.sub("_", samples[0]["worker"])
         path = self.samples_dir / f"{name}-{time.time_ns()}.parquet"
-        _atomic_write(path, frame.write_parquet)
+        atomic_write(path, frame.write_parquet)
         return path
 
     def write_attempt(self, row: dict[str, Any]) -> Path:
@@ -125,15 +128,25 @@ class RunStore:
                                         "error_class", "error_message"))
         name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
         path = self.attempts_dir / name
-        _atomic_write(path, frame.write_parquet)
+        atomic_write(path, frame.write_parquet)
         return path
+
+    def write_session(self, row: dict[str, Any]) -> Path:
+        """Persist (or update) one driver session's row (the sessions schema), atomically."""
+        frame = rows_to_frame([row], SESSION_SCHEMA, "session", optional=("finished_at",))
+        path = self.sessions_dir / f"{row['run_id']}.parquet"
+        atomic_write(path, frame.write_parquet)
+        return path
+
+    def read_sessions(self) -> pl.DataFrame:
+        return _read_dir(self.sessions_dir, SESSION_SCHEMA).sort("started_at")
 
     def record_excluded_worker(self, worker: str, reason: str) -> None:
         """Note that ``worker`` was taken out of rotation, and why (``excluded_workers.json``)."""
         excluded = self.read_excluded_workers()
         excluded.append({"worker": worker, "reason": reason,
                          "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        _atomic_write(self.root / "excluded_workers.json",
+        atomic_write(self.root / "excluded_workers.json",
                       lambda f: f.write(json.dumps(excluded, indent=1).encode()))
 
     def read_excluded_workers(self) -> list[dict[str, str]]:
@@ -177,7 +190,8 @@ class RunStore:
         """Move result files that cannot be read (or do not fit the schema) aside, and delete
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
         moved = []
-        for directory in (self.results_dir, self.layers_dir, self.attempts_dir, self.samples_dir):
+        for directory in (self.results_dir, self.layers_dir, self.attempts_dir, self.samples_dir,
+                          self.sessions_dir):
             if not directory.is_dir():
                 continue
             for tmp in directory.glob(".*.tmp"):
@@ -219,7 +233,7 @@ class RunStore:
         return finished
 
     def write_plan(self, jobs: list[dict[str, Any]]) -> None:
-        _atomic_write(self.root / "jobs.json",
+        atomic_write(self.root / "jobs.json",
                       lambda f: f.write(json.dumps(jobs, indent=1).encode()))
 
     def read_plan(self) -> list[dict[str, Any]]:
@@ -249,7 +263,7 @@ class RunStore:
 
 
 _SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "samples": SAMPLE_SCHEMA,
-            "attempts": ATTEMPT_SCHEMA}
+            "attempts": ATTEMPT_SCHEMA, "sessions": SESSION_SCHEMA}
 
 
 def _read_file(path: Path, schema: dict) -> pl.DataFrame | None:
@@ -285,6 +299,11 @@ def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
 def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
     """Every try of every job of ``run_dir``: one row per attempt."""
     return RunStore(run_dir).read_attempts()
+
+
+def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every driver session of ``run_dir``: when it ran, on how many workers and slots."""
+    return RunStore(run_dir).read_sessions()
 
 
 def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:

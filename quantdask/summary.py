@@ -1,6 +1,7 @@
-"""Summaries computed from the results frames.
+"""Summaries computed from the results frames: per device and per sweep.
 
 >>> device_summary(read_results("runs/demo"), read_device_samples("runs/demo"))  # doctest: +SKIP
+>>> sweep_summary(read_attempts("runs/demo"), read_sessions("runs/demo"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -44,3 +45,73 @@ def device_summary(results: pl.DataFrame, samples: pl.DataFrame | None = None) -
         )
         summary = summary.join(sampled, on=["worker", "device"], how="left")
     return summary
+
+
+def _seconds(end: str, start: str) -> pl.Expr:
+    return (pl.col(end) - pl.col(start)).dt.total_microseconds() / 1e6
+
+
+SWEEP_SUMMARY_SCHEMA = {
+    "run_id": pl.String, "workers": pl.Int64, "slots": pl.Int64, "jobs": pl.UInt32,
+    "done": pl.UInt32, "attempts": pl.UInt32, "wall_s": pl.Float64, "makespan_s": pl.Float64,
+    "work_s": pl.Float64,
+    "longest_job_s": pl.Float64, "throughput_jobs_per_min": pl.Float64, "speedup": pl.Float64,
+    "efficiency": pl.Float64, "lower_bound_s": pl.Float64, "makespan_vs_lower_bound": pl.Float64,
+}
+
+
+def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per driver session that ran jobs: how well the cluster was used.
+
+    - ``makespan_s``: first attempt started -> last attempt finished;
+    - ``wall_s``: what the user waited, ``run_sweep`` called -> returned (so also the per-model
+      references and the driver's own start and end); the makespan when the session was not
+      recorded;
+    - ``work_s``: the sum of every attempt's run time (failed tries are work too);
+    - ``throughput_jobs_per_min``: jobs tried (done, failed or skipped) per minute of wall time;
+    - ``speedup`` = work / makespan; ``efficiency`` = speedup / slots;
+    - ``lower_bound_s`` = max(longest attempt, work / slots): no schedule can beat it, so
+      ``makespan_vs_lower_bound`` (>= 1) says how far from perfect packing the sweep ran.
+    """
+    ran = attempts.filter(pl.col("started_at").is_not_null()).with_columns(
+        _seconds("finished_at", "started_at").alias("run_s"))
+    if ran.is_empty():
+        return pl.DataFrame(schema=SWEEP_SUMMARY_SCHEMA)
+    per_run = ran.group_by("run_id").agg(
+        pl.col("job_id").n_unique().alias("jobs"),
+        pl.col("job_id").filter(pl.col("status") == "done").n_unique().alias("done"),
+        pl.len().alias("attempts"),
+        pl.col("run_s").sum().alias("work_s"),
+        pl.col("run_s").max().alias("longest_job_s"),
+        pl.col("started_at").min().alias("first_start"),
+        pl.col("finished_at").max().alias("last_finish"),
+        pl.col("worker").n_unique().alias("workers_seen"),
+    )
+    if sessions is not None and not sessions.is_empty():
+        per_run = per_run.join(
+            sessions.select("run_id", "workers", "slots", "started_at", "finished_at"),
+            on="run_id", how="left")
+    else:
+        per_run = per_run.with_columns(
+            pl.lit(None, pl.Int64).alias(c) for c in ("workers", "slots")).with_columns(
+            pl.lit(None, pl.Datetime("us", "UTC")).alias(c) for c in ("started_at", "finished_at"))
+    makespan = _seconds("last_finish", "first_start")
+    wall = pl.when(pl.col("finished_at").is_not_null()).then(
+        _seconds("finished_at", "started_at")).otherwise(makespan)
+    return (
+        per_run.with_columns(
+            pl.col("workers").fill_null(pl.col("workers_seen").cast(pl.Int64)),
+            pl.col("slots").fill_null(pl.col("workers_seen").cast(pl.Int64)),
+            makespan.alias("makespan_s"), wall.alias("wall_s"))
+        .with_columns(
+            (pl.col("jobs") / pl.col("wall_s") * 60).alias("throughput_jobs_per_min"),
+            (pl.col("work_s") / pl.col("makespan_s")).alias("speedup"),
+            pl.max_horizontal("longest_job_s", pl.col("work_s") / pl.col("slots"))
+            .alias("lower_bound_s"))
+        .with_columns(
+            (pl.col("speedup") / pl.col("slots")).alias("efficiency"),
+            (pl.col("makespan_s") / pl.col("lower_bound_s")).alias("makespan_vs_lower_bound"))
+        .sort("first_start")
+        .select(list(SWEEP_SUMMARY_SCHEMA))
+        .cast(SWEEP_SUMMARY_SCHEMA)
+    )

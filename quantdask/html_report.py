@@ -1,0 +1,172 @@
+"""Notebooks run with parameters, and exported to HTML reports that open with no network.
+
+A notebook marks its parameters cell with the tag ``parameters``; :func:`execute_notebook`
+inserts the caller's values after it (as papermill does), runs every cell in a fresh kernel and
+fails on the first error. :func:`write_report` runs ``notebooks/report.ipynb`` on a run
+directory and writes ``report.html`` there, with the charts' JavaScript inlined once.
+
+>>> write_report("runs/demo")  # doctest: +SKIP
+PosixPath('runs/demo/report.html')
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from quantdask.errors import QuantdaskError
+from quantdask.store import atomic_write
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+"""The project's notebooks (quickstart, report, scaling, memory, quality)."""
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "report_template"
+CELL_TIMEOUT_S = 900
+RENDERER = "quantdask"
+EMBED_OPTIONS = {"renderer": "svg",
+                 "actions": {"export": True, "source": False, "compiled": False,
+                             "editor": False}}  # the editor is a web site: not offline
+
+
+class ReportError(QuantdaskError):
+    """A notebook failed to run or export."""
+
+
+def notebook_path(name: str) -> Path:
+    """The path of one of the project's notebooks (``"report"`` or ``"report.ipynb"``), or of
+    a notebook file given by its path."""
+    path = Path(name)
+    if path.suffix == ".ipynb" and path.exists():
+        return path
+    candidate = NOTEBOOKS_DIR / (name if name.endswith(".ipynb") else f"{name}.ipynb")
+    if not candidate.exists():
+        known = sorted(p.stem for p in NOTEBOOKS_DIR.glob("*.ipynb"))
+        raise ReportError(f"no notebook {name!r}: give a .ipynb path or one of {known}")
+    return candidate
+
+
+def _script_json(value: Any) -> str:
+    # Data can hold any text (error messages): "</script>" or "<!--" must not end the script.
+    return json.dumps(value).replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def _chart_html(spec: dict, **metadata: Any) -> dict[str, str]:
+    """A chart as HTML that draws itself with the ``vegaEmbed`` that :func:`inline_charts`
+    loaded, and records whether it rendered (``data-state``) for whoever checks the page."""
+    element = f"quantdask-chart-{uuid.uuid4().hex[:12]}"
+    script = f"""<div class="quantdask-chart" id="{element}" data-state="pending"></div>
+<script type="text/javascript">
+(function () {{
+  var el = document.getElementById("{element}");
+  if (typeof window.vegaEmbed !== "function") {{
+    el.dataset.state = "failed";
+    el.textContent = "chart library not loaded: call quantdask.html_report.inline_charts() first";
+    console.error("quantdask: " + el.textContent);
+    return;
+  }}
+  window.vegaEmbed(el, {_script_json(spec)}, {_script_json(EMBED_OPTIONS)})
+    .then(function () {{ el.dataset.state = "rendered"; }})
+    .catch(function (error) {{
+      el.dataset.state = "failed";
+      console.error("quantdask chart:", error);
+    }});
+}})();
+</script>"""
+    title = spec.get("title")
+    plain = f"<quantdask chart{': ' + json.dumps(title) if title else ''}>"
+    return {"text/html": script, "text/plain": plain}
+
+
+def inline_charts() -> None:
+    """Draw Altair charts in this notebook with JavaScript that travels inside the notebook:
+    its output (and any HTML exported from it) renders them with no network.
+
+    Call it once, in the notebook's first cell; the Vega bundle (about 1 MB) is written once.
+    """
+    import altair as alt
+    import vl_convert
+    from IPython.display import HTML, display
+
+    if RENDERER not in alt.renderers.names():
+        alt.renderers.register(RENDERER, _chart_html)
+    alt.renderers.enable(RENDERER)
+    # Closing tags inside the bundle would end the <script> early.
+    bundle = vl_convert.javascript_bundle().replace("</script", "<\\/script")
+    display(HTML(f'<script type="text/javascript">{bundle}</script>'))
+
+
+def _inject_parameters(nb, parameters: dict[str, Any]) -> None:
+    import nbformat
+
+    source = "# Parameters given by the caller\n" + "".join(
+        f"{name} = {value!r}\n" for name, value in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    if parameters and not tagged:
+        raise ReportError("the notebook has no cell tagged 'parameters' to receive "
+                          f"{', '.join(parameters)}")
+    nb.cells.insert(tagged[0] + 1 if tagged else 0, cell)
+
+
+def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None = None,
+                     output: str | os.PathLike | None = None, cwd: str | os.PathLike = ".",
+                     timeout_s: int = CELL_TIMEOUT_S):
+    """Run every cell of ``notebook`` with ``parameters`` in a fresh Python kernel; return the
+    executed notebook (also saved to ``output``). Raises :class:`ReportError` naming the cell
+    that failed."""
+    import nbformat
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    path = notebook_path(str(notebook))
+    nb = nbformat.read(path, as_version=4)
+    _inject_parameters(nb, parameters or {})
+    # IPC transport: the kernel talks over Unix sockets (an absolute, short path: the kernel
+    # runs in ``cwd``), so it opens no TCP port at all.
+    with tempfile.TemporaryDirectory(prefix="quantdask-kernel-") as sockets:
+        kernel = KernelManager(kernel_name="python3", transport="ipc",
+                               ip=os.path.join(sockets, "kernel"))
+        client = NotebookClient(nb, km=kernel, timeout=timeout_s, kernel_name="python3",
+                                resources={"metadata": {"path": str(cwd)}})
+        try:
+            client.execute()
+        except CellExecutionError as error:
+            raise ReportError(f"notebook {path} failed:\n{error}") from None
+        finally:
+            if output is not None:
+                nbformat.write(nb, output)
+    return nb
+
+
+def export_html(nb, output: str | os.PathLike, title: str | None = None) -> Path:
+    """Write an executed notebook as a self-contained HTML page (outputs only, no code)."""
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name=str(TEMPLATE_DIR), exclude_input=True,
+                            exclude_input_prompt=True, exclude_output_prompt=True)
+    if title:
+        nb.metadata["title"] = html.escape(title)
+    body, _ = exporter.from_notebook_node(nb)
+    output = Path(output)
+    atomic_write(output, lambda f: f.write(body.encode()))  # a reader never sees half a report
+    return output
+
+
+def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = None,
+                 notebook: str = "report") -> Path:
+    """Run the report notebook on ``run_dir`` and export it: ``RUN_DIR/report.html`` by
+    default, next to the executed notebook (``report.ipynb``) for JupyterLab."""
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / "results").is_dir():
+        raise ReportError(f"{run_dir} is not a run directory (it has no results/); "
+                          "give the --run-dir of a sweep")
+    output = Path(output) if output else run_dir / "report.html"
+    nb = execute_notebook(notebook, {"run_dir": str(run_dir)},
+                          output=output.with_suffix(".ipynb"), cwd=run_dir)
+    return export_html(nb, output, title=f"quantdask report: {run_dir.name}")
