@@ -184,6 +184,9 @@ def cmd_demo(args) -> int:
 def cmd_report(args) -> int:
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")
+    if not os.path.isdir(os.path.join(args.run_dir, "results")):
+        raise RunDirError(f"{args.run_dir} is not a run directory (it has no results/); "
+                          "give the --run-dir of a sweep")
     return _write_report(args.run_dir, args.output)
 
 

@@ -56,12 +56,14 @@ def scaling_frame(summaries: list[dict[str, Any]]) -> pl.DataFrame:
 
 
 def read_scaling(out_dir: str | os.PathLike) -> pl.DataFrame:
-    """The scaling frame a :func:`scale_sweep` run wrote to ``out_dir``."""
+    """The scaling frame a :func:`scale_sweep` run wrote to ``out_dir``; ``run_dir`` is each
+    count's run directory, found inside ``out_dir`` wherever that has moved since."""
     path = Path(out_dir) / SCALING_FILE
     if not path.exists():
         raise RunDirError(f"no scaling run in {out_dir} ({SCALING_FILE} missing); "
                           "run `quantdask scale SWEEP --workers 1,2 --out DIR` first")
-    return pl.read_parquet(path)
+    return pl.read_parquet(path).with_columns(
+        pl.concat_str(pl.lit(f"{Path(out_dir)}{os.sep}"), "run_dir").alias("run_dir"))
 
 
 def scale_sweep(

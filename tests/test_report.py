@@ -1,0 +1,345 @@
+"""Reports: summaries, charts, scaling runs, notebooks executed for real, HTML in a real browser."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import polars as pl
+import pytest
+
+from quantdask import report
+from quantdask.cli import main
+from quantdask.errors import RunDirError, SpecError
+from quantdask.html_report import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
+from quantdask.scaling import read_scaling, scale_sweep
+from quantdask.scheduler import run_sweep
+from quantdask.store import (
+    read_attempts,
+    read_device_samples,
+    read_layers,
+    read_results,
+    read_sessions,
+)
+from quantdask.summary import sweep_summary
+from quantdask.sweep_file import sweep_from_dict
+from tests.browser import find_chromium, inspect_page
+from tests.conftest import sweep_dict
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+CHARTS_IN_REPORT = 6  # quality, timeline, memory, time per job, per-layer error, scaling
+
+
+def mixed_sweep():
+    """Every outcome: done, done after a failed attempt, failed twice, skipped (unsupported)."""
+    return sweep_from_dict(sweep_dict(
+        name="mixed",
+        backends=[{"backend": "bitsandbytes", "grid": {"bits": [4, 8]}},
+                  {"backend": "torchao", "configs": [{"mode": "int4_weight_only",
+                                                     "group_size": 256}]}],
+        retries=1,
+        faults=[{"config": "nf4", "attempt": 1, "kind": "raise"},
+                {"config": "int8 t=6", "attempt": 1, "kind": "raise"},
+                {"config": "int8 t=6", "attempt": 2, "kind": "raise"}],
+    ))
+
+
+def small_sweep():
+    return sweep_from_dict(sweep_dict(name="small"))  # the baseline and nf4
+
+
+@pytest.fixture(scope="module")
+def mixed_run(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("mixed-run")
+    run_sweep(mixed_sweep(), run_dir, cluster.client)
+    # The report shows a scaling run kept in RUN_DIR/scaling.
+    scale_sweep(small_sweep(), run_dir / "scaling", [1, 2])
+    return run_dir
+
+
+def frames(run_dir):
+    return (read_results(run_dir), read_layers(run_dir), read_attempts(run_dir),
+            read_device_samples(run_dir), read_sessions(run_dir))
+
+
+def chart_rows(chart) -> list[dict]:
+    """Every data row an Altair chart carries (all its inline datasets)."""
+    spec = chart.to_dict()
+    return [row for rows in spec.get("datasets", {}).values() for row in rows]
+
+
+def test_the_mixed_run_has_every_outcome(mixed_run):
+    results = read_results(mixed_run)
+    assert dict(results.select("config_label", "status").iter_rows()) == {
+        "baseline": "done", "nf4": "done", "int8 t=6": "failed", "ao int4wo g256": "skipped"}
+
+
+def test_sweep_summary_matches_a_hand_computation_on_real_attempts(mixed_run):
+    attempts, sessions = read_attempts(mixed_run), read_sessions(mixed_run)
+    summary = sweep_summary(attempts, sessions)
+    assert summary.height == 1
+    row = summary.row(0, named=True)
+    started = [a for a in attempts.to_dicts() if a["started_at"] is not None]
+    durations = [(a["finished_at"] - a["started_at"]).total_seconds() for a in started]
+    makespan = (max(a["finished_at"] for a in started)
+                - min(a["started_at"] for a in started)).total_seconds()
+    assert row["attempts"] == len(started) == 6  # 1 + 2 + 2 + 1
+    assert row["jobs"] == 4 and row["done"] == 2
+    assert row["workers"] == 2 and row["slots"] == 2
+    assert row["makespan_s"] == pytest.approx(makespan, abs=1e-6)
+    assert row["work_s"] == pytest.approx(sum(durations), abs=1e-6)
+    assert row["lower_bound_s"] == pytest.approx(max(max(durations), sum(durations) / 2),
+                                                 abs=1e-6)
+    assert row["speedup"] == pytest.approx(sum(durations) / makespan, rel=1e-6)
+    assert row["efficiency"] == pytest.approx(row["speedup"] / 2, rel=1e-6)
+    session = sessions.row(0, named=True)
+    assert session["completed"] and session["jobs_run"] == 4
+    wall = (session["finished_at"] - session["started_at"]).total_seconds()
+    assert row["wall_s"] == pytest.approx(wall, abs=1e-6) and wall >= makespan
+    assert row["throughput_jobs_per_min"] == pytest.approx(4 / wall * 60, rel=1e-6)
+    assert row["makespan_vs_lower_bound"] >= 1.0
+
+
+def _attempt(job, worker, start, end, status="done"):
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    return {"run_id": "r", "job_id": job, "attempt": 1, "key": job, "worker": worker,
+            "device": "cpu", "started_at": t0 + dt.timedelta(seconds=start),
+            "finished_at": t0 + dt.timedelta(seconds=end), "status": status,
+            "failure_class": None, "error_class": None, "error_message": None}
+
+
+def test_sweep_summary_on_a_known_schedule():
+    # Two slots: a 4 s job on one, 2 s + 1 s on the other. Work 7 s, makespan 4 s, the lower
+    # bound max(4, 7/2) = 4 s: a perfect packing.
+    from quantdask.schema import ATTEMPT_SCHEMA
+
+    attempts = pl.DataFrame([_attempt("a", "0", 0, 4), _attempt("b", "1", 0, 2),
+                             _attempt("c", "1", 2, 3, "failed")], schema=ATTEMPT_SCHEMA)
+    row = sweep_summary(attempts).row(0, named=True)
+    assert (row["makespan_s"], row["work_s"], row["lower_bound_s"]) == (4.0, 7.0, 4.0)
+    assert row["speedup"] == 1.75 and row["efficiency"] == 0.875
+    assert row["makespan_vs_lower_bound"] == 1.0 and row["done"] == 2 and row["jobs"] == 3
+    assert row["wall_s"] == 4.0  # no session recorded: the makespan stands in
+    # One slot doing the same work takes 7 s at best; 4 s is then impossible.
+    one_slot = attempts.with_columns(pl.lit("0").alias("worker"))
+    assert sweep_summary(one_slot).row(0, named=True)["lower_bound_s"] == 7.0
+
+
+def test_pareto_frontier_keeps_only_undominated_configs():
+    results = pl.DataFrame({
+        "model": ["m"] * 5, "status": ["done"] * 5,
+        "config_label": ["base", "a", "b", "c", "d"],
+        "bits_per_weight": [32.0, 8.0, 8.0, 4.0, 4.0],
+        "kl_divergence": [0.0, 0.001, 0.002, 0.01, 0.02]})
+    frontier = report.pareto_frontier(results)
+    assert dict(frontier.select("config_label", "pareto").iter_rows()) == {
+        "base": True, "a": True, "b": False, "c": True, "d": False}
+
+
+def test_every_chart_carries_every_job(mixed_run):
+    results, layers, attempts, samples, _ = frames(mixed_run)
+    done = set(results.filter(pl.col("status") == "done")["job_id"])
+    started = attempts.filter(pl.col("started_at").is_not_null())
+    assert {r["job_id"] for r in chart_rows(report.quality_chart(results))} == done
+    timeline = chart_rows(report.timeline_chart(attempts, results))
+    assert len(timeline) == started.height == 6
+    assert {r["status"] for r in timeline} == {"done", "failed", "skipped"}
+    breakdown = chart_rows(report.time_breakdown_chart(results))
+    assert len(breakdown) == 4 * len(done)  # load, quantize, eval, other
+    heat = chart_rows(report.layer_error_heatmap(results, layers))
+    assert {r["job_id"] for r in heat} == set(layers["job_id"]) and len(heat) == 2 * layers.height
+    memory = chart_rows(report.memory_chart(results, samples))
+    assert {r["job_id"] for r in memory if r.get("memory") == "device MiB"} == done
+    assert sum(1 for r in memory if "time" in r) == samples.height
+    assert all(r["MiB"] > 0 for r in memory if "MiB" in r)
+
+
+def test_failures_table_lists_failed_and_skipped_jobs_with_reasons(mixed_run):
+    table = report.failures_table(read_results(mixed_run))
+    rows = {r["config_label"]: r for r in table.to_dicts()}
+    assert set(rows) == {"int8 t=6", "ao int4wo g256"}
+    assert rows["int8 t=6"]["failure_class"] == "job_error" and rows["int8 t=6"]["attempts"] == 2
+    assert "injected fault on attempt 2" in rows["int8 t=6"]["reason"]
+    assert rows["ao int4wo g256"]["failure_class"] == "unsupported"
+    assert "256" in rows["ao int4wo g256"]["reason"]
+
+
+def test_empty_frames_draw_a_message_not_an_error(mixed_run):
+    results = read_results(mixed_run).filter(pl.col("status") != "done")
+    for chart in (report.quality_chart(results), report.time_breakdown_chart(results),
+                  report.layer_error_heatmap(results, read_layers(mixed_run).clear())):
+        assert chart_rows(chart)[0]["message"]
+
+
+def test_scaling_run_records_every_count(mixed_run):
+    scaling = read_scaling(mixed_run / "scaling")
+    assert scaling["workers"].to_list() == [1, 2]
+    assert scaling["slots"].to_list() == [1, 2]
+    assert (scaling["done"] == 2).all() and (scaling["jobs"] == 2).all()
+    base, two = scaling.to_dicts()
+    assert base["scaling_speedup"] == 1.0 and base["scaling_efficiency"] == 1.0
+    assert two["scaling_speedup"] == pytest.approx(
+        two["throughput_jobs_per_min"] / base["throughput_jobs_per_min"])
+    assert two["scaling_efficiency"] == pytest.approx(two["scaling_speedup"] / 2)
+    for row in scaling.to_dicts():  # each count ran every job fresh, in its own run dir
+        assert read_results(row["run_dir"]).height == 2
+        assert read_sessions(row["run_dir"])["workers"].to_list() == [row["workers"]]
+    chart = chart_rows(report.scaling_chart(scaling))
+    assert {r["workers"] for r in chart if "workers" in r} == {1, 2}
+
+
+def test_scaling_refuses_bad_counts_and_a_used_directory_before_running(mixed_run, tmp_path):
+    for counts, field in (([0, 2], "workers"), ([2, 2], "workers"), ([], "workers")):
+        with pytest.raises(SpecError) as error:
+            scale_sweep(small_sweep(), tmp_path / "new", counts)
+        assert error.value.field == field
+    assert not (tmp_path / "new").exists()
+    used = mixed_run / "scaling"
+    before = {p: p.stat().st_mtime_ns for p in used.rglob("*") if p.is_file()}
+    with pytest.raises(RunDirError, match="not empty"):
+        scale_sweep(small_sweep(), used, [1])
+    assert {p: p.stat().st_mtime_ns for p in used.rglob("*") if p.is_file()} == before
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    path = find_chromium()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing: `make test` installs it (apt-get install chromium)")
+        pytest.skip("no chromium here: `make test` installs it (apt-get install chromium)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def html_report(mixed_run):
+    return write_report(mixed_run)
+
+
+def test_report_html_is_self_contained(html_report, mixed_run):
+    html = html_report.read_text(encoding="utf-8")
+    # Nothing is fetched: no script, style or image comes from elsewhere.
+    assert not re.findall(r"""<(?:script|link|img|iframe)[^>]+(?:src|href)=["']?https?:""",
+                          html)
+    assert html.count('class="quantdask-chart"') == CHARTS_IN_REPORT
+    assert "Traceback" not in html  # no cell failed, and nothing printed a warning:
+    assert 'data-mime-type="application/vnd.jupyter.stderr"' not in html
+    for job_id in read_results(mixed_run)["job_id"]:
+        assert job_id in html  # the report includes every job
+    assert (mixed_run / "report.ipynb").exists()
+
+
+def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, mixed_run):
+    screenshot = mixed_run / "report.png"
+    page = inspect_page(html_report, screenshot=screenshot, chromium=chromium)
+    assert page.console_errors == [] and page.console_warnings == []
+    assert page.network_requests == []
+    assert len(page.charts) == CHARTS_IN_REPORT
+    for chart in page.charts:
+        assert chart["state"] == "rendered", chart
+        assert chart["marks"] > 0 and chart["width"] > 100 and chart["height"] > 40, chart
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert screenshot.stat().st_size > 50_000
+    for heading in ("Which config to ship", "Every job", "Failed and skipped jobs", "Timeline",
+                    "Memory", "Time per job", "Per-layer error", "Scaling"):
+        assert heading in page.text
+    print(f"screenshot: {screenshot}")
+
+
+def test_a_chart_that_cannot_draw_is_caught_by_the_browser_check(tmp_path, chromium):
+    # The check itself must fail on a broken chart, or a green test would mean nothing.
+    from quantdask.html_report import _chart_html
+
+    bundle = _chart_html({"$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+                          "mark": "bar"})["text/html"]
+    page_path = tmp_path / "broken.html"
+    page_path.write_text(f"<html><body>{bundle}</body></html>")  # no inline_charts() bundle
+    page = inspect_page(page_path, chromium=chromium)
+    assert [c["state"] for c in page.charts] == ["failed"]
+    assert any("chart library not loaded" in e for e in page.console_errors)
+
+
+NOTEBOOK_PARAMETERS = {
+    "report": lambda run: {"run_dir": str(run)},
+    "memory": lambda run: {"run_dir": str(run)},
+    "quality": lambda run: {"run_dir": str(run)},
+    "scaling": lambda run: {"scaling_dir": str(run / "scaling")},
+}
+
+
+def _outputs(nb) -> list[dict]:
+    return [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+
+
+def test_every_notebook_is_tested():
+    shipped = {p.stem for p in NOTEBOOKS_DIR.glob("*.ipynb")}
+    assert shipped == set(NOTEBOOK_PARAMETERS) | {"quickstart"}
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOK_PARAMETERS))
+def test_notebook_runs_green(name, mixed_run, tmp_path):
+    nb = execute_notebook(name, NOTEBOOK_PARAMETERS[name](mixed_run), cwd=tmp_path,
+                          output=tmp_path / f"{name}.ipynb")
+    outputs = _outputs(nb)
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert not [o for o in outputs if o.get("name") == "stderr"], "a warning was printed"
+    charts = [o for o in outputs if "quantdask-chart" in o.get("data", {}).get("text/html", "")]
+    assert charts, f"{name} drew no chart"
+    assert nbformat.read(tmp_path / f"{name}.ipynb", as_version=4).cells
+
+
+def test_quickstart_notebook_runs_a_sweep_on_its_own_cluster(tmp_path):
+    run_dir = tmp_path / "quickstart"
+    nb = execute_notebook("quickstart", {"run_dir": str(run_dir), "workers": 2}, cwd=tmp_path)
+    assert not [o for o in _outputs(nb) if o.output_type == "error"]
+    results = read_results(run_dir)
+    assert results.height == 7 and (results["status"] == "done").all()
+    text = json.dumps(nbformat.writes(nb))
+    assert "7 jobs, 7 done." in text and "127.0.0.1" in text
+
+
+def test_a_failing_notebook_names_the_cell(tmp_path):
+    with pytest.raises(ReportError, match="holds no results"):
+        execute_notebook("report", {"run_dir": str(tmp_path)}, cwd=tmp_path)
+    with pytest.raises(ReportError, match="no notebook 'nope'"):
+        execute_notebook("nope")
+
+
+def test_report_command_writes_the_html_where_asked(mixed_run, tmp_path, capsys):
+    out = tmp_path / "shared" / "report.html"
+    out.parent.mkdir()
+    assert main(["report", str(mixed_run), "-o", str(out)]) == 0
+    assert out.exists() and f"report: {out}" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("counts", ["0", "1,x", ""])
+def test_scale_command_refuses_bad_worker_counts(counts, tmp_path, write_sweep, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["scale", write_sweep(), "--workers", counts, "--out", str(tmp_path / "s")])
+    assert stop.value.code == 2
+    assert "--workers" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_write_report_refuses_a_directory_without_results(tmp_path):
+    with pytest.raises(ReportError, match="not a run directory"):
+        write_report(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_report_of_a_copied_run_dir_still_finds_its_scaling_runs(mixed_run, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(mixed_run / "scaling", moved)
+    assert all(Path(p).is_dir() for p in read_scaling(moved)["run_dir"])
