@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,18 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.installed
 	$(VENV)/bin/quantdask demo
 
-test: $(VENV)/.installed
+# The report tests open the HTML reports in a real headless browser: Debian's chromium.
+CHROMIUM := $(shell command -v chromium || command -v chromium-browser)
+browser:
+ifeq ($(CHROMIUM),)
+	@if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+		echo "chromium is missing: sudo apt-get install chromium (the browser tests skip without it)"; \
+	fi
+endif
+
+test: $(VENV)/.installed browser
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed

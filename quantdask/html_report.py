@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import tempfile
 import uuid
@@ -121,6 +122,9 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
     that failed."""
     import nbformat
     from jupyter_client.manager import KernelManager
+
+    # jupyter_client warns about its own clean-up races at shutdown; nothing to act on.
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
@@ -129,15 +133,22 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
     _inject_parameters(nb, parameters or {})
     # IPC transport: the kernel talks over Unix sockets (an absolute, short path: the kernel
     # runs in ``cwd``), so it opens no TCP port at all.
-    with tempfile.TemporaryDirectory(prefix="quantdask-kernel-") as sockets:
+    # The kernel process's own stderr (shutdown notices, or how it died) goes to a file that
+    # is shown only when something failed.
+    with tempfile.TemporaryDirectory(prefix="quantdask-kernel-") as scratch, \
+            open(os.path.join(scratch, "stderr.log"), "w+") as kernel_stderr:
         kernel = KernelManager(kernel_name="python3", transport="ipc",
-                               ip=os.path.join(sockets, "kernel"))
+                               ip=os.path.join(scratch, "kernel"))
         client = NotebookClient(nb, km=kernel, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": str(cwd)}})
         try:
-            client.execute()
+            client.execute(stderr=kernel_stderr)
         except CellExecutionError as error:
             raise ReportError(f"notebook {path} failed:\n{error}") from None
+        except Exception as error:  # the kernel died or timed out
+            kernel_stderr.seek(0)
+            raise ReportError(f"notebook {path} failed: {error!r}\nkernel stderr:\n"
+                              f"{kernel_stderr.read()[-4000:]}") from error
         finally:
             if output is not None:
                 nbformat.write(nb, output)

@@ -290,7 +290,8 @@ def scaling_chart(scaling: pl.DataFrame) -> alt.HConcatChart:
                alt.Tooltip("throughput_jobs_per_min:Q", title="jobs/min", format=".2f"),
                alt.Tooltip("scaling_speedup:Q", title="speedup", format=".2f"),
                alt.Tooltip("scaling_efficiency:Q", title="efficiency", format=".0%")]
-    x = alt.X("workers:Q", title="workers", axis=alt.Axis(values=data["workers"].to_list()),
+    x = alt.X("workers:Q", title="workers",
+              axis=alt.Axis(values=data["workers"].to_list(), format="d"),
               scale=alt.Scale(zero=False, padding=20))
     base = alt.Chart(data).encode(x=x)
     measured = base.mark_line(point=True).encode(

@@ -32,6 +32,10 @@ def test_run_status_and_plan_on_a_real_cluster(write_sweep, tmp_path):
     assert "3 jobs: 3 done, 0 failed, 0 skipped" in run.stdout
     run_dir = tmp_path / "runs" / "t"  # the default: runs/<sweep name>
     assert len(list((run_dir / "results").glob("*.parquet"))) == 3
+    # The sweep's report is written at the end (tests/test_report.py checks its contents).
+    assert f"report: {run_dir / 'report.html'}" in run.stdout
+    assert "WARNING" not in run.stderr  # notebook and kernel clean-up stay quiet
+    assert (run_dir / "report.html").stat().st_size > 500_000  # the charts' JavaScript inlined
 
     status = quantdask("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and "3 done" in status.stdout
@@ -48,8 +52,10 @@ def test_run_with_a_failing_job_exits_1_and_points_at_its_log(write_sweep, tmp_p
     # worker, every attempt, and so does each job that depends on it.
     data = sweep_dict(retries=1)
     data["eval"]["samples"] = 100_000
-    run = quantdask("run", write_sweep(data), "--workers", "1", "--run-dir", "out", cwd=tmp_path)
+    run = quantdask("run", write_sweep(data), "--workers", "1", "--run-dir", "out",
+                    "--no-report", cwd=tmp_path)
     assert run.returncode == 1, run.stderr
+    assert not (tmp_path / "out" / "report.html").exists() and "report:" not in run.stdout
     assert "2 jobs: 0 done, 2 failed, 0 skipped" in run.stdout
     log_line = [line for line in run.stdout.splitlines() if line.startswith("failed:")][0]
     log_path = tmp_path / log_line.rsplit("(log: ", 1)[1].rstrip(")")
