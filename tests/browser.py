@@ -140,28 +140,28 @@ def inspect_page(html_path: str | Path, screenshot: str | Path | None = None,
             tools.send("Emulation.setDeviceMetricsOverride",
                        {"width": 1400, "height": 1000, "deviceScaleFactor": 1,
                         "mobile": False}, session=session)
-            tools.send("Page.navigate", {"url": Path(html_path).resolve().as_uri()},
-                       session=session)
+            url = Path(html_path).resolve().as_uri()
+            tools.send("Page.navigate", {"url": url}, session=session)
+            # Until the new document has loaded, an evaluation may still see about:blank.
+            loaded_expression = (f"location.href === {json.dumps(url)} "
+                                 "&& document.readyState === 'complete'")
             deadline = time.monotonic() + timeout_s
-            charts: list[dict] = []
-            while time.monotonic() < deadline:
-                value = tools.send("Runtime.evaluate", {"expression": _CHART_STATE,
-                                                        "returnByValue": True},
-                                   session=session)["result"].get("value")
-                charts = json.loads(value) if value else []
-                loaded = tools.send("Runtime.evaluate", {"expression": "document.readyState",
-                                                         "returnByValue": True},
-                                    session=session)["result"].get("value") == "complete"
-                if loaded and all(c["state"] != "pending" for c in charts):
-                    break
-                time.sleep(0.2)
-            text = tools.send("Runtime.evaluate", {"expression": "document.body.innerText",
-                                                   "returnByValue": True},
-                              session=session)["result"].get("value", "")
+            def evaluate(expression):
+                return tools.send("Runtime.evaluate", {"expression": expression,
+                                                       "returnByValue": True},
+                                  session=session)["result"].get("value")
+
+            while not evaluate(loaded_expression):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} did not load in {timeout_s} s")
+                time.sleep(0.1)
+            charts = json.loads(evaluate(_CHART_STATE))
+            while any(c["state"] == "pending" for c in charts) and time.monotonic() < deadline:
+                time.sleep(0.2)  # vegaEmbed renders asynchronously
+                charts = json.loads(evaluate(_CHART_STATE))
+            text = evaluate("document.body.innerText") or ""
             if screenshot is not None:
-                height = tools.send("Runtime.evaluate", {
-                    "expression": "document.documentElement.scrollHeight",
-                    "returnByValue": True}, session=session)["result"]["value"]
+                height = evaluate("document.documentElement.scrollHeight")
                 tools.send("Emulation.setDeviceMetricsOverride",
                            {"width": 1400, "height": min(int(height), 16000),
                             "deviceScaleFactor": 1, "mobile": False}, session=session)
