@@ -11,7 +11,6 @@ PosixPath('runs/demo/report.html')
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import os
@@ -104,8 +103,10 @@ def inline_charts() -> None:
 def _inject_parameters(nb, parameters: dict[str, Any]) -> None:
     import nbformat
 
+    # Paths go in as plain strings: the kernel has no ``PosixPath`` name in scope.
     source = "# Parameters given by the caller\n" + "".join(
-        f"{name} = {value!r}\n" for name, value in parameters.items())
+        f"{name} = {(os.fspath(value) if isinstance(value, os.PathLike) else value)!r}\n"
+        for name, value in parameters.items())
     cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
     if parameters and not tagged:
@@ -150,9 +151,22 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
             raise ReportError(f"notebook {path} failed: {error!r}\nkernel stderr:\n"
                               f"{kernel_stderr.read()[-4000:]}") from error
         finally:
-            if output is not None:
-                nbformat.write(nb, output)
+            if output is not None:  # the executed notebook, up to a failing cell too
+                _save_trusted(nb, Path(output))
     return nb
+
+
+def _save_trusted(nb, output: Path) -> None:
+    """Write the executed notebook and sign it, so JupyterLab runs its charts' scripts (it does
+    not run scripts in outputs it did not produce or trust). Signing is best effort."""
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    nbformat.write(nb, output)
+    try:
+        NotebookNotary().sign(nb)
+    except Exception as error:  # noqa: BLE001 - no writable Jupyter data dir: still a notebook
+        logging.getLogger("quantdask.html_report").info("did not sign %s: %s", output, error)
 
 
 def export_html(nb, output: str | os.PathLike, title: str | None = None) -> Path:
@@ -162,7 +176,7 @@ def export_html(nb, output: str | os.PathLike, title: str | None = None) -> Path
     exporter = HTMLExporter(template_name=str(TEMPLATE_DIR), exclude_input=True,
                             exclude_input_prompt=True, exclude_output_prompt=True)
     if title:
-        nb.metadata["title"] = html.escape(title)
+        nb.metadata["title"] = title  # the template escapes it
     body, _ = exporter.from_notebook_node(nb)
     output = Path(output)
     atomic_write(output, lambda f: f.write(body.encode()))  # a reader never sees half a report
@@ -178,6 +192,10 @@ def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = 
         raise ReportError(f"{run_dir} is not a run directory (it has no results/); "
                           "give the --run-dir of a sweep")
     output = Path(output) if output else run_dir / "report.html"
+    if output.is_dir():
+        raise ReportError(f"-o {output} is a directory; give a file name such as "
+                          f"{output / 'report.html'}")
+    output.parent.mkdir(parents=True, exist_ok=True)  # before the notebook runs, not after
     nb = execute_notebook(notebook, {"run_dir": str(run_dir)},
                           output=output.with_suffix(".ipynb"), cwd=run_dir)
     return export_html(nb, output, title=f"quantdask report: {run_dir.name}")

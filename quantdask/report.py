@@ -15,6 +15,10 @@ import polars as pl
 from quantdask.summary import device_summary
 
 MIB = 1024 * 1024
+UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the reader's zone
+# A sweep of a large model has thousands of per-layer rows; the charts inline them all (the
+# sample series is thinned first), so Altair's 5000-row guard would only break big reports.
+alt.data_transformers.disable_max_rows()
 STATUS_COLORS = alt.Scale(domain=["done", "failed", "skipped"],
                           range=["#4c78a8", "#e45756", "#bab0ac"])
 PHASE_COLORS = alt.Scale(domain=["load", "quantize", "eval", "other"],
@@ -30,12 +34,21 @@ def _empty(message: str) -> alt.Chart:
         fontSize=14, color="gray").encode(text="message:N").properties(width=400, height=40)
 
 
+def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with a ``job`` column naming each job: its config label, prefixed by the model
+    when the frame holds several (every model has a ``baseline``)."""
+    if frame["model"].n_unique() > 1:
+        return frame.with_columns(
+            pl.concat_str("model", pl.lit(" · "), "config_label").alias("job"))
+    return frame.with_columns(pl.col("config_label").alias("job"))
+
+
 def _job_order(results: pl.DataFrame) -> list[str]:
-    """Config labels from the largest to the smallest model (baseline first)."""
-    ordered = results.sort(pl.col("backend") != "none", pl.col("bits_per_weight"),
-                           pl.col("config_label"), descending=[False, True, False],
-                           nulls_last=True)
-    return list(dict.fromkeys(ordered["config_label"].to_list()))
+    """Job labels per model, from the largest config to the smallest (baseline first)."""
+    ordered = with_job_label(results).sort(
+        pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
+        pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
+    return list(dict.fromkeys(ordered["job"].to_list()))
 
 
 def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
@@ -60,10 +73,7 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
     The Pareto frontier (smallest size for its KL) is drawn as a line through its configs, the
     unquantized baseline as a dashed rule; drag to pan, scroll to zoom.
     """
-    data = pareto_frontier(results).with_columns(
-        pl.when(pl.col("backend") == "none").then(pl.lit("baseline"))
-        .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
-        .otherwise(pl.lit("dominated")).alias("kind"),
+    data = results.filter(pl.col("status") == "done").with_columns(
         (pl.col("size_bytes") / MIB).alias("size_mib"))
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
@@ -77,6 +87,11 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
     panels: list[str] = []
 
     def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart:
+        # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
+        data = pareto_frontier(data, loss=metric).with_columns(
+            pl.when(pl.col("backend") == "none").then(pl.lit("baseline"))
+            .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
+            .otherwise(pl.lit("dominated")).alias("kind"))
         base = alt.Chart(data).encode(
             x=alt.X("bits_per_weight:Q", title="bits per weight",
                     scale=alt.Scale(zero=False, padding=12)))
@@ -124,7 +139,8 @@ def layer_error_heatmap(results: pl.DataFrame, layers: pl.DataFrame) -> alt.Char
 
     def heatmap(model_long: pl.DataFrame) -> alt.Chart:
         return alt.Chart(model_long).mark_rect().encode(
-            x=alt.X("config_label:N", title="config", sort=_job_order(results)),
+            x=alt.X("config_label:N", title="config",
+                    sort=_job_order(results.filter(pl.col("model") == model_long["model"][0]))),
             y=alt.Y("layer:N", sort=layer_order, title=None),
             color=alt.Color("error:Q", title="relative error",
                             scale=alt.Scale(scheme="orangered")),
@@ -160,29 +176,30 @@ def timeline_chart(attempts: pl.DataFrame, results: pl.DataFrame) -> alt.Chart:
         return _empty("no attempt has started")
     zoom = alt.selection_interval(bind="scales", encodings=["x"])
     return alt.Chart(data).mark_bar(height={"band": 0.7}, stroke="white", strokeWidth=0.5).encode(
-        x=alt.X("started_at:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S")),
+        x=alt.X("started_at:T", title="time (UTC)", scale=UTC_TIME,
+                axis=alt.Axis(format="%H:%M:%S")),
         x2="finished_at:T",
         y=alt.Y("lane:N", title="worker · device"),
         color=alt.Color("status:N", scale=STATUS_COLORS),
         tooltip=[*JOB_TOOLTIP, alt.Tooltip("attempt:Q"), alt.Tooltip("status:N"),
                  alt.Tooltip("failure_class:N"), alt.Tooltip("seconds:Q", format=".2f"),
-                 alt.Tooltip("started_at:T", format="%H:%M:%S.%L"),
-                 alt.Tooltip("finished_at:T", format="%H:%M:%S.%L")],
+                 alt.Tooltip("started_at:T", format="%H:%M:%S.%L UTC", formatType="utc"),
+                 alt.Tooltip("finished_at:T", format="%H:%M:%S.%L UTC", formatType="utc")],
     ).add_params(zoom).properties(width=760, title="Timeline: every attempt on every worker")
 
 
 def job_memory_chart(results: pl.DataFrame) -> alt.Chart:
     """Peak device memory (and host RSS) of each finished job."""
-    data = results.filter(pl.col("status") == "done").with_columns(
+    data = with_job_label(results).filter(pl.col("status") == "done").with_columns(
         (pl.col("peak_device_mem_bytes") / MIB).alias("device MiB"),
         (pl.col("peak_host_rss_bytes") / MIB).alias("host RSS MiB"))
     if data.is_empty():
         return _empty("no finished jobs: no memory peaks")
-    long = data.unpivot(index=["job_id", "model", "config_label", "backend", "config", "device",
-                               "worker"], on=["device MiB", "host RSS MiB"],
+    long = data.unpivot(index=["job_id", "job", "model", "config_label", "backend", "config",
+                               "device", "worker"], on=["device MiB", "host RSS MiB"],
                         variable_name="memory", value_name="MiB")
     return alt.Chart(long).mark_bar().encode(
-        y=alt.Y("config_label:N", sort=_job_order(results), title="config"),
+        y=alt.Y("job:N", sort=_job_order(results), title="job"),
         yOffset="memory:N",
         x=alt.X("MiB:Q", title="peak MiB"),
         color=alt.Color("memory:N", title=None),
@@ -234,11 +251,12 @@ def memory_timeline_chart(samples: pl.DataFrame) -> alt.Chart:
                                        .alias("lane"))
     zoom = alt.selection_interval(bind="scales", encodings=["x"])
     return alt.Chart(data).mark_line(interpolate="step-after").encode(
-        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S")),
+        x=alt.X("time:T", title="time (UTC)", scale=UTC_TIME, axis=alt.Axis(format="%H:%M:%S")),
         y=alt.Y("MiB:Q", title="memory used MiB"),
         color=alt.Color("lane:N", title="worker · device"),
         tooltip=[alt.Tooltip("lane:N", title="worker · device"),
-                 alt.Tooltip("time:T", format="%H:%M:%S.%L"), alt.Tooltip("job_id:N"),
+                 alt.Tooltip("time:T", format="%H:%M:%S.%L UTC", formatType="utc"),
+                 alt.Tooltip("job_id:N"),
                  alt.Tooltip("MiB:Q", format=".1f"),
                  alt.Tooltip("utilization_pct:Q", title="utilization %", format=".0f")],
     ).add_params(zoom).properties(width=760, title="Memory over time")
@@ -253,18 +271,18 @@ def memory_chart(results: pl.DataFrame, samples: pl.DataFrame) -> alt.VConcatCha
 
 def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
     """Where each finished job's time went: load, quantize, eval (and the rest of its run)."""
-    data = results.filter(pl.col("status") == "done").with_columns(
+    data = with_job_label(results).filter(pl.col("status") == "done").with_columns(
         pl.col("load_s").alias("load"), pl.col("quantize_s").alias("quantize"),
         pl.col("eval_s").alias("eval"),
         (pl.col("wall_s") - pl.col("load_s") - pl.col("quantize_s") - pl.col("eval_s"))
         .clip(lower_bound=0).alias("other"))
     if data.is_empty():
         return _empty("no finished jobs: no time breakdown")
-    long = data.unpivot(index=["job_id", "model", "config_label", "backend", "config", "wall_s",
-                               "source_cached"], on=["load", "quantize", "eval", "other"],
+    long = data.unpivot(index=["job_id", "job", "model", "config_label", "backend", "config",
+                               "wall_s", "source_cached"], on=["load", "quantize", "eval", "other"],
                         variable_name="phase", value_name="seconds")
     return alt.Chart(long).mark_bar().encode(
-        y=alt.Y("config_label:N", sort=_job_order(results), title="config"),
+        y=alt.Y("job:N", sort=_job_order(results), title="job"),
         x=alt.X("seconds:Q", title="seconds", stack="zero"),
         color=alt.Color("phase:N", scale=PHASE_COLORS, sort=PHASE_COLORS.domain),
         order=alt.Order("phase_order:Q"),

@@ -24,6 +24,13 @@ from quantdask.summary import sweep_summary
 SCALING_FILE = "scaling.parquet"
 
 
+def worker_counts_here(wanted: Sequence[int]) -> list[int]:
+    """The counts of ``wanted`` this machine can run: all of them on CPU slots, those up to its
+    GPU count on a GPU machine."""
+    gpus = cuda_device_count()
+    return [n for n in wanted if not gpus or n <= gpus]
+
+
 def _check_worker_counts(workers: Sequence[int], gpus_here: int) -> list[int]:
     counts = list(workers)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
@@ -73,18 +80,23 @@ def scale_sweep(
     host: str = "127.0.0.1",
     on_result: Callable[[dict[str, Any]], None] | None = None,
     on_count: Callable[[int, Path], None] | None = None,
+    use_gpus: bool | None = None,
 ) -> pl.DataFrame:
-    """Run every job of ``sweep`` fresh on a new cluster of each size in ``workers`` (GPUs when
-    this machine has them, else CPU slots that share its cores); return the scaling frame.
+    """Run every job of ``sweep`` fresh on a new cluster of each size in ``workers``; return the
+    scaling frame.
 
-    Each count runs in ``OUT_DIR/workers-N`` (a run directory of its own, with every result and
-    attempt); the frame is written to ``OUT_DIR/scaling.parquet``. ``OUT_DIR`` must be new or
-    empty. ``on_count(n, run_dir)`` is called before each count starts.
+    Workers are GPUs when this machine has them (``use_gpus=False`` forces CPU slots). CPU slots
+    each get the same torch threads at every count (the cores split over the largest count), so
+    a worker is the same unit throughout, as a GPU would be. Each count runs in
+    ``OUT_DIR/workers-N`` (a run directory of its own, with every result and attempt); the frame
+    is written to ``OUT_DIR/scaling.parquet``. ``OUT_DIR`` must be new or empty.
+    ``on_count(n, run_dir)`` is called before each count starts.
     """
     out = Path(out_dir)
-    gpus_here = cuda_device_count()
+    gpus_here = cuda_device_count() if use_gpus is not False else 0
     counts = _check_worker_counts(workers, gpus_here)
     _check_out_dir(out)
+    threads = max(1, (os.cpu_count() or 1) // (max(counts) * sweep.jobs_per_gpu))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in counts:
@@ -93,7 +105,8 @@ def scale_sweep(
             on_count(n, run_dir)
         cluster = (start_cluster(gpus=list(range(n)), host=host,
                                  jobs_per_worker=sweep.jobs_per_gpu) if gpus_here else
-                   start_cluster(workers=n, host=host, jobs_per_worker=sweep.jobs_per_gpu))
+                   start_cluster(workers=n, host=host, jobs_per_worker=sweep.jobs_per_gpu,
+                                 torch_threads=threads))
         with cluster:
             run_sweep(sweep, run_dir, cluster.client, on_result=on_result)
         summary = sweep_summary(read_attempts(run_dir), read_sessions(run_dir))

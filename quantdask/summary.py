@@ -8,35 +8,62 @@ from __future__ import annotations
 
 import polars as pl
 
+DEVICE_SUMMARY_SCHEMA = {
+    "worker": pl.String, "device": pl.String, "jobs": pl.UInt32, "attempts": pl.UInt32,
+    "busy_s": pl.Float64, "idle_s": pl.Float64, "utilization": pl.Float64,
+    "peak_device_mem_bytes": pl.Int64,
+}
 
-def device_summary(results: pl.DataFrame, samples: pl.DataFrame | None = None) -> pl.DataFrame:
-    """One row per (worker, device): jobs run, busy and idle seconds, utilization, peak memory.
 
-    Busy time is the sum of the jobs' run times (started -> finished on the worker); idle time is
-    the rest of the sweep's window (first start -> last finish over all workers), so a device
-    that waited while others worked shows it. With ``samples``, the sampled utilization (mean)
-    and memory (peak) are added.
+def _busy_seconds(intervals: list[tuple]) -> float:
+    """The length of the union of (start, end) intervals: jobs sharing a device at once
+    (``jobs_per_gpu`` > 1) keep it busy once, not twice."""
+    busy, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy += (end - start).total_seconds()
+            reach = end
+        elif end > reach:
+            busy += (end - reach).total_seconds()
+            reach = end
+    return busy
+
+
+def device_summary(results: pl.DataFrame, samples: pl.DataFrame | None = None,
+                   attempts: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per (worker, device): jobs and attempts run, busy and idle seconds, utilization,
+    peak memory.
+
+    Busy time is the time the device ran at least one attempt (with ``attempts``: every try,
+    failed ones too; else each job's recorded run). Idle time is the rest of the sweep's window:
+    per driver session, first start -> last finish over all workers, so a device that waited
+    while others worked shows it, and the hours between two sessions of a resumed run do not
+    count. With ``samples``, the sampled utilization (mean) and memory (peak) are added.
     """
-    ran = results.filter(pl.col("started_at").is_not_null() & pl.col("worker").is_not_null())
+    source = attempts if attempts is not None and not attempts.is_empty() else results
+    if "run_id" not in source.columns:
+        source = source.with_columns(pl.lit("").alias("run_id"))
+    ran = source.filter(pl.col("started_at").is_not_null() & pl.col("worker").is_not_null())
     if ran.is_empty():
-        return pl.DataFrame(schema={"worker": pl.String, "device": pl.String, "jobs": pl.UInt32,
-                                    "busy_s": pl.Float64, "idle_s": pl.Float64,
-                                    "utilization": pl.Float64, "peak_device_mem_bytes": pl.Int64})
-    window_s = (ran["finished_at"].max() - ran["started_at"].min()).total_seconds()
-    summary = (
-        ran.with_columns(
-            ((pl.col("finished_at") - pl.col("started_at")).dt.total_microseconds() / 1e6)
-            .alias("run_s"))
-        .group_by("worker", "device")
-        .agg(pl.len().alias("jobs"), pl.col("run_s").sum().alias("busy_s"),
-             pl.col("peak_device_mem_bytes").max())
-        .with_columns((window_s - pl.col("busy_s")).clip(lower_bound=0).alias("idle_s"),
-                      (pl.col("busy_s") / window_s if window_s > 0 else pl.lit(1.0))
-                      .alias("utilization"))
-        .select("worker", "device", "jobs", "busy_s", "idle_s", "utilization",
-                "peak_device_mem_bytes")
-        .sort("worker")
-    )
+        return pl.DataFrame(schema=DEVICE_SUMMARY_SCHEMA)
+    windows = ran.group_by("run_id").agg(pl.col("started_at").min(),
+                                         pl.col("finished_at").max())
+    window_s = sum((end - start).total_seconds() for start, end
+                   in windows.select("started_at", "finished_at").iter_rows())
+    rows = []
+    for (worker, device), group in ran.group_by("worker", "device"):
+        busy = sum(_busy_seconds(list(run.select("started_at", "finished_at").iter_rows()))
+                   for _, run in group.group_by("run_id"))
+        rows.append({"worker": worker, "device": device, "jobs": group["job_id"].n_unique(),
+                     "attempts": group.height, "busy_s": busy,
+                     "idle_s": max(0.0, window_s - busy),
+                     "utilization": busy / window_s if window_s > 0 else 1.0})
+    peaks = results.filter(pl.col("worker").is_not_null()).group_by("worker", "device").agg(
+        pl.col("peak_device_mem_bytes").max())
+    summary = (pl.DataFrame(rows, schema={k: v for k, v in DEVICE_SUMMARY_SCHEMA.items()
+                                          if k != "peak_device_mem_bytes"})
+               .join(peaks, on=["worker", "device"], how="left")
+               .select(list(DEVICE_SUMMARY_SCHEMA)).cast(DEVICE_SUMMARY_SCHEMA).sort("worker"))
     if samples is not None and not samples.is_empty():
         sampled = samples.group_by("worker", "device").agg(
             pl.col("utilization_pct").mean().alias("sampled_utilization_pct"),
@@ -100,8 +127,10 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
         _seconds("finished_at", "started_at")).otherwise(makespan)
     return (
         per_run.with_columns(
-            pl.col("workers").fill_null(pl.col("workers_seen").cast(pl.Int64)),
-            pl.col("slots").fill_null(pl.col("workers_seen").cast(pl.Int64)),
+            # Workers that joined after the session started (an external cluster still
+            # scaling up) ran jobs too: never count fewer slots than workers seen.
+            pl.max_horizontal("workers", pl.col("workers_seen").cast(pl.Int64)),
+            pl.max_horizontal("slots", pl.col("workers_seen").cast(pl.Int64)),
             makespan.alias("makespan_s"), wall.alias("wall_s"))
         .with_columns(
             (pl.col("jobs") / pl.col("wall_s") * 60).alias("throughput_jobs_per_min"),

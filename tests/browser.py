@@ -6,6 +6,7 @@ Talks the DevTools protocol over a pipe (``--remote-debugging-pipe``), so no por
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -39,24 +40,24 @@ class _DevTools:
     def __init__(self, chromium: str, profile: str):
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
-
-        def wire_pipes():  # the browser reads commands on fd 3 and answers on fd 4
-            # Via fds out of the way, as a pipe may already sit on 3 or 4 (and close-on-exec).
-            high_r, high_w = os.dup2(to_browser_r, 100), os.dup2(from_browser_w, 101)
-            os.dup2(high_r, 3)
-            os.dup2(high_w, 4)
-
+        # The browser reads commands on fd 3 and answers on fd 4. The pipe ends go to fds of 10
+        # and up first (so none sits on 3 or 4), then bash moves them (dash takes one-digit fds
+        # only): no preexec_fn, which is unsafe in a process with threads (Dask clients).
+        child_r = fcntl.fcntl(to_browser_r, fcntl.F_DUPFD_CLOEXEC, 10)
+        child_w = fcntl.fcntl(from_browser_w, fcntl.F_DUPFD_CLOEXEC, 10)
+        for fd in (to_browser_r, from_browser_w):
+            os.close(fd)
+        to_browser_r, from_browser_w = child_r, child_w
+        launch = f'exec "$0" "$@" 3<&{child_r} 4>&{child_w} {child_r}<&- {child_w}>&-'
         self.process = subprocess.Popen(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--no-default-browser-check", "--disable-background-networking",
+            ["bash", "-c", launch, chromium, "--headless", "--no-sandbox", "--disable-gpu",
+             "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--disable-extensions",
              "--disable-features=MediaRouter,OptimizationHints",
              # No name resolves: a request for anything remote fails here, never leaves.
              "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9",
              f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"],
-            # close_fds would close 3 and 4 again after wire_pipes ran.
-            close_fds=False, preexec_fn=wire_pipes,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            pass_fds=(child_r, child_w), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buffer = b""

@@ -84,14 +84,33 @@ def test_device_summary_busy_idle_and_utilization():
         return t0 + dt.timedelta(seconds=seconds)
 
     results = pl.DataFrame({
+        "job_id": ["a", "b", "c"],
         "worker": ["0", "0", "1"], "device": ["cuda:0", "cuda:0", "cuda:1"],
         "started_at": [at(0), at(4), at(0)], "finished_at": [at(4), at(10), at(5)],
         "peak_device_mem_bytes": [100, 300, 200],
     })
     summary = device_summary(results).to_dicts()
     assert summary == [
-        {"worker": "0", "device": "cuda:0", "jobs": 2, "busy_s": 10.0, "idle_s": 0.0,
-         "utilization": 1.0, "peak_device_mem_bytes": 300},
-        {"worker": "1", "device": "cuda:1", "jobs": 1, "busy_s": 5.0, "idle_s": 5.0,
-         "utilization": 0.5, "peak_device_mem_bytes": 200},
+        {"worker": "0", "device": "cuda:0", "jobs": 2, "attempts": 2, "busy_s": 10.0,
+         "idle_s": 0.0, "utilization": 1.0, "peak_device_mem_bytes": 300},
+        {"worker": "1", "device": "cuda:1", "jobs": 1, "attempts": 1, "busy_s": 5.0,
+         "idle_s": 5.0, "utilization": 0.5, "peak_device_mem_bytes": 200},
     ]
+
+    # From the attempts: two sessions a day apart (a resumed run), a failed try that counts as
+    # busy time, and two jobs sharing worker 0 at once (jobs_per_gpu 2) counted once.
+    day = 86_400
+    attempts = pl.DataFrame({
+        "run_id": ["r1", "r1", "r1", "r2", "r2"],
+        "job_id": ["a", "b", "c", "c", "d"],
+        "worker": ["0", "0", "1", "1", "0"], "device": ["cuda:0", "cuda:0", "cuda:1",
+                                                      "cuda:1", "cuda:0"],
+        "started_at": [at(0), at(2), at(0), at(day), at(day)],
+        "finished_at": [at(4), at(6), at(3), at(day + 4), at(day + 2)],
+    })
+    by_worker = {r["worker"]: r for r in device_summary(results, attempts=attempts).to_dicts()}
+    # Windows: 6 s (session 1) + 4 s (session 2) = 10 s, not a day.
+    assert by_worker["0"]["busy_s"] == 6.0 + 2.0 and by_worker["0"]["idle_s"] == 2.0
+    assert by_worker["0"]["jobs"] == 3 and by_worker["0"]["attempts"] == 3
+    assert by_worker["1"]["busy_s"] == 3.0 + 4.0 and by_worker["1"]["utilization"] == 0.7
+    assert by_worker["1"]["attempts"] == 2 and by_worker["1"]["jobs"] == 1

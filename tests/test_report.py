@@ -59,7 +59,7 @@ def mixed_run(cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("mixed-run")
     run_sweep(mixed_sweep(), run_dir, cluster.client)
     # The report shows a scaling run kept in RUN_DIR/scaling.
-    scale_sweep(small_sweep(), run_dir / "scaling", [1, 2])
+    scale_sweep(small_sweep(), run_dir / "scaling", [1, 2], use_gpus=False)
     return run_dir
 
 
@@ -131,6 +131,22 @@ def test_sweep_summary_on_a_known_schedule():
     assert sweep_summary(one_slot).row(0, named=True)["lower_bound_s"] == 7.0
 
 
+def test_slots_never_fewer_than_the_workers_that_ran_jobs():
+    # An external cluster whose workers joined after the session started: 0 slots recorded.
+    from quantdask.schema import ATTEMPT_SCHEMA, SESSION_SCHEMA
+
+    attempts = pl.DataFrame([_attempt("a", "0", 0, 4), _attempt("b", "1", 0, 2)],
+                            schema=ATTEMPT_SCHEMA)
+    t0 = attempts["started_at"].min()
+    sessions = pl.DataFrame([{"run_id": "r", "sweep": "s", "started_at": t0,
+                              "finished_at": t0 + dt.timedelta(seconds=5), "completed": True,
+                              "workers": 0, "slots": 0, "jobs_planned": 2, "jobs_run": 2}],
+                            schema=SESSION_SCHEMA)
+    row = sweep_summary(attempts, sessions).row(0, named=True)
+    assert row["slots"] == 2 and row["workers"] == 2 and row["wall_s"] == 5.0
+    assert row["efficiency"] == pytest.approx(6 / 4 / 2) and row["lower_bound_s"] == 4.0
+
+
 def test_pareto_frontier_keeps_only_undominated_configs():
     results = pl.DataFrame({
         "model": ["m"] * 5, "status": ["done"] * 5,
@@ -170,6 +186,28 @@ def test_failures_table_lists_failed_and_skipped_jobs_with_reasons(mixed_run):
     assert "256" in rows["ao int4wo g256"]["reason"]
 
 
+def test_several_models_keep_their_jobs_apart(mixed_run):
+    # Every model has a "baseline": the per-job charts must not stack two models' jobs in one.
+    results = read_results(mixed_run)
+    two = pl.concat([results, results.with_columns(
+        pl.lit("other").alias("model"), (pl.col("job_id") + "-other").alias("job_id"))])
+    breakdown = chart_rows(report.time_breakdown_chart(two))
+    assert {r["job"] for r in breakdown} == {"demo · baseline", "demo · nf4",
+                                             "other · baseline", "other · nf4"}
+    memory = chart_rows(report.job_memory_chart(two))
+    assert len({r["job"] for r in memory}) == 4
+    quality = report.quality_chart(two).to_dict()
+    assert len(quality["vconcat"]) == 2  # one row of panels per model
+
+
+def test_a_big_model_with_thousands_of_layer_rows_still_charts(mixed_run):
+    results, layers = read_results(mixed_run), read_layers(mixed_run)
+    many = pl.concat([layers.with_columns(pl.col("layer") + f".copy{i}",
+                                          pl.col("position") + i * 1000) for i in range(120)])
+    assert many.height > 3000  # 2 metrics each: past Altair's default 5000-row limit
+    assert len(chart_rows(report.layer_error_heatmap(results, many))) == 2 * many.height
+
+
 def test_empty_frames_draw_a_message_not_an_error(mixed_run):
     results = read_results(mixed_run).filter(pl.col("status") != "done")
     for chart in (report.quality_chart(results), report.time_breakdown_chart(results),
@@ -183,7 +221,8 @@ def test_scaling_run_records_every_count(mixed_run):
     assert scaling["slots"].to_list() == [1, 2]
     assert (scaling["done"] == 2).all() and (scaling["jobs"] == 2).all()
     base, two = scaling.to_dicts()
-    assert base["scaling_speedup"] == 1.0 and base["scaling_efficiency"] == 1.0
+    assert base["scaling_speedup"] == pytest.approx(1.0)
+    assert base["scaling_efficiency"] == pytest.approx(1.0)
     assert two["scaling_speedup"] == pytest.approx(
         two["throughput_jobs_per_min"] / base["throughput_jobs_per_min"])
     assert two["scaling_efficiency"] == pytest.approx(two["scaling_speedup"] / 2)
@@ -249,6 +288,11 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
     for heading in ("Which config to ship", "Every job", "Failed and skipped jobs", "Timeline",
                     "Memory", "Time per job", "Per-layer error", "Scaling"):
         assert heading in page.text
+    # The jobs table holds every job (4 rows), not a truncated listing.
+    every_job = page.text.split("Every job", 1)[1].split("Failed and skipped jobs", 1)[0]
+    assert "shape: (4, 14)" in every_job and "…" not in every_job
+    for label in ("baseline", "nf4", "int8 t=6", "ao int4wo"):
+        assert label in every_job
     print(f"screenshot: {screenshot}")
 
 
@@ -263,6 +307,28 @@ def test_a_chart_that_cannot_draw_is_caught_by_the_browser_check(tmp_path, chrom
     page = inspect_page(page_path, chromium=chromium)
     assert [c["state"] for c in page.charts] == ["failed"]
     assert any("chart library not loaded" in e for e in page.console_errors)
+
+
+def test_text_that_looks_like_html_cannot_break_a_chart_out_of_its_script(tmp_path, chromium):
+    import vl_convert
+
+    from quantdask.html_report import _chart_html
+
+    nasty = "</script><script>window.broken = 1</script><!-- \" ' & done"
+    chart = _chart_html({"$schema": "https://vega.github.io/schema/vega-lite/v6.json",
+                         "title": nasty, "data": {"values": [{"a": nasty, "b": 1}]},
+                         "mark": "bar", "encoding": {"x": {"field": "a", "type": "nominal"},
+                                                     "y": {"field": "b", "type": "quantitative"}}})
+    bundle = vl_convert.javascript_bundle()
+    page_path = tmp_path / "nasty.html"
+    page_path.write_text(f"<html><body><script>{bundle}</script>{chart['text/html']}"
+                         "</body></html>")
+    page = inspect_page(page_path, chromium=chromium)
+    # Had the text ended the script, the chart's code would be cut short (a syntax error, the
+    # chart never drawn); instead it is drawn, with the text shown as text.
+    assert [c["state"] for c in page.charts] == ["rendered"]
+    assert page.console_errors == []
+    assert "</script><script>window.broken = 1</script>" in page.text
 
 
 NOTEBOOK_PARAMETERS = {
@@ -312,8 +378,7 @@ def test_a_failing_notebook_names_the_cell(tmp_path):
 
 
 def test_report_command_writes_the_html_where_asked(mixed_run, tmp_path, capsys):
-    out = tmp_path / "shared" / "report.html"
-    out.parent.mkdir()
+    out = tmp_path / "shared" / "new" / "report.html"  # its folders are made first
     assert main(["report", str(mixed_run), "-o", str(out)]) == 0
     assert out.exists() and f"report: {out}" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 2
