@@ -51,10 +51,15 @@ _SAFE_NAME = re.compile(r"[^\w.-]+")
 log = logging.getLogger("quantdask.store")
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: mkstemp makes files private, a report is there to be shared
+
+
 def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same directory, then rename: all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_UMASK)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
