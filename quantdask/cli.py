@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from quantdask.errors import QuantdaskError, RunDirError, SpecError
@@ -59,7 +60,8 @@ def _print_progress():
                       f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
         else:
             detail = f"{record['error_class']}: {record['error_message']}".splitlines()[0]
-        print(f"[{count}] {record['status']:7} {record['model']} {record['config_label']} "
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        print(f"{stamp} [{count}] {record['status']:7} {record['model']} {record['config_label']} "
               f"(worker {record.get('worker') or '?'}, attempt {record['attempts']}): {detail}",
               flush=True)
 
@@ -73,19 +75,35 @@ def _check_run_dir(path: str) -> str:
 
 
 def cmd_plan(args) -> int:
-    from quantdask.spec import expand_grid, plan_rows
-    from quantdask.store import RunStore
+    import json
+
+    from quantdask.dashboard import format_bytes, format_duration
+    from quantdask.planning import plan_sweep
     from quantdask.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep)
-    rows = plan_rows(expand_grid(sweep))
-    finished: set[str] = set()
-    if args.run_dir and os.path.isdir(args.run_dir):
-        finished = RunStore(args.run_dir).finished_job_ids()
-    for row in rows:
-        row["state"] = "finished" if row["job_id"] in finished else "to run"
-    print(_table(rows, ["job_id", "model", "backend", "config_label", "priority", "state"]))
-    print(f"{len(rows)} jobs ({len(rows) - len(finished & {r['job_id'] for r in rows})} to run)")
+    run_dir = args.run_dir or os.path.join("runs", sweep.name)
+    plan = plan_sweep(sweep, run_dir)
+    states = {s: plan.filter(plan["state"] == s).height
+              for s in ("to run", "finished", "unsupported")}
+    to_run = plan.filter(plan["state"] == "to run")
+    known = to_run["est_duration_s"].drop_nulls()
+    if args.json:
+        print(json.dumps({"sweep": sweep.name, "run_dir": run_dir, "jobs": plan.to_dicts(),
+                          "counts": states,
+                          "est_work_s": float(known.sum()) if len(known) else None},
+                         indent=1))
+        return 0
+    rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
+             "est_time": format_duration(row["est_duration_s"])} for row in plan.to_dicts()]
+    print(_table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
+                        "est_memory", "est_time", "estimate_from"]))
+    for row in plan.filter(plan["state"] == "unsupported").to_dicts():
+        print(f"unsupported: {row['config_label']}: {row['reason']}")
+    work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "
+            "estimate" if len(known) else "")
+    print(f"{plan.height} jobs: {states['to run']} to run, {states['finished']} finished, "
+          f"{states['unsupported']} unsupported here{work}")
     return 0
 
 
@@ -93,6 +111,7 @@ def _run(sweep, args) -> int:
     import polars as pl
 
     from quantdask.cluster import start_cluster
+    from quantdask.dashboard import LiveDashboard, PlainLog
     from quantdask.scheduler import run_sweep
     from quantdask.store import RunStore, read_attempts
 
@@ -103,7 +122,14 @@ def _run(sweep, args) -> int:
                        jobs_per_worker=1 if args.scheduler else sweep.jobs_per_gpu) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
               f"Dask dashboard: {cluster.dashboard_link}", flush=True)
-        results = run_sweep(sweep, run_dir, cluster.client, on_result=_print_progress())
+        # A terminal gets the live dashboard; a pipe or a log file, timestamped lines.
+        if sys.stdout.isatty():
+            with LiveDashboard() as dashboard:
+                results = run_sweep(sweep, run_dir, cluster.client,
+                                    on_progress=dashboard.update)
+        else:
+            results = run_sweep(sweep, run_dir, cluster.client, on_result=_print_progress(),
+                                on_progress=PlainLog().update)
     rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
                         pl.col("config_label"), descending=[False, False, True, False],
                         nulls_last=True)
@@ -250,6 +276,13 @@ def cmd_status(args) -> int:
 
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")
+    if args.watch:
+        from quantdask.dashboard import watch
+
+        try:
+            return watch(args.run_dir, interval_s=args.interval)
+        except KeyboardInterrupt:
+            return 0
     frame = job_status(args.run_dir)
     print(_table(frame.to_dicts(), [c for c in ("job_id", "model", "config_label", "status",
                                                  "attempts", "worker", "perplexity",
@@ -259,6 +292,22 @@ def cmd_status(args) -> int:
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
     for excluded in RunStore(args.run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from quantdask.store import RunStore
+
+    store = RunStore(args.run_dir)
+    if not store.job_logs_dir.is_dir():
+        raise RunDirError(f"no job logs in {args.run_dir} (no logs/jobs/); give a run directory")
+    ids = sorted(p.stem for p in store.job_logs_dir.glob("*.log"))
+    matches = [i for i in ids if i == args.job_id] or [i for i in ids if i.startswith(args.job_id)]
+    if len(matches) != 1:
+        listed = ", ".join(matches or ids[:20]) + (" ..." if not matches and len(ids) > 20 else "")
+        what = "matches several jobs" if matches else "matches no job"
+        raise RunDirError(f"JOB_ID {args.job_id!r} {what} in {args.run_dir}; job ids: {listed}")
+    sys.stdout.write((store.job_logs_dir / f"{matches[0]}.log").read_text(encoding="utf-8"))
     return 0
 
 
@@ -301,14 +350,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interface the local clusters bind to (default 127.0.0.1)")
     scale.set_defaults(func=cmd_scale)
 
-    plan = commands.add_parser("plan", help="show a sweep's jobs; runs nothing")
+    plan = commands.add_parser("plan", help="show a sweep's jobs in scheduling order with "
+                                             "estimates; runs nothing")
     plan.add_argument("sweep", help="sweep YAML file")
-    plan.add_argument("--run-dir", help="mark the jobs already finished there")
+    plan.add_argument("--run-dir", help="where earlier results are (default runs/<sweep name>):"
+                                        " finished jobs and the estimates come from there")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
 
     status = commands.add_parser("status", help="show a run directory's jobs")
     status.add_argument("run_dir")
+    status.add_argument("--watch", action="store_true",
+                        help="follow the running sweep live (reads RUN_DIR/progress.json)")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between looks")
     status.set_defaults(func=cmd_status)
+
+    logs = commands.add_parser("logs", help="print a job's log (every attempt)")
+    logs.add_argument("run_dir")
+    logs.add_argument("job_id", help="a job id, or its unique beginning")
+    logs.set_defaults(func=cmd_logs)
 
     demo = commands.add_parser("demo", help="run the built-in demo sweep, a scaling "
                                              "measurement at 1 and 2 workers, and the report")

@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import os
 import threading
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -20,6 +21,9 @@ from distributed.diagnostics.plugin import WorkerPlugin
 log = logging.getLogger("quantdask.devices")
 
 SAMPLER_NAME = "quantdask-device-sampler"
+TELEMETRY_TOPIC = "quantdask-telemetry"
+"""Dask event topic: each worker's latest reading, about once a second, for live dashboards."""
+TELEMETRY_EVERY_S = 1.0
 MAX_BUFFERED = 20_000  # samples kept between drains (~3 h idle at 0.5 s); the oldest go first
 
 
@@ -101,6 +105,8 @@ class DeviceSampler(WorkerPlugin):
 
     def setup(self, worker=None) -> None:
         self.worker_name = str(worker.name) if worker is not None else f"pid-{os.getpid()}"
+        self._worker = worker
+        self._published = 0.0
         self.current_job: str | None = None
         self._samples: deque[dict[str, Any]] = deque(maxlen=MAX_BUFFERED)
         self._stop = threading.Event()
@@ -128,9 +134,22 @@ class DeviceSampler(WorkerPlugin):
             log.error("device sampling on worker %s stopped: %s", self.worker_name, error)
             self.probe = None
             return
-        self._samples.append({"worker": self.worker_name, "device": self.probe.device,
-                              "time": dt.datetime.now(dt.UTC), "job_id": self.current_job,
-                              **reading})
+        sample = {"worker": self.worker_name, "device": self.probe.device,
+                  "time": dt.datetime.now(dt.UTC), "job_id": self.current_job, **reading}
+        self._samples.append(sample)
+        self._publish(sample)
+
+    def _publish(self, sample: dict[str, Any]) -> None:
+        """Send the latest reading to whoever watches the sweep (``log_event`` is thread-safe;
+        the driver subscribes to :data:`TELEMETRY_TOPIC`)."""
+        now = time.monotonic()
+        if self._worker is None or now - self._published < TELEMETRY_EVERY_S:
+            return
+        self._published = now
+        try:
+            self._worker.log_event(TELEMETRY_TOPIC, {**sample, "time": sample["time"].isoformat()})
+        except Exception as error:  # noqa: BLE001 - a closing worker; telemetry is optional
+            log.debug("telemetry not sent: %s", error)
 
     def drain(self) -> list[dict[str, Any]]:
         """Every sample taken since the last drain (and forget them)."""

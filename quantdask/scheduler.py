@@ -30,8 +30,9 @@ from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
 from quantdask.cluster import cluster_capacity, live_workers, restart_worker, retire_worker
-from quantdask.devices import DeviceSampler, drain_this_worker
+from quantdask.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
+from quantdask.progress import SweepProgress
 from quantdask.reference import compute_reference, reference_key
 from quantdask.retry import DeviceHealth, RetryDecision, decide
 from quantdask.spec import Job, Sweep, expand_grid, plan_rows
@@ -41,6 +42,7 @@ from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 log = logging.getLogger("quantdask.scheduler")
 
 POLL_S = 0.05
+PROGRESS_EVERY_S = 0.25
 """How often the driver checks deadlines and due retries while no result is ready."""
 
 NO_WORKERS_GRACE_S = 120.0
@@ -66,6 +68,10 @@ class _Attempt:
     reference_key: str = ""  # the Dask key of the reference it depends on
 
 
+def _label(job: Job) -> str:
+    return f"{job.model.label} {job.config_label}"
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -80,11 +86,15 @@ def _failed_outside(failure_class: str, error_class: str, message: str,
 class _SweepDriver:
     """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
 
-    def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result):
+    def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result,
+                 progress: SweepProgress, on_progress):
         self.client = client
         self.store = store
         self.sweep = sweep
         self.on_result = on_result
+        self.progress = progress
+        self.on_progress = on_progress
+        self._progress_shown = 0.0
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
         self.references: dict[str, Future] = {}
@@ -145,6 +155,7 @@ class _SweepDriver:
         with self._lock:
             self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
                                           reference_key=reference.key)
+        self.progress.job_queued(job.id, _label(job), job.priority)
         self.pending.add(self.client.submit(
             run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
@@ -162,6 +173,8 @@ class _SweepDriver:
                 attempt.started_at = _now()
                 attempt.worker_address = message["address"]
                 attempt.worker_name = message["name"]
+                self.progress.job_started(attempt.key, attempt.job.id, _label(attempt.job),
+                                          attempt.job.priority, attempt.number, message["name"])
             elif message["key"] in self._reference_keys:
                 self.reference_starts[message["key"]] = (time.monotonic(), message["address"])
 
@@ -170,6 +183,7 @@ class _SweepDriver:
         # Samples from before this sweep are not its own.
         self.client.run(drain_this_worker, on_error="ignore")
         self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
+        self.client.subscribe_topic(TELEMETRY_TOPIC, self._on_telemetry)
         try:
             for job in jobs:
                 self.submit(job, 1)
@@ -181,6 +195,7 @@ class _SweepDriver:
                 self._submit_due_retries()
                 self._release_stranded()
                 self._give_up_without_workers()
+                self.show_progress()
                 if not ready:
                     time.sleep(POLL_S)
         except BaseException:
@@ -193,10 +208,29 @@ class _SweepDriver:
             raise
         finally:
             self.client.unsubscribe_topic(JOB_START_TOPIC)
+            self.client.unsubscribe_topic(TELEMETRY_TOPIC)
             self.references.clear()  # released: Dask forgets them once no client holds them
         # The idle time since each worker's last job.
         for samples in self.client.run(drain_this_worker, on_error="ignore").values():
             self._write_samples(samples)
+
+    def _on_telemetry(self, event) -> None:
+        _, sample = event  # on the client's event loop thread: note it, nothing more
+        self.progress.telemetry(sample["worker"], sample["device"], sample.get("job_id"),
+                                sample.get("memory_used_bytes"))
+
+    def show_progress(self, final: bool = False) -> None:
+        """Write ``progress.json`` and call ``on_progress``, a few times a second at most."""
+        now = time.monotonic()
+        if not final and now - self._progress_shown < PROGRESS_EVERY_S:
+            return
+        self._progress_shown = now
+        try:
+            self.progress.write(force=final)
+            if self.on_progress is not None:
+                self.on_progress(self.progress)
+        except Exception as error:  # noqa: BLE001 - a view must never stop the sweep
+            log.error("progress not shown: %s", error)
 
     def _release_stranded(self) -> None:
         """Resubmit, unrestricted, a waiting retry whose allowed workers are all gone (a worker
@@ -214,6 +248,7 @@ class _SweepDriver:
                 del self.attempts[key]
         for key, attempt in stranded:
             Future(key, self.client).cancel()
+            self.progress.attempt_dropped(key)
             self.submit(attempt.job, attempt.number)
 
     def _submit_due_retries(self) -> None:
@@ -248,6 +283,7 @@ class _SweepDriver:
             self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
             log.info("%s was dropped before it started (%s); resubmitting", job.id,
                      type(error).__name__)
+            self.progress.attempt_dropped(future.key)
             self.submit(job, attempt.number)
             return
         reference = self.references.get(reference_key(job.model, job.eval))
@@ -355,6 +391,8 @@ class _SweepDriver:
                             record["error_message"], decision.reason)
                 self.delayed.append((time.monotonic() + decision.delay_s, decision.job,
                                      attempt.number + 1, worker))
+                self.progress.attempt_ended(attempt.key, job.id, _label(job), attempt.number,
+                                            record, final=False)
                 self._write_samples(samples)
                 return
         record.update(
@@ -374,6 +412,8 @@ class _SweepDriver:
                 except Exception as error:  # noqa: BLE001 - the sweep goes on regardless
                     log.error("could not take worker %s out of rotation: %s", bad, error)
         self._write_samples(samples)
+        self.progress.attempt_ended(attempt.key, job.id, _label(job), attempt.number, record,
+                                    final=True)
         if self.on_result is not None:
             self.on_result(record)
 
@@ -390,6 +430,7 @@ def run_sweep(
     run_dir: str | os.PathLike,
     client: Client,
     on_result: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[SweepProgress], None] | None = None,
 ) -> pl.DataFrame:
     """Run every job of ``sweep`` not already finished in ``run_dir``; return the sweep's results.
 
@@ -398,7 +439,9 @@ def run_sweep(
     attempts are retried by failure class up to ``sweep.retries`` times; an attempt running
     past ``sweep.timeout_s`` fails as ``timeout`` and its worker is restarted; a worker that
     fails ``sweep.exclude_device_after`` different jobs in a row is retired. Every attempt is
-    recorded (``read_attempts``). ``on_result(record)`` is called after each result is written.
+    recorded (``read_attempts``). ``on_result(record)`` is called after each result is written;
+    ``on_progress(progress)`` a few times a second with the live :class:`SweepProgress`, which
+    is also written to ``RUN_DIR/progress.json`` for ``quantdask status --watch``.
     """
     store = RunStore(run_dir).create()
     with store.lock():
@@ -409,8 +452,12 @@ def run_sweep(
         todo = [job for job in jobs if job.id not in finished]
         log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
                  len(jobs) - len(todo), len(todo))
-        driver = _SweepDriver(client, store, sweep, on_result)
         workers, slots = cluster_capacity(client, sweep.jobs_per_gpu)
+        progress = SweepProgress(sweep.name, str(run_dir), total=len(jobs),
+                                 dashboard_link=client.dashboard_link, slots=slots,
+                                 workers=sorted(live_workers(client).values()))
+        progress.already_finished(["done"] * (len(jobs) - len(todo)))
+        driver = _SweepDriver(client, store, sweep, on_result, progress, on_progress)
         session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": _now(),
                    "finished_at": None, "completed": False, "workers": workers, "slots": slots,
                    "jobs_planned": len(jobs), "jobs_run": len(todo)}
@@ -420,5 +467,7 @@ def run_sweep(
             session["completed"] = True
         finally:
             store.write_session({**session, "finished_at": _now()})
+            progress.finish(completed=session["completed"])
+            driver.show_progress(final=True)
         ids = [job.id for job in jobs]
         return store.read_results().filter(pl.col("job_id").is_in(ids))

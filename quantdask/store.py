@@ -184,6 +184,19 @@ class RunStore:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def is_locked(self) -> bool:
+        """Whether a driver holds the run directory now (without taking it)."""
+        path = self.root / ".lock"
+        if not path.exists():
+            return False
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
     def check_unlocked(self) -> None:
         """Raise :class:`RunDirError` now if another driver holds the run directory (so a CLI
         refuses before starting a cluster); :meth:`lock` still decides."""

@@ -75,6 +75,7 @@ _LIBRARY_NOISE = {
     "bitsandbytes.autograd._functions": "inputs will be cast",
     "bitsandbytes.backends.cpu.ops": "from kernels-community",
     "torchao": "Failed to load",
+    "torchao.kernel.intmm": "Detected no triton",
     "torch.utils._pytree": "is an Enum subclass",
 }
 

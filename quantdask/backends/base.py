@@ -57,6 +57,15 @@ QuantizeFn = Callable[["ModelSource", dict, str], "torch.nn.Module"]
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What the driver knows of a model without loading it (for ``Backend.check``)."""
+
+    linear_in_features: dict[str, int]  # 2-D weight name (without .weight) -> input width
+    weight_bytes: int  # the checkpoint's size on disk
+    cuda: bool  # whether this machine has a CUDA GPU (where the plan assumes jobs run)
+
+
+@dataclass(frozen=True)
 class Backend:
     """A quantization backend registered under ``name``.
 
@@ -64,7 +73,10 @@ class Backend:
     (raise :class:`SpecError` naming the option) and fills defaults that depend on other options;
     ``label`` makes a short human name for a config; ``dequantize_layer(module)`` returns a
     quantized layer's weight dequantized to float (None for a module it did not quantize), for
-    per-layer error: a backend without it gets no per-layer rows.
+    per-layer error: a backend without it gets no per-layer rows. ``check(options, facts)``
+    is a cheap look on the driver before a sweep (``quantdask plan``): the reason a config
+    cannot run here (a missing library, a shape it cannot take), or None; the worker still
+    decides (raising :class:`UnsupportedHere`).
     """
 
     name: str
@@ -73,6 +85,7 @@ class Backend:
     complete: Callable[[dict], dict] | None = None
     label: Callable[[dict], str] | None = None
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    check: Callable[[dict, ModelFacts], str | None] | None = None
     description: str = ""
 
     def normalize(self, options: dict, where: str) -> dict:

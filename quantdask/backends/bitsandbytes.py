@@ -69,14 +69,27 @@ def bitsandbytes_config(options: dict):
     )
 
 
-def quantize_bitsandbytes(source, options: dict, device: str):
+def _require_bitsandbytes() -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
         raise UnsupportedHere(
             f"bitsandbytes is not installed on this worker ({err}); pip install bitsandbytes"
         ) from err
+
+
+def quantize_bitsandbytes(source, options: dict, device: str):
+    _require_bitsandbytes()
     return source.build(device, quantization_config=bitsandbytes_config(options))
+
+
+def check_bitsandbytes(options: dict, facts) -> str | None:
+    """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
+    try:
+        _require_bitsandbytes()
+    except UnsupportedHere as err:
+        return str(err)
+    return None
 
 
 def dequantize_layer(module):
@@ -101,5 +114,6 @@ bitsandbytes_backend = Backend(
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,
+    check=check_bitsandbytes,
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )

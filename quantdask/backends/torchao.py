@@ -50,13 +50,44 @@ def _import_torchao():
     return quantization
 
 
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(name == s or name.startswith(f"{s}.") or name.endswith(f".{s}") for s in skip)
+
+
 def _targets(model, skip: list[str]) -> dict:
     import torch
 
     return {name: module for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear)
-            and not any(name == s or name.startswith(f"{s}.") or name.endswith(f".{s}")
-                        for s in skip)}
+            if isinstance(module, torch.nn.Linear) and not _skipped(name, skip)}
+
+
+def int4_unsupported(group: int, widths: dict[str, int], cuda: bool) -> str | None:
+    """Why int4 with ``group`` cannot run on layers of these input ``widths`` here, or None.
+
+    torchao skips a layer whose width its group size does not divide, silently: refused
+    instead, so a result never claims int4 for a partly quantized model.
+    """
+    narrow = [(name, width) for name, width in widths.items() if width % group]
+    if narrow:
+        name, width = narrow[0]
+        return (f"group_size={group} does not divide {name}.in_features={width}; choose a "
+                "group size that divides every layer width")
+    if not cuda and group not in CPU_INT4_GROUP_SIZES:
+        return f"torchao int4 on a CPU supports group_size {CPU_INT4_GROUP_SIZES}, not {group}"
+    return None
+
+
+def check_torchao(options: dict, facts) -> str | None:
+    """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
+    try:
+        _import_torchao()
+    except UnsupportedHere as err:
+        return str(err)
+    if options["mode"] == "int4_weight_only" and facts.linear_in_features:
+        widths = {name: width for name, width in facts.linear_in_features.items()
+                  if not _skipped(name, options["skip_modules"])}
+        return int4_unsupported(options["group_size"], widths, facts.cuda)
+    return None
 
 
 def quantize_torchao(source, options: dict, device: str):
@@ -67,13 +98,10 @@ def quantize_torchao(source, options: dict, device: str):
         config = quantization.Int8WeightOnlyConfig()
     else:
         group = options["group_size"]
-        # torchao skips a layer whose width its group size does not divide, silently: refuse
-        # instead, so a result never claims int4 for a partly quantized model.
-        narrow = [(n, m.in_features) for n, m in targets.items() if m.in_features % group]
-        if narrow:
-            name, width = narrow[0]
-            raise UnsupportedHere(f"group_size={group} does not divide {name}.in_features="
-                                  f"{width}; choose a group size that divides every layer width")
+        reason = int4_unsupported(group, {n: m.in_features for n, m in targets.items()},
+                                  cuda=device.startswith("cuda"))
+        if reason:
+            raise UnsupportedHere(reason)
         if device.startswith("cuda"):
             if str(source.dtype) != "torch.bfloat16":
                 raise UnsupportedHere("torchao int4 on CUDA needs a bfloat16 model; "
@@ -81,9 +109,6 @@ def quantize_torchao(source, options: dict, device: str):
             config = quantization.Int4WeightOnlyConfig(group_size=group,
                                                        int4_packing_format="tile_packed_to_4d")
         else:
-            if group not in CPU_INT4_GROUP_SIZES:
-                raise UnsupportedHere(f"torchao int4 on a CPU supports group_size "
-                                      f"{CPU_INT4_GROUP_SIZES}, not {group}")
             from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
             config = PrototypeInt4WeightOnlyConfig(group_size=group)
@@ -115,5 +140,6 @@ torchao_backend = Backend(
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,
+    check=check_torchao,
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

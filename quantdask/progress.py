@@ -1,0 +1,204 @@
+"""A sweep's live progress: what each worker runs now, counts, ETA, the queue, the last failures.
+
+The driver keeps a :class:`SweepProgress` up to date as jobs are queued, start, send telemetry
+and finish, and writes it to ``RUN_DIR/progress.json`` (atomically, at most once a second), so
+``quantdask status RUN_DIR --watch`` shows the same view from another terminal with no
+connection to the cluster.
+
+>>> read_progress("runs/demo").counts  # doctest: +SKIP
+{'done': 7, 'failed': 0, 'skipped': 0}
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantdask.store import atomic_write
+
+PROGRESS_FILE = "progress.json"
+WRITE_EVERY_S = 1.0
+RECENT_FAILURES = 5
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass
+class RunningJob:
+    """An attempt running on a worker now."""
+
+    key: str
+    job_id: str
+    label: str
+    priority: int
+    attempt: int
+    worker: str
+    started_at: str  # ISO 8601, UTC
+    device: str | None = None
+    peak_memory_bytes: int | None = None  # the worker's device memory (or RSS) since it began
+
+
+@dataclass
+class FailureLine:
+    """A failed attempt: what, when, why, and whether it is tried again."""
+
+    at: str
+    job_id: str
+    label: str
+    attempt: int
+    failure_class: str
+    message: str
+    retrying: bool
+
+
+@dataclass
+class SweepProgress:
+    """The live view of one sweep (one driver session) on one run directory."""
+
+    sweep: str
+    run_dir: str
+    total: int
+    dashboard_link: str | None = None
+    slots: int = 1
+    workers: list[str] = field(default_factory=list)
+    started_at: str = field(default_factory=lambda: _now().isoformat())
+    updated_at: str = ""
+    finished: bool = False
+    completed: bool = False  # finished with every job settled (not an error or an interrupt)
+    counts: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0,
+                                                            "skipped": 0})
+    running: dict[str, RunningJob] = field(default_factory=dict)  # Dask key -> attempt
+    queued: dict[str, list] = field(default_factory=dict)  # job id -> [priority, order, label]
+    failures: list[FailureLine] = field(default_factory=list)
+    attempt_seconds: list[float] = field(default_factory=list)  # this session's, for the ETA
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self._order = 0
+        self._written = 0.0
+
+    # -- updates, from the driver (any thread) --------------------------------------------
+
+    def already_finished(self, statuses: list[str]) -> None:
+        """Count the jobs a previous session finished (a resumed run)."""
+        with self._lock:
+            for status in statuses:
+                self.counts[status] = self.counts.get(status, 0) + 1
+
+    def job_queued(self, job_id: str, label: str, priority: int) -> None:
+        with self._lock:
+            self._order += 1
+            self.queued[job_id] = [priority, self._order, label]
+
+    def job_started(self, key: str, job_id: str, label: str, priority: int, attempt: int,
+                    worker: str) -> None:
+        with self._lock:
+            self.queued.pop(job_id, None)
+            self.running[key] = RunningJob(key, job_id, label, priority, attempt, worker,
+                                           _now().isoformat())
+
+    def telemetry(self, worker: str, device: str, job_id: str | None,
+                  memory_used_bytes: int | None) -> None:
+        """A worker's latest device reading: the peak so far of the attempt it runs."""
+        with self._lock:
+            if worker not in self.workers:  # a worker that joined (or restarted) since
+                self.workers.append(worker)
+                self.workers.sort()
+            for running in self.running.values():
+                if running.worker == worker and running.job_id == job_id:
+                    running.device = device
+                    if memory_used_bytes is not None:
+                        running.peak_memory_bytes = max(running.peak_memory_bytes or 0,
+                                                        memory_used_bytes)
+
+    def attempt_ended(self, key: str, job_id: str, label: str, attempt: int, record: dict,
+                      final: bool) -> None:
+        """An attempt ended: ``final`` when its job is settled (no retry follows)."""
+        with self._lock:
+            running = self.running.pop(key, None)
+            if running is not None:
+                started = dt.datetime.fromisoformat(running.started_at)
+                self.attempt_seconds.append((_now() - started).total_seconds())
+            if final:
+                self.queued.pop(job_id, None)
+                self.counts[record["status"]] = self.counts.get(record["status"], 0) + 1
+            if record["status"] != "done":
+                message = (record.get("error_message") or "").strip().splitlines()
+                self.failures.append(FailureLine(
+                    _now().isoformat(), job_id, label, attempt,
+                    record.get("failure_class") or "job_error",
+                    f"{record.get('error_class')}: {message[0] if message else ''}",
+                    retrying=not final))
+                del self.failures[:-RECENT_FAILURES]
+
+    def attempt_dropped(self, key: str) -> None:
+        """An attempt that will be submitted again (requeued, cut at its deadline)."""
+        with self._lock:
+            self.running.pop(key, None)
+
+    def finish(self, completed: bool) -> None:
+        with self._lock:
+            self.finished = True
+            self.completed = completed
+            self.running.clear()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def settled(self) -> int:
+        return sum(self.counts.values())
+
+    def eta_s(self) -> float | None:
+        """Seconds left at this session's pace: jobs left x mean attempt time / slots."""
+        left = self.total - self.settled
+        if left <= 0:
+            return 0.0
+        if not self.attempt_seconds:
+            return None
+        mean = sum(self.attempt_seconds) / len(self.attempt_seconds)
+        return left * mean / max(1, self.slots)
+
+    def queue_order(self) -> list[tuple[int, str]]:
+        """Jobs waiting to start, in the order they will (highest priority first)."""
+        waiting = sorted(self.queued.values(), key=lambda entry: (-entry[0], entry[1]))
+        return [(priority, label) for priority, _, label in waiting]
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data["eta_s"] = self.eta_s()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SweepProgress:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["running"] = {k: RunningJob(**v) for k, v in data.get("running", {}).items()}
+        fields["failures"] = [FailureLine(**f) for f in data.get("failures", [])]
+        return cls(**fields)
+
+    def write(self, force: bool = False) -> None:
+        """Write ``RUN_DIR/progress.json`` (at most once a second unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._written < WRITE_EVERY_S:
+            return
+        self._written = now
+        self.updated_at = _now().isoformat()
+        body = json.dumps(self.to_dict(), indent=1).encode()
+        atomic_write(Path(self.run_dir) / PROGRESS_FILE, lambda f: f.write(body))
+
+
+def read_progress(run_dir: str | os.PathLike) -> SweepProgress | None:
+    """The progress the last driver on ``run_dir`` wrote (None if none has run there)."""
+    path = Path(run_dir) / PROGRESS_FILE
+    try:
+        return SweepProgress.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
