@@ -9,7 +9,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 from quantdask.errors import QuantdaskError, RunDirError, SpecError
@@ -46,26 +45,6 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
-
-
-def _print_progress():
-    """An ``on_result`` callback printing one line per finished job."""
-    count = 0
-
-    def show(record: dict[str, Any]) -> None:
-        nonlocal count
-        count += 1
-        if record["status"] == "done":
-            detail = (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
-                      f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
-        else:
-            detail = f"{record['error_class']}: {record['error_message']}".splitlines()[0]
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        print(f"{stamp} [{count}] {record['status']:7} {record['model']} {record['config_label']} "
-              f"(worker {record.get('worker') or '?'}, attempt {record['attempts']}): {detail}",
-              flush=True)
-
-    return show
 
 
 def _check_run_dir(path: str) -> str:
@@ -128,7 +107,7 @@ def _run(sweep, args) -> int:
                 results = run_sweep(sweep, run_dir, cluster.client,
                                     on_progress=dashboard.update)
         else:
-            results = run_sweep(sweep, run_dir, cluster.client, on_result=_print_progress(),
+            results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
     rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
                         pl.col("config_label"), descending=[False, False, True, False],

@@ -10,6 +10,7 @@ or the one it writes to ``RUN_DIR/progress.json`` for ``quantdask status RUN_DIR
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import sys
 import time
 from typing import TextIO
@@ -77,9 +78,11 @@ def render(progress: SweepProgress, now: dt.datetime | None = None) -> Group:
         busy.setdefault(running.worker, []).append(running)
     for worker in sorted(set(progress.workers) | set(busy)):
         if not busy.get(worker):
-            workers.add_row(worker, "-", Text("idle", style="dim"), "", "", "", "")
+            workers.add_row(worker, progress.devices.get(worker, "-"), Text("idle", style="dim"),
+                            "", "", "", "")
         for running in sorted(busy.get(worker, []), key=lambda r: r.started_at):
-            workers.add_row(worker, running.device or "-", running.label, str(running.attempt),
+            workers.add_row(worker, progress.devices.get(worker, "-"), running.label,
+                            str(running.attempt),
                             str(running.priority),
                             format_duration(_since(running.started_at, now)),
                             format_bytes(running.peak_memory_bytes))
@@ -122,46 +125,49 @@ class LiveDashboard:
 
     def __enter__(self) -> LiveDashboard:
         self._live.__enter__()
+        # Log lines (a worker restarted, ...) must print above the dashboard, not through it:
+        # point the logging handlers at the stderr that Live now redirects.
+        self._handlers = [(h, h.stream) for h in logging.getLogger().handlers
+                          if isinstance(h, logging.StreamHandler) and h.stream in
+                          (sys.__stderr__, sys.__stdout__)]
+        for handler, stream in self._handlers:
+            handler.setStream(sys.stderr if stream is sys.__stderr__ else sys.stdout)
         return self
 
     def __exit__(self, *exc) -> None:
         self._live.refresh()
+        for handler, stream in self._handlers:
+            handler.setStream(stream)
         self._live.__exit__(*exc)
 
 
 class PlainLog:
-    """Timestamped lines for a log file or a pipe: a line when an attempt starts, when one
-    fails, and when a job settles. Pass :meth:`update` as ``on_progress``."""
+    """Timestamped lines for a log file or a pipe: each attempt's start and end (with its
+    metrics or its error), and the counts whenever a job settles. Pass :meth:`update` as
+    ``on_progress``; it prints what happened since the last call."""
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream or sys.stdout
-        self._started: set[str] = set()
-        self._last_failure_at = ""
+        self._seen = 0
         self._settled: int | None = None
         self._closed = False
 
-    def _line(self, text: str) -> None:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        print(f"{stamp} {text}", file=self.stream, flush=True)
+    @staticmethod
+    def _stamp(iso: str) -> str:
+        return dt.datetime.fromisoformat(iso).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def update(self, progress: SweepProgress) -> None:
-        for key, running in sorted(progress.running.items(), key=lambda kv: kv[1].started_at):
-            if key not in self._started:
-                self._started.add(key)
-                self._line(f"start   {running.label} (attempt {running.attempt}, priority "
-                           f"{running.priority}) on worker {running.worker}")
-        failures = progress.failures
-        new = [f for f in failures if f.at > self._last_failure_at]
-        for failure in new:
-            then = "retrying" if failure.retrying else "no more retries"
-            self._line(f"failure {failure.label} attempt {failure.attempt} "
-                       f"({failure.failure_class}) {failure.message}; {then}")
-        if failures:
-            self._last_failure_at = failures[-1].at
+        for event in progress.events:
+            if event["seq"] > self._seen:
+                print(f"{self._stamp(event['at'])} {event['text']}", file=self.stream)
+                self._seen = event["seq"]
         if progress.settled != self._settled or (progress.finished and not self._closed):
             self._settled = progress.settled
             self._closed = progress.finished
-            self._line(summary_line(progress))
+            now = dt.datetime.now(dt.UTC)
+            print(f"{self._stamp(now.isoformat())} {summary_line(progress, now)}",
+                  file=self.stream)
+        self.stream.flush()
 
 
 def watch(run_dir: str, console: Console | None = None, interval_s: float = 1.0,

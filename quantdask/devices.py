@@ -147,7 +147,11 @@ class DeviceSampler(WorkerPlugin):
             return
         self._published = now
         try:
-            self._worker.log_event(TELEMETRY_TOPIC, {**sample, "time": sample["time"].isoformat()})
+            # The scheduler overwrites a "worker" key with the worker's address: send the name
+            # (what the results and samples call a worker) as "name".
+            self._worker.log_event(TELEMETRY_TOPIC, {
+                **{k: v for k, v in sample.items() if k != "worker"},
+                "name": self.worker_name, "time": sample["time"].isoformat()})
         except Exception as error:  # noqa: BLE001 - a closing worker; telemetry is optional
             log.debug("telemetry not sent: %s", error)
 

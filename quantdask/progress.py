@@ -25,6 +25,16 @@ from quantdask.store import atomic_write
 PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0
 RECENT_FAILURES = 5
+EVENTS_KEPT = 500  # the event lines a watcher can catch up on
+
+
+def describe_result(record: dict) -> str:
+    """One line on how an attempt ended: its metrics, or its error's first line."""
+    if record["status"] == "done":
+        return (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
+                f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
+    message = (record.get("error_message") or "").strip().splitlines()
+    return f"{record.get('error_class')}: {message[0] if message else ''}"
 
 
 def _now() -> dt.datetime:
@@ -42,7 +52,6 @@ class RunningJob:
     attempt: int
     worker: str
     started_at: str  # ISO 8601, UTC
-    device: str | None = None
     peak_memory_bytes: int | None = None  # the worker's device memory (or RSS) since it began
 
 
@@ -69,6 +78,7 @@ class SweepProgress:
     dashboard_link: str | None = None
     slots: int = 1
     workers: list[str] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)  # worker -> its device
     started_at: str = field(default_factory=lambda: _now().isoformat())
     updated_at: str = ""
     finished: bool = False
@@ -78,12 +88,19 @@ class SweepProgress:
     running: dict[str, RunningJob] = field(default_factory=dict)  # Dask key -> attempt
     queued: dict[str, list] = field(default_factory=dict)  # job id -> [priority, order, label]
     failures: list[FailureLine] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # {"seq", "at", "text"}, the last ones
     attempt_seconds: list[float] = field(default_factory=list)  # this session's, for the ETA
 
     def __post_init__(self):
         self._lock = threading.Lock()
         self._order = 0
         self._written = 0.0
+
+    def _event(self, text: str) -> None:
+        """Note a line for plain logs and watchers (call under the lock)."""
+        seq = self.events[-1]["seq"] + 1 if self.events else 1
+        self.events.append({"seq": seq, "at": _now().isoformat(), "text": text})
+        del self.events[:-EVENTS_KEPT]
 
     # -- updates, from the driver (any thread) --------------------------------------------
 
@@ -104,6 +121,8 @@ class SweepProgress:
             self.queued.pop(job_id, None)
             self.running[key] = RunningJob(key, job_id, label, priority, attempt, worker,
                                            _now().isoformat())
+            self._event(f"start   {label} (attempt {attempt}, priority {priority}) on worker "
+                        f"{worker}")
 
     def telemetry(self, worker: str, device: str, job_id: str | None,
                   memory_used_bytes: int | None) -> None:
@@ -112,9 +131,9 @@ class SweepProgress:
             if worker not in self.workers:  # a worker that joined (or restarted) since
                 self.workers.append(worker)
                 self.workers.sort()
+            self.devices[worker] = device
             for running in self.running.values():
                 if running.worker == worker and running.job_id == job_id:
-                    running.device = device
                     if memory_used_bytes is not None:
                         running.peak_memory_bytes = max(running.peak_memory_bytes or 0,
                                                         memory_used_bytes)
@@ -130,14 +149,19 @@ class SweepProgress:
             if final:
                 self.queued.pop(job_id, None)
                 self.counts[record["status"]] = self.counts.get(record["status"], 0) + 1
-            if record["status"] != "done":
-                message = (record.get("error_message") or "").strip().splitlines()
-                self.failures.append(FailureLine(
-                    _now().isoformat(), job_id, label, attempt,
-                    record.get("failure_class") or "job_error",
-                    f"{record.get('error_class')}: {message[0] if message else ''}",
-                    retrying=not final))
-                del self.failures[:-RECENT_FAILURES]
+            where = f" on worker {record['worker']}" if record.get("worker") else ""
+            if record["status"] == "done":
+                self._event(f"done    {label} (attempt {attempt}){where}: "
+                            f"{describe_result(record)}")
+                return
+            failure = FailureLine(_now().isoformat(), job_id, label, attempt,
+                                  record.get("failure_class") or "job_error",
+                                  describe_result(record), retrying=not final)
+            self.failures.append(failure)
+            del self.failures[:-RECENT_FAILURES]
+            then = "retrying" if not final else "no more retries"
+            self._event(f"{record['status']:7} {label} (attempt {attempt}){where}, "
+                        f"{failure.failure_class}: {failure.message}; {then}")
 
     def attempt_dropped(self, key: str) -> None:
         """An attempt that will be submitted again (requeued, cut at its deadline)."""

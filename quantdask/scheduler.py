@@ -216,7 +216,7 @@ class _SweepDriver:
 
     def _on_telemetry(self, event) -> None:
         _, sample = event  # on the client's event loop thread: note it, nothing more
-        self.progress.telemetry(sample["worker"], sample["device"], sample.get("job_id"),
+        self.progress.telemetry(sample["name"], sample["device"], sample.get("job_id"),
                                 sample.get("memory_used_bytes"))
 
     def show_progress(self, final: bool = False) -> None:
@@ -263,13 +263,15 @@ class _SweepDriver:
         result whose worker dies meanwhile never blocks this loop)."""
         with self._lock:
             attempt = self.attempts.pop(future.key, None)
+        # Read the status before releasing: releasing the last reference marks it cancelled.
+        status = future.status
         future.release()
         if attempt is None:  # an attempt already given up on (timed out) and cancelled
             return
-        if future.status == "finished" and isinstance(result, dict):
+        if status == "finished" and isinstance(result, dict):
             self._finish(attempt, result)
             return
-        error = result[1] if future.status == "error" else CancelledError(
+        error = result[1] if status == "error" else CancelledError(
             f"{future.key} was cancelled")
         job = attempt.job
         lost = isinstance(error, (KilledWorker, CancelledError)) \
