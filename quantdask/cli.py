@@ -32,6 +32,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def cell(value: Any) -> str:
         if value is None:
@@ -282,6 +292,10 @@ def cmd_logs(args) -> int:
         raise RunDirError(f"no job logs in {args.run_dir} (no logs/jobs/); give a run directory")
     ids = sorted(p.stem for p in store.job_logs_dir.glob("*.log"))
     matches = [i for i in ids if i == args.job_id] or [i for i in ids if i.startswith(args.job_id)]
+    planned = {row["job_id"] for row in store.read_plan()}
+    if not matches and args.job_id in planned:
+        raise RunDirError(f"job {args.job_id} has no log yet: it has not started in "
+                          f"{args.run_dir}")
     if len(matches) != 1:
         listed = ", ".join(matches or ids[:20]) + (" ..." if not matches and len(ids) > 20 else "")
         what = "matches several jobs" if matches else "matches no job"
@@ -341,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.add_argument("--watch", action="store_true",
                         help="follow the running sweep live (reads RUN_DIR/progress.json)")
-    status.add_argument("--interval", type=float, default=1.0, help="seconds between looks")
+    status.add_argument("--interval", type=_positive_seconds, default=1.0,
+                        help="seconds between looks (default 1)")
     status.set_defaults(func=cmd_status)
 
     logs = commands.add_parser("logs", help="print a job's log (every attempt)")

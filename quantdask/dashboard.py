@@ -112,15 +112,24 @@ class LiveDashboard:
     def __init__(self, console: Console | None = None, refresh_per_second: float = 4):
         self.console = console or Console()
         self._progress: SweepProgress | None = None
+        self._frame = Text("")
         self._live = Live(console=self.console, refresh_per_second=refresh_per_second,
                           get_renderable=self._renderable, transient=False)
 
     def _renderable(self):
+        # Rich's refresh thread calls this: a failure here would stop the dashboard for good,
+        # so it shows the last good frame instead.
         if self._progress is None:
             return Text("quantdask: starting the sweep ...")
-        return render(self._progress)
+        try:
+            self._frame = render(self._progress)
+        except Exception as error:  # noqa: BLE001
+            logging.getLogger("quantdask.dashboard").debug("frame not drawn: %s", error)
+        return self._frame
 
     def update(self, progress: SweepProgress) -> None:
+        """Show ``progress`` (pass a :meth:`SweepProgress.snapshot`, as ``run_sweep`` does:
+        the view reads it from another thread)."""
         self._progress = progress
 
     def __enter__(self) -> LiveDashboard:
@@ -182,15 +191,19 @@ def watch(run_dir: str, console: Console | None = None, interval_s: float = 1.0,
     live = None if plain else LiveDashboard(console)
     if live is not None:
         live.__enter__()
+    store = RunStore(run_dir)
+    show = (lambda p: log.update(p)) if log else (lambda p: live.update(p))
     try:
         while True:
+            # The lock first: a driver writes its last progress before it lets go of the run
+            # directory, so a free lock and then a read sees the end of the sweep.
+            driver_running = store.is_locked()
             progress = read_progress(run_dir)
-            driver_running = RunStore(run_dir).is_locked()
             if progress is not None:
-                (log.update if log else live.update)(progress)
-                if progress.finished:
+                show(progress)
+            if not driver_running:
+                if progress is not None and progress.finished:
                     return 0
-            if not driver_running and (progress is None or not progress.finished):
                 if live is not None:
                     live.__exit__(None, None, None)
                     live = None

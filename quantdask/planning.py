@@ -3,7 +3,9 @@
 >>> plan_sweep(load_sweep("data/demo_sweep.yaml"), "runs/demo")  # doctest: +SKIP
 
 Jobs are listed in the order the scheduler starts them (higher priority first, then the sweep's
-own order). Each gets an estimate of its device memory and duration from earlier runs in the run
+own order). "Here" means this machine: whether it has a CUDA GPU decides the device-dependent
+checks, so plan on the machine (or kind of machine) the workers run on. Each gets an estimate of
+its device memory and duration from earlier runs in the run
 directory (the same job, else the same model and backend, else the same model), or of its memory
 from the checkpoint's size when nothing has run yet; and the reason it cannot run here when a
 backend's check, or an earlier run of the same job, says so.
@@ -11,6 +13,7 @@ backend's check, or an earlier run of the same job, says so.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from statistics import median
@@ -22,6 +25,8 @@ from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.cluster import cuda_device_count
 from quantdask.spec import Job, Sweep, expand_grid
+
+log = logging.getLogger("quantdask.planning")
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "est_device_mem_bytes", "est_duration_s", "estimate_from"]
@@ -50,8 +55,14 @@ def model_facts(job: Job) -> ModelFacts:
         return ModelFacts(linear_in_features={}, weight_bytes=0, cuda=cuda_device_count() > 0)
     weight_bytes = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin")
                        for f in directory.glob(pattern))
-    return ModelFacts(linear_in_features=_linear_widths(directory, job.model.trust_remote_code),
-                      weight_bytes=weight_bytes, cuda=cuda_device_count() > 0)
+    try:
+        widths = _linear_widths(directory, job.model.trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - not a causal LM, remote code, ...: the plan
+        log.warning("no layer shapes for %s (%s); shape checks are left to the workers",
+                    job.model.label, error)  # goes on, and the workers still check
+        widths = {}
+    return ModelFacts(linear_in_features=widths, weight_bytes=weight_bytes,
+                      cuda=cuda_device_count() > 0)
 
 
 def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
@@ -104,9 +115,10 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         model = facts[job.model.label]
         check = get_backend(job.backend).check
         reason = check(job.options, model) if check is not None else None
-        if reason is None and job.id in skipped:
-            reason = f"skipped when it last ran: {skipped[job.id]}"
         state = ("finished" if job.id in finished else "unsupported" if reason else "to run")
+        if reason is None and job.id in skipped:
+            # A rerun tries it again (it may run on other machines): to run, with the note.
+            reason = f"skipped when it last ran: {skipped[job.id]}"
         memory, duration, basis = _estimate(job, done, model)
         rows.append({"order": order, "job_id": job.id, "model": job.model.label,
                      "backend": job.backend, "config_label": job.config_label,

@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantdask.store import atomic_write
-
 PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0
 RECENT_FAILURES = 5
@@ -89,7 +87,9 @@ class SweepProgress:
     queued: dict[str, list] = field(default_factory=dict)  # job id -> [priority, order, label]
     failures: list[FailureLine] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # {"seq", "at", "text"}, the last ones
-    attempt_seconds: list[float] = field(default_factory=list)  # this session's, for the ETA
+    run_id: str = ""  # the driver session writing this
+    done_seconds: float = 0.0  # this session's done attempts: total time and count (the ETA)
+    done_attempts: int = 0
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -143,9 +143,11 @@ class SweepProgress:
         """An attempt ended: ``final`` when its job is settled (no retry follows)."""
         with self._lock:
             running = self.running.pop(key, None)
-            if running is not None:
+            if running is not None and record["status"] == "done":
+                # Only done attempts set the pace: a skip or a crash is no measure of a job.
                 started = dt.datetime.fromisoformat(running.started_at)
-                self.attempt_seconds.append((_now() - started).total_seconds())
+                self.done_seconds += (_now() - started).total_seconds()
+                self.done_attempts += 1
             if final:
                 self.queued.pop(job_id, None)
                 self.counts[record["status"]] = self.counts.get(record["status"], 0) + 1
@@ -180,15 +182,21 @@ class SweepProgress:
     def settled(self) -> int:
         return sum(self.counts.values())
 
-    def eta_s(self) -> float | None:
-        """Seconds left at this session's pace: jobs left x mean attempt time / slots."""
+    def eta_s(self, now: dt.datetime | None = None) -> float | None:
+        """Seconds left at this session's pace: the work left (jobs not settled x the mean
+        done attempt, less what the running ones have done) over the slots it can use."""
         left = self.total - self.settled
         if left <= 0:
             return 0.0
-        if not self.attempt_seconds:
+        if not self.done_attempts:
             return None
-        mean = sum(self.attempt_seconds) / len(self.attempt_seconds)
-        return left * mean / max(1, self.slots)
+        now = now or _now()
+        mean = self.done_seconds / self.done_attempts
+        with self._lock:
+            elapsed = [(now - dt.datetime.fromisoformat(r.started_at)).total_seconds()
+                       for r in self.running.values()]
+        work = left * mean - sum(min(e, mean) for e in elapsed)
+        return max(0.0, work) / max(1, min(self.slots, left))
 
     def queue_order(self) -> list[tuple[int, str]]:
         """Jobs waiting to start, in the order they will (highest priority first)."""
@@ -201,22 +209,31 @@ class SweepProgress:
         data["eta_s"] = self.eta_s()
         return data
 
+    def snapshot(self) -> SweepProgress:
+        """A copy taken under the lock: what a view renders while the driver goes on."""
+        return SweepProgress.from_dict(self.to_dict())
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SweepProgress:
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["counts"] = dict(data.get("counts", {}))
+        fields["queued"] = {k: list(v) for k, v in data.get("queued", {}).items()}
         fields["running"] = {k: RunningJob(**v) for k, v in data.get("running", {}).items()}
         fields["failures"] = [FailureLine(**f) for f in data.get("failures", [])]
         return cls(**fields)
 
     def write(self, force: bool = False) -> None:
-        """Write ``RUN_DIR/progress.json`` (at most once a second unless ``force``)."""
+        """Write ``RUN_DIR/progress.json`` (at most once a second unless ``force``): a new
+        file renamed into place, so a reader sees a whole one; no fsync, it is a view."""
         now = time.monotonic()
         if not force and now - self._written < WRITE_EVERY_S:
             return
         self._written = now
         self.updated_at = _now().isoformat()
-        body = json.dumps(self.to_dict(), indent=1).encode()
-        atomic_write(Path(self.run_dir) / PROGRESS_FILE, lambda f: f.write(body))
+        path = Path(self.run_dir) / PROGRESS_FILE
+        tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
 
 
 def read_progress(run_dir: str | os.PathLike) -> SweepProgress | None:

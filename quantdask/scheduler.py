@@ -228,7 +228,8 @@ class _SweepDriver:
         try:
             self.progress.write(force=final)
             if self.on_progress is not None:
-                self.on_progress(self.progress)
+                # A copy: the view may read it from its own thread while this one goes on.
+                self.on_progress(self.progress.snapshot())
         except Exception as error:  # noqa: BLE001 - a view must never stop the sweep
             log.error("progress not shown: %s", error)
 
@@ -460,6 +461,8 @@ def run_sweep(
                                  workers=sorted(live_workers(client).values()))
         progress.already_finished(["done"] * (len(jobs) - len(todo)))
         driver = _SweepDriver(client, store, sweep, on_result, progress, on_progress)
+        progress.run_id = driver.run_id
+        driver.show_progress(final=True)  # a watcher sees this session, not the last one
         session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": _now(),
                    "finished_at": None, "completed": False, "workers": workers, "slots": slots,
                    "jobs_planned": len(jobs), "jobs_run": len(todo)}

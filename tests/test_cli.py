@@ -43,7 +43,8 @@ def test_run_status_and_plan_on_a_real_cluster(write_sweep, tmp_path):
 
     plan = quantdask("plan", sweep, "--run-dir", str(run_dir), cwd=tmp_path)
     assert plan.returncode == 0
-    assert plan.stdout.count("finished") == 3 and "3 jobs (0 to run)" in plan.stdout
+    assert plan.stdout.count(" finished ") == 3
+    assert "3 jobs: 0 to run, 3 finished, 0 unsupported here" in plan.stdout
 
 
 @pytest.mark.slow

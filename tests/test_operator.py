@@ -55,18 +55,28 @@ def test_progress_counts_queue_failures_eta_and_file_round_trip(tmp_path):
     progress.attempt_ended("b", "b", "m b", 1, failed, final=False)
     assert progress.counts == {"done": 1, "failed": 0, "skipped": 0}
     assert progress.failures[-1].retrying and progress.failures[-1].message == "RuntimeError: boom"
-    assert progress.eta_s() is not None and progress.eta_s() >= 0
+    assert progress.eta_s() is None  # a crash is no measure of a job's time
     for n in range(7):
         progress.attempt_ended(f"x{n}", "a", "m a", n + 1, failed, final=False)
     assert len(progress.failures) == 5  # the last five only
     done = {"status": "done", "perplexity": 1.5, "kl_divergence": 0.001,
             "bits_per_weight": 4.5, "wall_s": 2.0, "worker": "1"}
+    progress.job_started("c", "c", "m c", 0, 1, "1")
+    ten_ago = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=10)
+    progress.running["c"].started_at = ten_ago.isoformat()
     progress.attempt_ended("c", "c", "m c", 1, done, final=True)
-    assert progress.events[-1]["text"] == ("done    m c (attempt 1) on worker 1: ppl 1.5, "
+    # Two jobs left, 10 s each at this pace, on two slots: about 10 s.
+    assert progress.eta_s() == pytest.approx(10, abs=0.5)
+    progress.job_started("a", "a", "m a", 0, 8, "0")
+    progress.running["a"].started_at = (dt.datetime.now(dt.UTC)
+                                        - dt.timedelta(seconds=4)).isoformat()
+    assert progress.eta_s() == pytest.approx((20 - 4) / 2, abs=0.5)  # a has done 4 s of 10
+    assert progress.events[-2]["text"] == ("done    m c (attempt 1) on worker 1: ppl 1.5, "
                                            "KL 0.001, 4.5 bits/weight, 2.0s")
     assert progress.events[0]["text"] == "start   m b (attempt 1, priority 5) on worker 0"
     assert progress.counts["done"] == 2 and progress.settled == 2
-    assert progress.queue_order() == [(0, "m a")]
+    assert progress.queue_order() == []  # a is running (attempt 8), b and c are settled
+    assert progress.snapshot().to_dict() | {"eta_s": 0} == progress.to_dict() | {"eta_s": 0}
     progress.finish(completed=False)
     progress.write(force=True)
     again = read_progress(tmp_path)
@@ -180,6 +190,13 @@ def test_status_watch_followed_the_sweep_from_the_run_directory(watched_run):
     assert "4/4 jobs" in lines[-1] and "finished" in lines[-1]
     progress = read_progress(watched_run["run_dir"])
     assert progress.finished and progress.completed and progress.settled == 4
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "soon"])
+def test_status_watch_refuses_a_bad_interval(interval, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["status", str(tmp_path), "--watch", "--interval", interval])
+    assert stop.value.code == 2 and "--interval" in capsys.readouterr().err
 
 
 def test_status_watch_reports_a_driver_that_died(tmp_path, capsys):
@@ -300,3 +317,9 @@ def test_logs_prints_every_attempt_of_a_job(watched_run, capsys):
     assert "matches no job" in capsys.readouterr().err
     assert main(["logs", run_dir, "bitsandbytes-"]) == 2
     assert "matches several jobs" in capsys.readouterr().err
+    plan = json.loads((watched_run["run_dir"] / "jobs.json").read_text())
+    unstarted = {**plan[0], "job_id": "bitsandbytes-0000000000000000"}
+    (watched_run["run_dir"] / "jobs.json").write_text(json.dumps(plan + [unstarted]))
+    assert main(["logs", run_dir, unstarted["job_id"]]) == 2
+    assert "has no log yet" in capsys.readouterr().err
+    (watched_run["run_dir"] / "jobs.json").write_text(json.dumps(plan))
