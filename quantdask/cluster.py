@@ -18,6 +18,7 @@ from quantdask.errors import SpecError
 
 log = logging.getLogger("quantdask.cluster")
 
+CLOSE_TIMEOUT_S = 60
 SCHEDULER_OPTIONS = {"allowed_failures": 0}
 """Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
 retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
@@ -89,7 +90,13 @@ class ClusterHandle:
     def close(self) -> None:
         self.client.close()
         if self.cluster is not None:
-            self.cluster.close()
+            try:
+                # Bounded: a nanny restarting a killed worker can hold a close up; its
+                # processes are children of this one and end with it.
+                self.cluster.close(timeout=CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the local cluster did not close within %ds; its worker "
+                            "processes end with this process", CLOSE_TIMEOUT_S)
 
     def __enter__(self) -> ClusterHandle:
         return self
