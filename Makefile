@@ -40,7 +40,7 @@ test: $(VENV)/.installed browser
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check quantdask tests
+	$(VENV)/bin/ruff check quantdask tests benchmarks scripts
 
 clean:
 	rm -rf runs .pytest_cache
