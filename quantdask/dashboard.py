@@ -91,7 +91,8 @@ def render(progress: SweepProgress, now: dt.datetime | None = None) -> Group:
     queue = progress.queue_order()
     if queue and not progress.finished:
         shown = ", ".join(f"[p{priority}] {label}" for priority, label in queue[:QUEUE_SHOWN])
-        more = f" (+{len(queue) - QUEUE_SHOWN} more)" if len(queue) > QUEUE_SHOWN else ""
+        waiting = max(progress.waiting, len(queue))
+        more = f" (+{waiting - QUEUE_SHOWN} more)" if waiting > QUEUE_SHOWN else ""
         parts.append(Text(f"next, by priority: {shown}{more}"))
     if progress.failures:
         failures = Table(title="last failures", title_justify="left", expand=False)

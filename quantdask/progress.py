@@ -12,6 +12,7 @@ connection to the cluster.
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import json
 import os
 import threading
@@ -24,6 +25,7 @@ PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0
 RECENT_FAILURES = 5
 EVENTS_KEPT = 500  # the event lines a watcher can catch up on
+QUEUE_KEPT = 20  # the head of the queue a view is given
 
 
 def describe_result(record: dict) -> str:
@@ -86,6 +88,7 @@ class SweepProgress:
     running: dict[str, RunningJob] = field(default_factory=dict)  # Dask key -> attempt
     queued: dict[str, list] = field(default_factory=dict)  # job id -> [priority, order, label]
     failures: list[FailureLine] = field(default_factory=list)
+    waiting: int = 0  # jobs queued, all of them (``queued`` may hold only the head)
     events: list[dict] = field(default_factory=list)  # {"seq", "at", "text"}, the last ones
     run_id: str = ""  # the driver session writing this
     done_seconds: float = 0.0  # this session's done attempts: total time and count (the ETA)
@@ -198,14 +201,30 @@ class SweepProgress:
         work = left * mean - sum(min(e, mean) for e in elapsed)
         return max(0.0, work) / max(1, min(self.slots, left))
 
-    def queue_order(self) -> list[tuple[int, str]]:
-        """Jobs waiting to start, in the order they will (highest priority first)."""
-        waiting = sorted(self.queued.values(), key=lambda entry: (-entry[0], entry[1]))
+    def queue_order(self, first: int | None = None) -> list[tuple[int, str]]:
+        """Jobs waiting to start, in the order they will (highest priority first); the
+        ``first`` ones only when given."""
+        with self._lock:
+            entries = list(self.queued.values())
+        key = lambda entry: (-entry[0], entry[1])  # noqa: E731
+        waiting = sorted(entries, key=key) if first is None else heapq.nsmallest(first, entries,
+                                                                                  key=key)
         return [(priority, label) for priority, _, label in waiting]
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything a view needs; of the queue, its head and its length (a sweep of 10,000
+        jobs must not copy them all four times a second)."""
+        head = self.queue_order(first=QUEUE_KEPT)
         with self._lock:
-            data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+            queued = self.queued
+            self.queued = {}
+            try:
+                data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+            finally:
+                self.queued = queued
+            data["waiting"] = len(queued)
+        data["queued"] = {f"queued-{i}": [priority, i, label]
+                          for i, (priority, label) in enumerate(head)}
         data["eta_s"] = self.eta_s()
         return data
 

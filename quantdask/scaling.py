@@ -18,7 +18,7 @@ from quantdask.cluster import cuda_device_count, start_cluster
 from quantdask.errors import RunDirError, SpecError
 from quantdask.scheduler import run_sweep
 from quantdask.spec import Sweep
-from quantdask.store import atomic_write, read_attempts, read_sessions
+from quantdask.store import read_attempts, read_sessions, write_parquet
 from quantdask.summary import sweep_summary
 
 SCALING_FILE = "scaling.parquet"
@@ -114,5 +114,5 @@ def scale_sweep(
             raise RunDirError(f"the run at {n} workers recorded no attempts ({run_dir})")
         # A resumed run dir has several sessions; this one is fresh, so it has one.
         rows.append({**summary.row(-1, named=True), "workers": n, "run_dir": run_dir.name})
-    atomic_write(out / SCALING_FILE, scaling_frame(rows).write_parquet)
+    write_parquet(out / SCALING_FILE, scaling_frame(rows))
     return read_scaling(out)

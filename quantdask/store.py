@@ -77,6 +77,12 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
+def write_parquet(path: Path, frame: pl.DataFrame) -> None:
+    """``frame`` as a Parquet file, atomically. No column statistics: these files hold a row or
+    a few, and computing statistics was most of the cost of writing one (2.5x)."""
+    atomic_write(path, lambda f: frame.write_parquet(f, statistics=False))
+
+
 class RunStore:
     """Durable results of the sweeps run in ``run_dir``."""
 
@@ -105,7 +111,7 @@ class RunStore:
         """Validate ``record`` and persist it as the job's result, atomically."""
         frame = records_to_frame([record])
         path = self.result_path(record["job_id"])
-        atomic_write(path, frame.write_parquet)
+        write_parquet(path, frame)
         return path
 
     def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
@@ -113,7 +119,7 @@ class RunStore:
         frame = rows_to_frame([{**row, "job_id": job_id, "position": i}
                                for i, row in enumerate(rows)], LAYER_SCHEMA, "layer")
         path = self.layers_dir / f"{job_id}.parquet"
-        atomic_write(path, frame.write_parquet)
+        write_parquet(path, frame)
         return path
 
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
@@ -123,7 +129,7 @@ class RunStore:
         frame = rows_to_frame(samples, SAMPLE_SCHEMA, "device sample", optional=("job_id",))
         name = _SAFE_NAME.sub("_", samples[0]["worker"])
         path = self.samples_dir / f"{name}-{time.time_ns()}.parquet"
-        atomic_write(path, frame.write_parquet)
+        write_parquet(path, frame)
         return path
 
     def write_attempt(self, row: dict[str, Any]) -> Path:
@@ -133,14 +139,14 @@ class RunStore:
                                         "error_class", "error_message"))
         name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
         path = self.attempts_dir / name
-        atomic_write(path, frame.write_parquet)
+        write_parquet(path, frame)
         return path
 
     def write_session(self, row: dict[str, Any]) -> Path:
         """Persist (or update) one driver session's row (the sessions schema), atomically."""
         frame = rows_to_frame([row], SESSION_SCHEMA, "session", optional=("finished_at",))
         path = self.sessions_dir / f"{row['run_id']}.parquet"
-        atomic_write(path, frame.write_parquet)
+        write_parquet(path, frame)
         return path
 
     def read_sessions(self) -> pl.DataFrame:
