@@ -41,8 +41,8 @@ def format_duration(seconds: float | None) -> str:
 def format_bytes(value: int | None) -> str:
     if value is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"

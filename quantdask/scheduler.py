@@ -42,8 +42,10 @@ from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 log = logging.getLogger("quantdask.scheduler")
 
 POLL_S = 0.05
-PROGRESS_EVERY_S = 0.25
 """How often the driver checks deadlines and due retries while no result is ready."""
+
+PROGRESS_EVERY_S = 0.25
+"""How often the live progress is shown (and written, at most once a second)."""
 
 NO_WORKERS_GRACE_S = 120.0
 """How long a sweep waits for workers to come back when none is left before failing the rest."""
