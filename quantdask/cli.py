@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from quantdask.errors import QuantdaskError, RunDirError, SpecError
+from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
 
 EXIT_FAILED_JOBS = 1
 EXIT_BAD_INPUT = 2
@@ -30,6 +30,29 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def _adapt(text: str):
+    from quantdask.cluster import Adapt
+
+    try:
+        return Adapt.parse(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
+def _security(args):
+    """Dask security settings from the ``--tls-*`` options (None without them)."""
+    from quantdask.cluster import tls_security
+
+    given = [args.tls_ca_file, args.tls_cert]
+    if not any(given) and not args.tls_key:
+        return None
+    if not all(given):
+        raise SpecError("--tls-ca-file" if not args.tls_ca_file else "--tls-cert",
+                        "TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless "
+                        "the cert file holds the key)")
+    return tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
 
 
 def _positive_seconds(text: str) -> float:
@@ -86,7 +109,7 @@ def cmd_plan(args) -> int:
     rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
              "est_time": format_duration(row["est_duration_s"])} for row in plan.to_dicts()]
     print(_table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
-                        "est_memory", "est_time", "estimate_from"]))
+                        "est_memory", "memory_from", "est_time"]))
     for row in plan.filter(plan["state"] == "unsupported").to_dicts():
         print(f"unsupported: {row['config_label']}: {row['reason']}")
     work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "
@@ -106,8 +129,9 @@ def _run(sweep, args) -> int:
 
     run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
     RunStore(run_dir).check_unlocked()
-    with start_cluster(workers=args.workers, gpus=args.gpus, scheduler=args.scheduler,
-                       host=args.host,
+    with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
+                       host=args.host, dashboard_address=args.dashboard_address,
+                       adapt=args.adapt, security=_security(args),
                        jobs_per_worker=1 if args.scheduler else sweep.jobs_per_gpu) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
               f"Dask dashboard: {cluster.dashboard_link}", flush=True)
@@ -317,6 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
         where.add_argument("--scheduler", help="address of an existing Dask scheduler")
         p.add_argument("--host", default="127.0.0.1",
                        help="interface the local cluster binds to (default 127.0.0.1)")
+        p.add_argument("--dashboard-address", default="127.0.0.1:0",
+                       help="where the local cluster's Dask dashboard listens (default "
+                            "127.0.0.1 on a free port; e.g. :8787 to expose it)")
+        p.add_argument("--adapt", type=_adapt, metavar="MIN:MAX",
+                       help="let the local cluster grow while jobs wait and shrink when idle, "
+                            "between MIN and MAX workers (on GPUs: at most one per GPU)")
+        tls = p.add_argument_group("TLS (mutual; see the README's 'Secure transport')")
+        tls.add_argument("--tls-ca-file", help="CA certificate (PEM) that signed every cert")
+        tls.add_argument("--tls-cert", help="this driver's certificate (PEM); a local cluster "
+                                            "uses it for its scheduler and workers too")
+        tls.add_argument("--tls-key", help="the key of --tls-cert (if not in the cert file)")
 
     def report_args(p):
         p.add_argument("--no-report", action="store_true",
@@ -382,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (SpecError, RunDirError) as err:
+    except (SpecError, RunDirError, PlacementError) as err:
         print(f"quantdask: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except QuantdaskError as err:

@@ -2,6 +2,11 @@
 
 >>> with start_cluster(workers=2) as cluster:  # doctest: +SKIP
 ...     print(cluster.dashboard_link)
+>>> with start_cluster(address="tls://node0:8786", security=tls_security(  # doctest: +SKIP
+...         "ca.pem", "me.pem", "me-key.pem")) as cluster:
+...     print(cluster.n_workers)
+
+Everything quantdask starts binds to 127.0.0.1 (its dashboard too) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.security import Security
 
 from quantdask.errors import SpecError
 
 log = logging.getLogger("quantdask.cluster")
 
 CLOSE_TIMEOUT_S = 60
+WORKER_PRELOAD = "quantdask.preload"
+"""Loaded by every worker quantdask starts (and by ``dask worker --preload quantdask.preload``):
+the worker advertises its device memory before it joins."""
 SCHEDULER_OPTIONS = {"allowed_failures": 0}
 """Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
 retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
@@ -68,6 +77,71 @@ def cuda_device_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
+
+
+@dataclass(frozen=True)
+class Adapt:
+    """Let a cluster grow while jobs wait and shrink when they are done, between ``minimum``
+    and ``maximum`` workers (Dask's adaptive scaling).
+
+    Dask asks for enough workers to finish the waiting work in about ``target_duration_s``,
+    reconsiders every ``interval_s``, and retires a worker once it has wanted fewer for
+    ``idle_s``. ``Adapt.parse("1:4")`` reads the CLI's ``--adapt MIN:MAX``.
+    """
+
+    minimum: int = 1
+    maximum: int = 4
+    interval_s: float = 1.0
+    idle_s: float = 10.0
+    target_duration_s: float = 5.0
+
+    def __post_init__(self):
+        for name in ("minimum", "maximum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"adapt.{name}", f"must be an integer >= 0, got {value!r}")
+        if self.maximum < max(1, self.minimum):
+            raise SpecError("adapt.maximum", f"must be at least the minimum and 1, got "
+                                             f"{self.minimum}:{self.maximum}")
+        for name in ("interval_s", "idle_s", "target_duration_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise SpecError(f"adapt.{name}", f"must be a number of seconds > 0, got "
+                                                 f"{value!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Adapt:
+        """``"MIN:MAX"``, as in ``--adapt 1:4``."""
+        low, _, high = text.partition(":")
+        try:
+            counts = int(low), int(high)
+        except ValueError:
+            raise SpecError("adapt", f"must be MIN:MAX worker counts such as 1:4, got "
+                                     f"{text!r}") from None
+        return cls(*counts)
+
+    def apply(self, cluster: Any) -> None:
+        """Turn on adaptive scaling on ``cluster`` (any Dask cluster object with ``adapt``)."""
+        if not hasattr(cluster, "adapt"):
+            raise SpecError("adapt", f"{type(cluster).__name__} cannot scale itself; start "
+                                     "workers by hand or use a cluster that can (local, SLURM)")
+        cluster.adapt(minimum=self.minimum, maximum=self.maximum,
+                      interval=f"{self.interval_s}s",
+                      wait_count=max(1, round(self.idle_s / self.interval_s)),
+                      target_duration=f"{self.target_duration_s}s")
+
+
+def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
+    """Dask security settings for mutual TLS: ``ca_file`` signs every certificate; ``cert``
+    (and ``key``, unless the cert file holds it) identify this process. quantdask's local
+    clusters use the same pair for their scheduler and workers; ``require_encryption`` refuses
+    any plain-TCP connection."""
+    for name, path in (("tls_ca_file", ca_file), ("tls_cert", cert), ("tls_key", key)):
+        if path is not None and not os.path.isfile(path):
+            raise SpecError(name, f"no file at {path}; give the PEM file's path")
+    return Security(tls_ca_file=ca_file, tls_client_cert=cert, tls_client_key=key,
+                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
+                    tls_worker_key=key, require_encryption=True)
 
 
 @dataclass
@@ -122,32 +196,56 @@ def _parse_gpus(gpus: str | list[int] | None) -> list[int] | None:
 def start_cluster(
     workers: int | None = None,
     gpus: str | list[int] | None = None,
-    scheduler: str | None = None,
+    address: str | None = None,
     host: str = "127.0.0.1",
     dashboard_address: str | None = "127.0.0.1:0",
     torch_threads: int | None = None,
     jobs_per_worker: int = 1,
+    adapt: Adapt | None = None,
+    security: Security | None = None,
+    cluster: Any = None,
+    scheduler: str | None = None,
 ) -> ClusterHandle:
     """A cluster to run sweeps on; use it as a context manager.
 
-    - ``scheduler="tcp://host:8786"``: connect to an existing Dask scheduler (its workers must
-      carry the ``GPU`` resource: ``dask worker ADDRESS --resources GPU=1``).
+    - ``address="tcp://host:8786"`` (or ``tls://``; ``scheduler=`` is the same): connect to a
+      running Dask scheduler. Its workers must carry the ``GPU`` resource (``dask worker
+      ADDRESS --nthreads 1 --resources GPU=1 --preload quantdask.preload``; see the README).
+    - ``cluster=``: a Dask cluster object made elsewhere (``dask_jobqueue.SLURMCluster``, see
+      ``quantdask.slurm``); it is not closed on exit.
     - With CUDA GPUs: ``dask_cuda.LocalCUDACluster``, one worker per GPU in ``gpus`` (default all).
     - Without: ``distributed.LocalCluster`` with ``workers`` single-threaded processes (default 2),
       each holding resource ``GPU=1`` as a CPU slot that stands in for a GPU.
 
-    Servers bind to ``host`` (127.0.0.1 unless you choose otherwise); ``dashboard_address=None``
-    turns the dashboard off. ``jobs_per_worker`` (a sweep's ``jobs_per_gpu``) is how many jobs
-    one worker may run at once; ``torch_threads`` caps torch's threads on CPU slots.
+    ``adapt=Adapt(1, 4)`` lets a local (or given) cluster grow and shrink with the queue; on GPUs
+    it never goes past the GPUs chosen. ``security=tls_security(...)`` makes every connection
+    mutual TLS. Servers bind to ``host`` (127.0.0.1 unless you choose otherwise);
+    ``dashboard_address=None`` turns the dashboard off. ``jobs_per_worker`` (a sweep's
+    ``jobs_per_gpu``) is how many jobs one worker may run at once; ``torch_threads`` caps torch's
+    threads on CPU slots.
     """
     if isinstance(jobs_per_worker, bool) or not isinstance(jobs_per_worker, int) \
             or jobs_per_worker < 1:
         raise SpecError("jobs_per_worker", f"must be a positive integer, got {jobs_per_worker!r}")
-    if scheduler is not None:
+    if address is not None and scheduler is not None and address != scheduler:
+        raise SpecError("scheduler", "give the scheduler's address once (address= or scheduler=)")
+    address = address or scheduler
+    if address is not None or cluster is not None:
         if workers is not None or gpus is not None:
             raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
                                          "with --workers or --gpus")
-        return ClusterHandle(client=Client(scheduler), kind="external")
+        if address is not None and cluster is not None:
+            raise SpecError("cluster", "give a cluster object or an address, not both")
+        if address is not None and adapt is not None:
+            raise SpecError("adapt", "a scheduler reached by address cannot scale its workers "
+                                     "from here; start them adaptively where they run")
+        if cluster is not None:
+            if adapt is not None:
+                adapt.apply(cluster)
+            client = Client(cluster, security=security or getattr(cluster, "security", None))
+        else:
+            client = Client(address, security=security)
+        return ClusterHandle(client=client, kind="external")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
         raise SpecError("workers", f"must be a positive integer, got {workers!r}")
@@ -158,6 +256,13 @@ def start_cluster(
     if selected is not None and max(selected) >= available:
         raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
                                 f"{available} (ids 0-{available - 1})")
+    common = {
+        "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
+        jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
+        "scheduler_kwargs": SCHEDULER_OPTIONS, "preload": [WORKER_PRELOAD],
+    }
+    if security is not None:
+        common.update(security=security, protocol="tls://")
     if available and workers is None:
         # Ids count the GPUs this process sees: map them through an inherited
         # CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation) to the physical ones.
@@ -165,43 +270,53 @@ def start_cluster(
                      if g.strip()]
         local = selected or list(range(available))
         physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
-        return _start_cuda_cluster(physical, host, dashboard_address, jobs_per_worker)
+        if adapt is not None and adapt.maximum > len(physical):
+            raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but only "
+                                             f"{len(physical)} GPUs are chosen: one worker per "
+                                             f"GPU, so at most {len(physical)}")
+        return _start_cuda_cluster(physical, common, adapt)
     n = workers or 2
-    threads = torch_threads or max(1, (os.cpu_count() or 1) // (n * jobs_per_worker))
+    if adapt is not None:
+        n = adapt.minimum
+    threads = torch_threads or max(1, (os.cpu_count() or 1)
+                                   // ((adapt.maximum if adapt else n) * jobs_per_worker))
     from distributed import LocalCluster
 
-    cluster = LocalCluster(
-        n_workers=n, threads_per_worker=jobs_per_worker, processes=True, host=host,
-        dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
-        scheduler_kwargs=SCHEDULER_OPTIONS,
+    local_cluster = LocalCluster(
+        n_workers=n, processes=True,
         # CPU slots stay on the CPU even on a machine with GPUs.
-        env={"CUDA_VISIBLE_DEVICES": ""},
+        env={"CUDA_VISIBLE_DEVICES": ""}, **common,
     )
-    client = Client(cluster)
+    if adapt is not None:
+        adapt.apply(local_cluster)
+    client = Client(local_cluster, security=security)
     client.register_plugin(TorchThreads(threads))
     client.register_plugin(WarmImports())
-    log.info("started %d CPU slots; dashboard %s", n, client.dashboard_link)
-    return ClusterHandle(client=client, cluster=cluster, kind="cpu")
+    log.info("started %d CPU slots%s; dashboard %s", n,
+             f" (adapting {adapt.minimum}-{adapt.maximum})" if adapt else "",
+             client.dashboard_link)
+    return ClusterHandle(client=client, cluster=local_cluster, kind="cpu")
 
 
-def _start_cuda_cluster(gpus: list[str], host: str, dashboard_address: str | None,
-                        jobs_per_worker: int) -> ClusterHandle:
+def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
+                        adapt: Adapt | None) -> ClusterHandle:
     # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError as err:
         raise SpecError("gpus", f"dask-cuda is needed for GPU workers ({err}); "
                                 "pip install 'quantdask[gpu]'") from None
+    # Adaptive: start the minimum; dask-cuda gives each new worker the next unused GPU.
     cluster = LocalCUDACluster(
-        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), threads_per_worker=jobs_per_worker,
-        host=host,
-        dashboard_address=dashboard_address, resources={"GPU": 1}, silence_logs=logging.ERROR,
-        scheduler_kwargs=SCHEDULER_OPTIONS,
+        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
+        n_workers=adapt.minimum if adapt is not None else len(gpus), **common,
     )
-    client = Client(cluster)
+    if adapt is not None:
+        adapt.apply(cluster)
+    client = Client(cluster, security=common.get("security"))
     client.register_plugin(WarmImports())
-    log.info("started %d GPU workers on GPUs %s; dashboard %s", len(gpus), gpus,
-             client.dashboard_link)
+    log.info("started %d GPU workers on GPUs %s; dashboard %s", len(client.scheduler_info(
+        n_workers=-1)["workers"]), gpus, client.dashboard_link)
     return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))
 
 

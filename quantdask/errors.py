@@ -30,3 +30,26 @@ class SchemaError(QuantdaskError):
 
 class RunDirError(QuantdaskError):
     """The run directory cannot be used (not a directory, unreadable results, ...)."""
+
+
+class PlacementError(QuantdaskError):
+    """Some jobs fit on no worker's device: raised before any job runs.
+
+    ``too_big`` lists (job id, job label, estimated bytes, what the estimate rests on);
+    ``largest`` is the most device memory a worker advertises, ``largest_worker`` its name.
+    """
+
+    def __init__(self, too_big: list[tuple[str, str, int, str]], largest: float,
+                 largest_worker: str):
+        from quantdask.dashboard import format_bytes
+
+        self.too_big, self.largest, self.largest_worker = too_big, largest, largest_worker
+        lines = [f"  {label} ({job_id}): needs ~{format_bytes(need)} = {need:,} bytes ({basis})"
+                 for job_id, label, need, basis in too_big]
+        super().__init__(
+            f"{len(too_big)} job(s) fit on no worker: the largest device memory a worker "
+            f"advertises is {format_bytes(int(largest))} = {int(largest):,} bytes (worker "
+            f"{largest_worker}):\n"
+            + "\n".join(lines)
+            + "\nfix: add a worker with a larger GPU, lower eval.batch_size or eval.seq_len, "
+              "or remove those configs; nothing was run or changed")

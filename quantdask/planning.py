@@ -4,11 +4,11 @@
 
 Jobs are listed in the order the scheduler starts them (higher priority first, then the sweep's
 own order). "Here" means this machine: whether it has a CUDA GPU decides the device-dependent
-checks, so plan on the machine (or kind of machine) the workers run on. Each gets an estimate of
-its device memory and duration from earlier runs in the run
-directory (the same job, else the same model and backend, else the same model), or of its memory
-from the checkpoint's size when nothing has run yet; and the reason it cannot run here when a
-backend's check, or an earlier run of the same job, says so.
+checks, so plan on the machine (or kind of machine) the workers run on. Each job gets the
+device-memory estimate the scheduler places it by (``placement.estimate_device_memory``), a
+duration from earlier runs in the run directory (the same job, else the same model and backend,
+else the same model), and the reason it cannot run here when a backend's check, or an earlier
+run of the same job, says so.
 """
 
 from __future__ import annotations
@@ -17,52 +17,20 @@ import logging
 import os
 from pathlib import Path
 from statistics import median
-from typing import Any
 
 import polars as pl
 
 from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
-from quantdask.cluster import cuda_device_count
+from quantdask.model_facts import model_facts
+from quantdask.placement import estimate_device_memory
 from quantdask.spec import Job, Sweep, expand_grid
 
 log = logging.getLogger("quantdask.planning")
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
-                "reason", "est_device_mem_bytes", "est_duration_s", "estimate_from"]
-MEMORY_PER_WEIGHT_BYTE = 2.0
-"""Without history: the unquantized weights are read and a quantized copy built beside them."""
-
-
-def _linear_widths(directory: Path, trust_remote_code: bool) -> dict[str, int]:
-    """Every ``nn.Linear`` of the model and its input width, from its config alone: the model
-    is built on PyTorch's meta device, which allocates nothing."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return {name: module.in_features for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear)}
-
-
-def model_facts(job: Job) -> ModelFacts:
-    """What the driver can learn of ``job``'s model from its local files (nothing for a hub
-    id: the plan downloads nothing)."""
-    directory = Path(job.model.location)
-    if job.model.hub or not directory.is_dir():
-        return ModelFacts(linear_in_features={}, weight_bytes=0, cuda=cuda_device_count() > 0)
-    weight_bytes = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin")
-                       for f in directory.glob(pattern))
-    try:
-        widths = _linear_widths(directory, job.model.trust_remote_code)
-    except Exception as error:  # noqa: BLE001 - not a causal LM, remote code, ...: the plan
-        log.warning("no layer shapes for %s (%s); shape checks are left to the workers",
-                    job.model.label, error)  # goes on, and the workers still check
-        widths = {}
-    return ModelFacts(linear_in_features=widths, weight_bytes=weight_bytes,
-                      cuda=cuda_device_count() > 0)
+                "reason", "est_device_mem_bytes", "memory_from", "est_duration_s",
+                "duration_from"]
 
 
 def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
@@ -73,22 +41,19 @@ def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
     return read_results(run_dir)
 
 
-def _estimate(job: Job, done: pl.DataFrame, facts: ModelFacts) -> tuple[Any, Any, str]:
-    """(device memory bytes, duration s, what the estimate rests on)."""
+def _duration(job: Job, done: pl.DataFrame) -> tuple[float | None, str]:
+    """(duration s, what it rests on): the median wall time of this job, else of the same
+    model and backend, else of the same model."""
     if not done.is_empty():
         for basis, rows in (
                 ("this job", done.filter(pl.col("job_id") == job.id)),
                 ("same model and backend", done.filter((pl.col("model") == job.model.label)
                                                        & (pl.col("backend") == job.backend))),
                 ("same model", done.filter(pl.col("model") == job.model.label))):
-            if not rows.is_empty():
-                memory = [m for m in rows["peak_device_mem_bytes"].to_list() if m is not None]
-                wall = [w for w in rows["wall_s"].to_list() if w is not None]
-                return (int(median(memory)) if memory else None,
-                        float(median(wall)) if wall else None, basis)
-    if facts.weight_bytes:
-        return int(facts.weight_bytes * MEMORY_PER_WEIGHT_BYTE), None, "checkpoint size"
-    return None, None, "nothing known"
+            wall = [w for w in rows["wall_s"].to_list() if w is not None]
+            if wall:
+                return float(median(wall)), basis
+    return None, "nothing run yet"
 
 
 def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.DataFrame:
@@ -119,16 +84,18 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         if reason is None and job.id in skipped:
             # A rerun tries it again (it may run on other machines): to run, with the note.
             reason = f"skipped when it last ran: {skipped[job.id]}"
-        memory, duration, basis = _estimate(job, done, model)
+        memory = estimate_device_memory(job, model, done)
+        duration, duration_basis = _duration(job, done)
         rows.append({"order": order, "job_id": job.id, "model": job.model.label,
                      "backend": job.backend, "config_label": job.config_label,
                      "priority": job.priority, "state": state, "reason": reason,
-                     "est_device_mem_bytes": memory, "est_duration_s": duration,
-                     "estimate_from": basis})
+                     "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
+                     "est_duration_s": duration, "duration_from": duration_basis})
     return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
                                       "model": pl.String, "backend": pl.String,
                                       "config_label": pl.String, "priority": pl.Int64,
                                       "state": pl.String, "reason": pl.String,
                                       "est_device_mem_bytes": pl.Int64,
+                                      "memory_from": pl.String,
                                       "est_duration_s": pl.Float64,
-                                      "estimate_from": pl.String})
+                                      "duration_from": pl.String})

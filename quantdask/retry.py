@@ -3,7 +3,7 @@
 | class          | action                                                              |
 |----------------|---------------------------------------------------------------------|
 | unsupported    | recorded skipped with the reason; never retried                     |
-| out_of_memory  | retried with more room: a whole GPU, half the eval batch            |
+| out_of_memory  | retried with more room: a whole GPU, half the eval batch, 2x memory |
 | worker_lost    | retried at once (the dead worker is gone; another one takes it)     |
 | timeout        | retried at once on a fresh worker (the hung one was restarted)      |
 | job_error      | retried after an exponential backoff                                |
@@ -46,9 +46,12 @@ def decide(job: Job, attempt: int, failure_class: str, backoff_s: float) -> Retr
 
 
 def with_more_room(job: Job) -> Job:
-    """``job`` on a device of its own, evaluating half as many windows per forward pass."""
+    """``job`` on a device of its own, evaluating half as many windows per forward pass, and
+    asking for twice the device memory it was estimated to need (the driver caps that at the
+    largest worker's)."""
     smaller = dataclasses.replace(job.eval, batch_size=max(1, job.eval.batch_size // 2))
-    return dataclasses.replace(job, gpu_share=1.0, eval=smaller)
+    return dataclasses.replace(job, gpu_share=1.0, eval=smaller,
+                               device_memory_bytes=2 * job.device_memory_bytes)
 
 
 @dataclass

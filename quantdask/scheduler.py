@@ -32,10 +32,11 @@ from quantdask.backends import get_backend
 from quantdask.cluster import cluster_capacity, live_workers, restart_worker, retire_worker
 from quantdask.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
+from quantdask.placement import Placement, place_jobs
 from quantdask.progress import SweepProgress
 from quantdask.reference import compute_reference, reference_key
 from quantdask.retry import DeviceHealth, RetryDecision, decide
-from quantdask.spec import Job, Sweep, expand_grid, plan_rows
+from quantdask.spec import DEVICE_MEMORY, Job, Sweep, expand_grid, plan_rows
 from quantdask.store import RunStore
 from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 
@@ -89,8 +90,9 @@ class _SweepDriver:
     """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
 
     def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result,
-                 progress: SweepProgress, on_progress):
+                 progress: SweepProgress, on_progress, placement: Placement):
         self.client = client
+        self.placement = placement
         self.store = store
         self.sweep = sweep
         self.on_result = on_result
@@ -130,10 +132,14 @@ class _SweepDriver:
             # cancellation of another sweep's reference must never reach this one.
             dask_key = f"{key}-{self.run_id}-{self._submissions}"
             self._reference_keys[dask_key] = job.timeout_s  # before its start can be announced
+            # It runs the unquantized model, so it asks for what the baseline job asks for.
+            resources = {"GPU": job.gpu_share}
+            if self.placement.reference_bytes.get(job.model.label):
+                resources[DEVICE_MEMORY] = float(self.placement.reference_bytes[job.model.label])
             future = self.client.submit(
                 compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
                 key=dask_key,
-                resources=job.resources, priority=job.priority + 10, pure=False, retries=0,
+                resources=resources, priority=job.priority + 10, pure=False, retries=0,
             )
             self.references[key] = future
         return future
@@ -146,6 +152,7 @@ class _SweepDriver:
     def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
         """Submit an attempt of ``job``; a retry runs on workers other than ``avoid`` (the one
         its last attempt failed on) when there are others."""
+        job = self.placement.capped(job)
         # A Dask key names one computation: each resubmission needs a key of its own, or Dask
         # hands back the earlier (failed) result.
         self._submissions += 1
@@ -448,10 +455,12 @@ def run_sweep(
     ``on_progress(progress)`` a few times a second with the live :class:`SweepProgress`, which
     is also written to ``RUN_DIR/progress.json`` for ``quantdask status --watch``.
     """
+    # Before anything is written: a job that fits on no worker refuses the whole sweep.
+    placement = place_jobs(expand_grid(sweep), client, run_dir)
+    jobs = placement.jobs
     store = RunStore(run_dir).create()
     with store.lock():
         store.set_aside_unreadable()
-        jobs = expand_grid(sweep)
         store.write_plan(plan_rows(jobs))
         finished = store.finished_job_ids()
         todo = [job for job in jobs if job.id not in finished]
@@ -462,7 +471,8 @@ def run_sweep(
                                  dashboard_link=client.dashboard_link, slots=slots,
                                  workers=sorted(live_workers(client).values()))
         progress.already_finished(["done"] * (len(jobs) - len(todo)))
-        driver = _SweepDriver(client, store, sweep, on_result, progress, on_progress)
+        driver = _SweepDriver(client, store, sweep, on_result, progress, on_progress,
+                              placement)
         progress.run_id = driver.run_id
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
         session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": _now(),

@@ -30,6 +30,10 @@ FAULT_KINDS = ("raise", "oom", "kill", "hang")
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
 the worker process killed (SIGKILL), or a hang past any deadline."""
 
+DEVICE_MEMORY = "DEVICE_MEMORY"
+"""The Dask resource a worker advertises for its device's memory in bytes (``dask worker
+--resources GPU=1,DEVICE_MEMORY=80e9``, or measured by the ``quantdask.preload`` preload)."""
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _NAME = re.compile(r"^[\w.-]+$")
 
@@ -304,6 +308,9 @@ class Job:
     timeout_s: float
     gpu_share: float
     faults: tuple[tuple[int, str], ...] = ()  # (attempt, kind) to inject; not part of the id
+    # Estimated device memory it needs (0: unknown, or placement by memory is off); set by
+    # ``placement.place_jobs`` for the cluster at hand, not part of the id.
+    device_memory_bytes: int = 0
 
     @property
     def is_baseline(self) -> bool:
@@ -311,6 +318,10 @@ class Job:
 
     @property
     def resources(self) -> dict[str, float]:
+        """Dask resources one attempt holds while it runs: its share of a GPU and, when known,
+        its device memory (workers advertise theirs as ``DEVICE_MEMORY``)."""
+        if self.device_memory_bytes:
+            return {"GPU": self.gpu_share, DEVICE_MEMORY: float(self.device_memory_bytes)}
         return {"GPU": self.gpu_share}
 
 

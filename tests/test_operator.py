@@ -268,10 +268,16 @@ def test_plan_json_before_anything_ran(write_sweep, tmp_path, capsys):
     assert ao["state"] == "unsupported"
     assert "group_size=256 does not divide model.layers.0.self_attn.q_proj.in_features=128" \
         in ao["reason"]
+    memory = {j["config_label"]: j["est_device_mem_bytes"] for j in jobs}
     for job in jobs:
-        assert job["estimate_from"] == "checkpoint size" and job["est_duration_s"] is None
-        assert job["est_device_mem_bytes"] > 2 * 3_000_000  # twice the 3.5 MB checkpoint
+        assert job["memory_from"] == "checkpoint size and config"
+        assert job["est_duration_s"] is None and job["duration_from"] == "nothing run yet"
         assert re.fullmatch(r"(none|bitsandbytes|torchao)-[0-9a-f]{16}", job["job_id"])
+    # By hand: the 3,482,128-byte float32 checkpoint, the eval's logits 8 x 32 x 320 vocab x
+    # 4 bytes x 3 copies = 983,040, and 20% headroom.
+    assert memory["baseline"] == int((3_482_128 + 983_040) * 1.2)
+    assert memory["nf4"] == int(int(3_482_128 * 4.5 / 32 + 983_040) * 1.2)  # 4 bits + absmax/64
+    assert memory["ao int4wo g256"] == int(int(3_482_128 * 4.125 / 32 + 983_040) * 1.2)
     assert plan["counts"] == {"to run": 2, "finished": 0, "unsupported": 1}
     assert not (tmp_path / "fresh").exists()  # a plan writes nothing
 
@@ -288,11 +294,16 @@ def test_plan_estimates_from_earlier_runs(one_worker, write_sweep, tmp_path, cap
     plan = plan_json(capsys, write_sweep(grown), "--run-dir", str(run_dir))
     jobs = {j["config_label"]: j for j in plan["jobs"]}
     for label in ("baseline", "nf4"):
-        assert jobs[label]["state"] == "finished" and jobs[label]["estimate_from"] == "this job"
-        assert jobs[label]["est_device_mem_bytes"] == measured[label]["peak_device_mem_bytes"]
+        assert jobs[label]["state"] == "finished" and jobs[label]["duration_from"] == "this job"
+        assert jobs[label]["memory_from"] == "its measured peak"
+        assert jobs[label]["est_device_mem_bytes"] == int(
+            measured[label]["peak_device_mem_bytes"] * 1.2)
         assert jobs[label]["est_duration_s"] == measured[label]["wall_s"]
     assert jobs["fp4"]["state"] == "to run"
-    assert jobs["fp4"]["estimate_from"] == "same model and backend"
+    assert jobs["fp4"]["duration_from"] == "same model and backend"
+    # fp4's own figure by config (as nf4's), scaled as the two measured peaks compare with theirs.
+    assert jobs["fp4"]["memory_from"] == "config, scaled by 2 measured peaks of this model"
+    assert jobs["fp4"]["est_device_mem_bytes"] > jobs["nf4"]["est_device_mem_bytes"] / 2
     assert jobs["fp4"]["est_duration_s"] == measured["nf4"]["wall_s"]
     assert plan["est_work_s"] == pytest.approx(measured["nf4"]["wall_s"])
     table = main(["plan", write_sweep(grown), "--run-dir", str(run_dir)])

@@ -63,6 +63,9 @@ class ModelFacts:
     linear_in_features: dict[str, int]  # 2-D weight name (without .weight) -> input width
     weight_bytes: int  # the checkpoint's size on disk
     cuda: bool  # whether this machine has a CUDA GPU (where the plan assumes jobs run)
+    checkpoint_bits: int = 16  # bits per weight as stored (float32: 32)
+    loaded_bits: int = 16  # bits per weight once loaded (the model spec's dtype, else stored)
+    vocab_size: int = 0  # the eval's logits are (batch, seq_len, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class Backend:
     per-layer error: a backend without it gets no per-layer rows. ``check(options, facts)``
     is a cheap look on the driver before a sweep (``quantdask plan``): the reason a config
     cannot run here (a missing library, a shape it cannot take), or None; the worker still
-    decides (raising :class:`UnsupportedHere`).
+    decides (raising :class:`UnsupportedHere`). ``weight_bits(options)`` is the storage a
+    quantized weight takes on the device, scales included (the device-memory estimate;
+    None: weights stay as loaded).
     """
 
     name: str
@@ -86,6 +91,7 @@ class Backend:
     label: Callable[[dict], str] | None = None
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
     check: Callable[[dict, ModelFacts], str | None] | None = None
+    weight_bits: Callable[[dict], float] | None = None
     description: str = ""
 
     def normalize(self, options: dict, where: str) -> dict:

@@ -92,6 +92,14 @@ def check_bitsandbytes(options: dict, facts) -> str | None:
     return None
 
 
+def weight_bits(options: dict) -> float:
+    """8-bit: one byte a weight; 4-bit: half a byte plus a float32 absmax per block of 64
+    (double quantization stores that absmax in 8 bits)."""
+    if options["bits"] == 8:
+        return 8.0
+    return 4.0 + (8.0 if options.get("double_quant") else 32.0) / 64
+
+
 def dequantize_layer(module):
     """A bitsandbytes linear layer's weight dequantized to float32; None for any other module."""
     import bitsandbytes as bnb
@@ -115,5 +123,6 @@ bitsandbytes_backend = Backend(
     label=config_label,
     dequantize_layer=dequantize_layer,
     check=check_bitsandbytes,
+    weight_bits=weight_bits,
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )

@@ -117,6 +117,14 @@ def quantize_torchao(source, options: dict, device: str):
     return model
 
 
+def weight_bits(options: dict) -> float:
+    """int8: one byte a weight (a scale per output channel is negligible); int4: half a byte
+    plus a bfloat16 scale and zero point per group."""
+    if options["mode"] == "int8_weight_only":
+        return 8.0
+    return 4.0 + 32.0 / options["group_size"]
+
+
 def dequantize_layer(module):
     """A torchao-quantized linear layer's weight as float32; None for any other module."""
     import torch
@@ -141,5 +149,6 @@ torchao_backend = Backend(
     label=config_label,
     dequantize_layer=dequantize_layer,
     check=check_torchao,
+    weight_bits=weight_bits,
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

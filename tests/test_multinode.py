@@ -1,0 +1,309 @@
+"""Beyond one machine: separate `dask` processes as nodes, a node lost mid-sweep, placement by
+device memory, adaptive scaling, TLS, and the SLURM recipe's job script."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+from conftest import sweep_dict
+from dask_processes import DaskProcesses
+from distributed import Client
+
+from quantdask.cluster import Adapt, start_cluster, tls_security
+from quantdask.errors import PlacementError, SpecError
+from quantdask.scheduler import run_sweep
+from quantdask.spec import DEVICE_MEMORY
+from quantdask.store import read_attempts, read_results
+from quantdask.sweep_file import sweep_from_dict
+
+QUANTDASK = str(Path(sys.executable).parent / "quantdask")
+BNB = "bitsandbytes"
+FOUR_BIT = {"backend": BNB, "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
+                                     "double_quant": [False, True]}}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def dask_processes(tmp_path):
+    """Factory: a DaskProcesses in tmp_path; every process it started is ended afterwards."""
+    made = []
+
+    def make(tls=None) -> DaskProcesses:
+        made.append(DaskProcesses(tmp_path, tls))
+        return made[-1]
+
+    yield make
+    for processes in made:
+        processes.close()
+
+
+def wait_for_workers(address: str, names: set[str], security=None, timeout_s: float = 90):
+    with Client(address, security=security) as client:
+        client.wait_for_workers(len(names), timeout=timeout_s)
+        info = client.scheduler_info(n_workers=-1)["workers"].values()
+        assert {str(w["name"]) for w in info} == names
+        return {str(w["name"]): w["resources"] for w in info}
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+# -- separate `dask worker` processes: a node lost mid-sweep -------------------------------------
+
+
+@pytest.mark.timeout(420)
+def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_processes, tmp_path):
+    nodes = dask_processes()
+    address = nodes.start_scheduler()
+    for name in ("node-1", "node-2", "node-3"):
+        nodes.start_worker(name)
+    resources = wait_for_workers(address, {"node-1", "node-2", "node-3"})
+    # Each worker advertises its device memory (here a CPU slot: its memory limit).
+    assert all(r["GPU"] == 1 and r[DEVICE_MEMORY] > 0 for r in resources.values())
+    data = sweep_dict(name="nodes", backends=[FOUR_BIT, {"backend": BNB, "grid": {"bits": [8]}}],
+                      retries=2)
+    data["eval"].update(seq_len=128, samples=48)  # a second or two a job
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "driver.log", "wb") as log:
+        driver = subprocess.Popen(
+            [QUANTDASK, "run", str(sweep_file), "--scheduler", address, "--run-dir", str(run_dir),
+             "--no-report"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def running_on_node_2() -> bool:
+            try:
+                progress = json.loads((run_dir / "progress.json").read_text())
+            except (OSError, ValueError):
+                return False
+            return any(r["worker"] == "node-2" for r in progress["running"].values())
+
+        wait_until(running_on_node_2, 180, "a job running on node-2")
+        killed_at = dt.datetime.now(dt.UTC)
+        nodes.kill("node-2")
+        assert driver.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    results = read_results(run_dir)
+    jobs = 1 + 4 + 1  # the baseline, four 4-bit configs, one 8-bit
+    assert results.height == jobs and results["job_id"].n_unique() == jobs
+    assert results["status"].to_list() == ["done"] * jobs
+    attempts = read_attempts(run_dir)
+    lost = attempts.filter(pl.col("failure_class") == "worker_lost")
+    assert lost.height >= 1 and set(lost["worker"].drop_nulls()) <= {"node-2"}
+    # Nothing ran on the dead node after it was killed; the others took its work.
+    after = attempts.filter((pl.col("status") == "done") & (pl.col("started_at") > killed_at))
+    assert after.height >= 1 and "node-2" not in after["worker"].to_list()
+    assert nodes.listening_addresses() == {"127.0.0.1"}
+
+
+# -- placement by device memory ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(360)
+def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(dask_processes,
+                                                                         tmp_path):
+    nodes = dask_processes()
+    address = nodes.start_scheduler()
+    # The demo model's baseline needs ~5.4 MB by its estimate, its 4-bit configs ~1.8 MB:
+    # the small workers can take a 4-bit job but never the baseline.
+    for name in ("small-1", "small-2"):
+        nodes.start_worker(name, resources=f"GPU=1,{DEVICE_MEMORY}=3e6")
+    wait_for_workers(address, {"small-1", "small-2"})
+    data = sweep_dict(name="placed", backends=[FOUR_BIT])
+    sweep = sweep_from_dict(data)
+    run_dir = tmp_path / "run"
+    with start_cluster(address=address) as cluster:
+        with pytest.raises(PlacementError) as refused:
+            run_sweep(sweep, run_dir, cluster.client)
+    message = str(refused.value)
+    assert "1 job(s) fit on no worker" in message
+    assert "the largest device memory a worker advertises is 2.9 MiB = 3,000,000 bytes" in message
+    assert "demo baseline (none-" in message and "needs ~5.1 MiB = 5,358,201 bytes" in message
+    assert "(checkpoint size and config)" in message and "fix: add a worker" in message
+    assert not run_dir.exists()  # refused before anything was written
+
+    nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
+    wait_for_workers(address, {"small-1", "small-2", "large"})
+    with start_cluster(address=address) as cluster:
+        results = run_sweep(sweep, run_dir, cluster.client)
+    assert results.height == 5 and results["status"].to_list() == ["done"] * 5
+    where = dict(zip(results["config_label"], results["worker"], strict=True))
+    assert where.pop("baseline") == "large"
+    assert len(where) == 4 and len(set(where.values())) >= 2, where  # small ones spread
+    assert {"small-1", "small-2"} & set(where.values()), where
+
+
+# -- adaptive scaling --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(360)
+def test_an_adaptive_cluster_grows_while_jobs_wait_and_shrinks_when_done(tmp_path):
+    data = sweep_dict(name="adaptive", backends=[
+        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}])
+    data["eval"].update(seq_len=128, samples=48)
+    sweep = sweep_from_dict(data)
+    adapt = Adapt(minimum=1, maximum=3, interval_s=0.5, idle_s=2.0, target_duration_s=1.0)
+    counts: list[tuple[float, int]] = []
+    with start_cluster(adapt=adapt, dashboard_address=None) as cluster:
+        assert cluster.n_workers == 1
+        outcome = {}
+        runner = threading.Thread(target=lambda: outcome.setdefault(
+            "results", run_sweep(sweep, tmp_path / "run", cluster.client)))
+        start = time.monotonic()
+        runner.start()
+        while runner.is_alive():
+            counts.append((time.monotonic() - start, cluster.n_workers))
+            time.sleep(0.25)
+        runner.join()
+        assert "results" in outcome, "run_sweep raised; see the log above"
+        done_at = time.monotonic() - start
+        wait_until(lambda: cluster.n_workers == 1, 60, "the cluster to shrink back to 1")
+        shrunk_at = time.monotonic() - start
+    results = outcome["results"]
+    assert results.height == 7 and results["status"].to_list() == ["done"] * 7
+    peak = max(n for _, n in counts)
+    assert 2 <= peak <= 3, counts
+    assert results["worker"].n_unique() >= 2  # the added workers took jobs
+    print(f"adaptive: peak {peak} workers while jobs waited; sweep done at {done_at:.1f}s, "
+          f"back to 1 worker at {shrunk_at:.1f}s")
+
+
+def test_adapt_settings_are_checked_and_parsed():
+    assert Adapt.parse("0:4") == Adapt(0, 4)
+    for bad, field in (("4", "adapt"), ("a:b", "adapt"), ("3:2", "adapt.maximum"),
+                       ("0:0", "adapt.maximum"), ("-1:2", "adapt.minimum")):
+        with pytest.raises(SpecError) as err:
+            Adapt.parse(bad)
+        assert err.value.field == field
+    with pytest.raises(SpecError, match="adapt: a scheduler reached by address cannot scale"):
+        start_cluster(address="tcp://127.0.0.1:1", adapt=Adapt(1, 2))
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+def make_certificates(directory: Path) -> tuple[str, str, str]:
+    """A CA and one certificate it signs for 127.0.0.1/localhost (client and server use)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("quantdask test CA"))
+          .issuer_name(name("quantdask test CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now)
+          .not_valid_after(now + dt.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = directory / "ca.pem", directory / "node.pem", directory / "node-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return tuple(str(p) for p in paths)
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_over_tls_with_certificates_made_here(dask_processes, tmp_path):
+    ca, cert, key = make_certificates(tmp_path)
+    nodes = dask_processes(tls=(ca, cert, key))
+    address = nodes.start_scheduler()
+    assert address.startswith("tls://127.0.0.1:")
+    nodes.start_worker("node-1")
+    wait_for_workers(address, {"node-1"}, security=tls_security(ca, cert, key))
+    # Without the certificates nobody gets in: plain TCP, or TLS without a client cert.
+    plain = "tcp://" + address.removeprefix("tls://")
+    for where, security in ((plain, None), (address, None)):
+        with pytest.raises((OSError, TimeoutError, ValueError)):
+            Client(where, security=security, timeout=3)
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep_dict(name="tls")))
+    run = subprocess.run(
+        [QUANTDASK, "run", str(sweep_file), "--scheduler", address, "--run-dir",
+         str(tmp_path / "run"), "--no-report", "--tls-ca-file", ca, "--tls-cert", cert,
+         "--tls-key", key], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 jobs: 2 done, 0 failed, 0 skipped" in run.stdout
+    assert read_results(tmp_path / "run")["status"].to_list() == ["done"] * 2
+    assert nodes.listening_addresses() == {"127.0.0.1"}
+    # A local cluster takes the same settings: every address it has is tls://.
+    with start_cluster(workers=1, security=tls_security(ca, cert, key),
+                       dashboard_address=None) as cluster:
+        assert cluster.client.scheduler.address.startswith("tls://127.0.0.1:")
+        assert all(a.startswith("tls://127.0.0.1:")
+                   for a in cluster.client.scheduler_info()["workers"])
+
+
+def test_tls_options_name_what_is_missing(tmp_path, capsys):
+    from quantdask.cli import main
+
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep_dict()))
+    assert main(["run", str(sweep_file), "--tls-cert", str(tmp_path / "x.pem")]) == 2
+    assert "--tls-ca-file: TLS needs both --tls-ca-file and --tls-cert" in capsys.readouterr().err
+    assert main(["run", str(sweep_file), "--tls-ca-file", str(tmp_path / "ca.pem"),
+                 "--tls-cert", str(tmp_path / "x.pem")]) == 2
+    assert "tls_ca_file: no file at" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+# -- SLURM -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_the_slurm_recipe_renders_a_gpu_worker_job_script():
+    from quantdask.slurm import slurm_cluster
+
+    cluster = slurm_cluster(scheduler_host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                            queue="gpu", account="ml", cpus_per_gpu=8, memory="64GB",
+                            walltime="02:00:00", jobs_per_gpu=2,
+                            job_script_prologue=["source /opt/quantdask/.venv/bin/activate"])
+    try:
+        script = cluster.job_script()
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+    finally:
+        cluster.close()
+    lines = script.splitlines()
+    for directive in ("#SBATCH -p gpu", "#SBATCH -A ml", "#SBATCH --cpus-per-task=8",
+                      "#SBATCH -t 02:00:00", "#SBATCH --gres=gpu:1"):
+        assert directive in lines, script
+    assert "source /opt/quantdask/.venv/bin/activate" in lines
+    worker = next(line for line in lines if "distributed.cli.dask_worker" in line)
+    assert cluster.scheduler_address in worker
+    for flag in ("--nthreads 2", "--resources GPU=1", "--preload quantdask.preload", "--nanny"):
+        assert flag in worker, worker
