@@ -66,8 +66,9 @@ class DaskProcesses:
         self._start(name, [
             DASK, "worker", "--scheduler-file", str(self.scheduler_file), "--name", name,
             "--host", "127.0.0.1", "--nthreads", str(nthreads), "--nworkers", "1",
-            "--resources", resources, "--preload", "quantdask.preload", "--no-dashboard",
-            *self._tls_args()])
+            "--resources", resources, "--preload", "quantdask.preload",
+            # Without it the worker's HTTP server (health, metrics) listens on 0.0.0.0.
+            "--dashboard-address", "127.0.0.1:0", *self._tls_args()])
 
     def kill(self, name: str) -> None:
         """SIGKILL the whole process group of ``name``: the node is gone, nanny and all."""
