@@ -7,9 +7,16 @@
 """
 
 from quantdask.backends import Backend, Option, backend_names, get_backend, register_backend
-from quantdask.cluster import ClusterHandle, start_cluster
-from quantdask.errors import QuantdaskError, SchemaError, SpecError, UnsupportedHere
+from quantdask.cluster import Adapt, ClusterHandle, start_cluster, tls_security
+from quantdask.errors import (
+    PlacementError,
+    QuantdaskError,
+    SchemaError,
+    SpecError,
+    UnsupportedHere,
+)
 from quantdask.html_report import execute_notebook, write_report
+from quantdask.placement import estimate_device_memory, place_jobs
 from quantdask.scaling import read_scaling, scale_sweep
 from quantdask.scheduler import run_sweep
 from quantdask.spec import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
@@ -27,10 +34,11 @@ from quantdask.sweep_file import load_sweep, sweep_from_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendBlock", "ClusterHandle", "EvalSettings", "Job", "ModelSpec", "Option",
-    "QuantdaskError", "SchemaError", "SpecError", "Sweep", "UnsupportedHere", "backend_names",
-    "device_summary", "execute_notebook", "expand_grid", "get_backend", "job_status",
-    "load_sweep", "read_attempts", "read_device_samples", "read_layers", "read_results",
+    "Adapt", "Backend", "BackendBlock", "ClusterHandle", "EvalSettings", "Job", "ModelSpec",
+    "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
+    "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
+    "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep",
+    "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_results",
     "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
-    "start_cluster", "sweep_from_dict", "sweep_summary", "write_report",
+    "start_cluster", "sweep_from_dict", "sweep_summary", "tls_security", "write_report",
 ]

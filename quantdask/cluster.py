@@ -271,9 +271,9 @@ def start_cluster(
         local = selected or list(range(available))
         physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
         if adapt is not None and adapt.maximum > len(physical):
-            raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but only "
-                                             f"{len(physical)} GPUs are chosen: one worker per "
-                                             f"GPU, so at most {len(physical)}")
+            raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but {len(physical)} "
+                                             f"GPU(s) chosen: one worker per GPU, so at most "
+                                             f"{len(physical)}")
         return _start_cuda_cluster(physical, common, adapt)
     n = workers or 2
     if adapt is not None:

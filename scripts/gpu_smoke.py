@@ -6,8 +6,10 @@ On a CUDA machine: a LocalCUDACluster over every GPU runs a 4-config bitsandbyte
 demo model (plus its baseline) and checks that each job recorded a peak device memory above
 zero and the physical GPU id (``cuda:<id>``), and that NVML samples were taken; then one GPU
 with ``jobs_per_gpu: 2`` runs the sweep again and two jobs must have run on it at once; then
-the HTML report of the first run is written. ``--dry-run`` does the same on CPU slots (the
-tests run it so that this script does not rot), checking ``cpu`` where CUDA would be.
+the HTML report of the first run is written. Each worker must advertise its GPU's memory
+(the ``DEVICE_MEMORY`` resource that placement by memory uses). ``--dry-run`` does the same on
+CPU slots (the tests run it so that this script does not rot), checking ``cpu`` where CUDA
+would be.
 Exit 0 when every check passed, 1 otherwise.
 """
 
@@ -46,6 +48,27 @@ def overlapping(attempts) -> list[tuple[str, str]]:
             and b["started_at"] < a["finished_at"]]
 
 
+def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
+    """Whether every worker advertises its device memory for placement: the total of one of
+    the chosen GPUs by NVML, or on a CPU slot the worker's memory limit."""
+    from quantdask.placement import advertised_memory
+
+    advertised = advertised_memory(client)
+    if dry_run:
+        limits = {str(w["name"]): w["memory_limit"]
+                  for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        ok = bool(advertised) and advertised == limits
+    else:
+        import pynvml
+
+        pynvml.nvmlInit()
+        totals = {pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(g))).total
+                  for g in gpus}
+        ok = bool(advertised) and all(m in totals for m in advertised.values())
+    shown = ", ".join(f"{n}: {(m or 0) / 2**30:.1f} GiB" for n, m in sorted(advertised.items()))
+    return ok, shown
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU slots instead of GPUs")
@@ -74,6 +97,8 @@ def main() -> int:
     with qd.start_cluster(**where) as cluster:
         print(f"smoke: {cluster.n_workers} workers ({cluster.kind}), "
               f"GPUs {cluster.gpus or '-'}", flush=True)
+        ok, shown = memory_advertised_as_expected(cluster.client, cluster.gpus, args.dry_run)
+        check(ok, f"each worker advertises its device memory for placement ({shown})")
         results = qd.run_sweep(sweep("smoke"), out / "sweep", cluster.client)
     check(results.height == len(CONFIGS) + 1 and (results["status"] == "done").all(),
           f"{results.height} jobs done: {results['status'].to_list()}")

@@ -60,7 +60,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 # -- separate `dask worker` processes: a node lost mid-sweep -------------------------------------
@@ -75,9 +75,9 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
     resources = wait_for_workers(address, {"node-1", "node-2", "node-3"})
     # Each worker advertises its device memory (here a CPU slot: its memory limit).
     assert all(r["GPU"] == 1 and r[DEVICE_MEMORY] > 0 for r in resources.values())
-    data = sweep_dict(name="nodes", backends=[FOUR_BIT, {"backend": BNB, "grid": {"bits": [8]}}],
-                      retries=2)
-    data["eval"].update(seq_len=128, samples=48)  # a second or two a job
+    data = sweep_dict(name="nodes", retries=2, backends=[
+        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}])
+    data["eval"].update(seq_len=128, samples=96)  # one to three seconds a job
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
@@ -86,14 +86,18 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
             [QUANTDASK, "run", str(sweep_file), "--scheduler", address, "--run-dir", str(run_dir),
              "--no-report"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        def running_on_node_2() -> bool:
+        def just_started_on_node_2() -> bool:
+            # A job that began under half a second ago is surely still running (each takes
+            # a second or more): the kill lands mid-job.
             try:
                 progress = json.loads((run_dir / "progress.json").read_text())
             except (OSError, ValueError):
                 return False
-            return any(r["worker"] == "node-2" for r in progress["running"].values())
+            now = dt.datetime.now(dt.UTC)
+            return any(r["worker"] == "node-2" and now - dt.datetime.fromisoformat(
+                r["started_at"]) < dt.timedelta(seconds=0.5) for r in progress["running"].values())
 
-        wait_until(running_on_node_2, 180, "a job running on node-2")
+        wait_until(just_started_on_node_2, 180, "a job starting on node-2")
         killed_at = dt.datetime.now(dt.UTC)
         nodes.kill("node-2")
         assert driver.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()
@@ -101,7 +105,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
         if driver.poll() is None:
             driver.kill()
     results = read_results(run_dir)
-    jobs = 1 + 4 + 1  # the baseline, four 4-bit configs, one 8-bit
+    jobs = 1 + 4 + 3  # the baseline, four 4-bit configs, three 8-bit
     assert results.height == jobs and results["job_id"].n_unique() == jobs
     assert results["status"].to_list() == ["done"] * jobs
     attempts = read_attempts(run_dir)
@@ -196,6 +200,19 @@ def test_adapt_settings_are_checked_and_parsed():
         assert err.value.field == field
     with pytest.raises(SpecError, match="adapt: a scheduler reached by address cannot scale"):
         start_cluster(address="tcp://127.0.0.1:1", adapt=Adapt(1, 2))
+
+
+def test_adaptive_never_asks_for_more_gpu_workers_than_gpus(monkeypatch):
+    import quantdask.cluster
+
+    monkeypatch.setattr(quantdask.cluster, "cuda_device_count", lambda: 2)
+    with pytest.raises(SpecError) as err:  # refused before dask-cuda is imported
+        start_cluster(adapt=Adapt(1, 4))
+    assert err.value.field == "adapt.maximum"
+    assert "4 workers, but 2 GPU(s) chosen: one worker per GPU, so at most 2" in str(
+        err.value)
+    with pytest.raises(SpecError, match="2 workers, but 1 GPU"):
+        start_cluster(gpus=[1], adapt=Adapt(0, 2))
 
 
 # -- TLS ---------------------------------------------------------------------------------------

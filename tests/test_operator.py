@@ -112,14 +112,18 @@ def test_the_dashboard_shows_rows_progress_queue_and_failures():
 
 def failing_sweep():
     # nf4 fails its first attempt and is retried; fp4 fails both: a failure line of each kind.
-    return sweep_from_dict(sweep_dict(
+    data = sweep_dict(
         name="watched",
         backends=[{"backend": "bitsandbytes", "grid": {"bits": [4], "quant_type": ["nf4", "fp4"]}},
                   {"backend": "bitsandbytes", "configs": [{"bits": 8}], "priority": 4}],
         retries=1,
         faults=[{"config": "nf4", "attempt": 1, "kind": "raise"},
                 {"config": "fp4", "attempt": 1, "kind": "raise"},
-                {"config": "fp4", "attempt": 2, "kind": "raise"}]))
+                {"config": "fp4", "attempt": 2, "kind": "raise"}])
+    # Jobs of a second or so: several progress snapshots (4 a second) catch each one running,
+    # even on a loaded machine.
+    data["eval"].update(seq_len=128, samples=48)
+    return sweep_from_dict(data)
 
 
 @pytest.fixture(scope="module")
