@@ -249,6 +249,9 @@ def start_cluster(
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
         raise SpecError("workers", f"must be a positive integer, got {workers!r}")
+    if workers is not None and adapt is not None:
+        raise SpecError("adapt", "sets the number of workers itself (MIN:MAX); do not combine "
+                                 "it with --workers")
     selected = _parse_gpus(gpus)
     available = cuda_device_count()
     if selected is not None and available == 0:
@@ -277,7 +280,13 @@ def start_cluster(
         return _start_cuda_cluster(physical, common, adapt)
     n = workers or 2
     if adapt is not None:
-        n = adapt.minimum
+        # At least one from the start: placement learns the workers' memory from the first.
+        n = max(1, adapt.minimum)
+        import psutil
+
+        # Each slot's share of the host, as if all were running: a slot added later must not
+        # advertise (as its device memory) what the earlier ones already have.
+        common["memory_limit"] = psutil.virtual_memory().total // adapt.maximum
     threads = torch_threads or max(1, (os.cpu_count() or 1)
                                    // ((adapt.maximum if adapt else n) * jobs_per_worker))
     from distributed import LocalCluster
@@ -306,10 +315,11 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
     except ImportError as err:
         raise SpecError("gpus", f"dask-cuda is needed for GPU workers ({err}); "
                                 "pip install 'quantdask[gpu]'") from None
-    # Adaptive: start the minimum; dask-cuda gives each new worker the next unused GPU.
+    # Adaptive: start the minimum (at least one: dask-cuda refuses none, and placement learns
+    # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
-        n_workers=adapt.minimum if adapt is not None else len(gpus), **common,
+        n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus), **common,
     )
     if adapt is not None:
         adapt.apply(cluster)

@@ -36,10 +36,12 @@ LOGIT_COPIES = 3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """A job's device memory in bytes (None: nothing to go on) and what it rests on."""
+    """A job's device memory in bytes (None: nothing to go on) and what it rests on;
+    ``measured`` is the job's own measured peak when it ran before."""
 
     bytes: int | None
     basis: str
+    measured: int | None = None
 
 
 def config_bytes(backend: str, options: dict, eval: EvalSettings, facts: ModelFacts) -> int:
@@ -48,7 +50,7 @@ def config_bytes(backend: str, options: dict, eval: EvalSettings, facts: ModelFa
     if not facts.weight_bytes:
         return 0
     bits = get_backend(backend).weight_bits
-    weight_bits = bits(options) if bits is not None else facts.loaded_bits
+    weight_bits = bits(options, facts.loaded_bits) if bits is not None else facts.loaded_bits
     weights = facts.weight_bytes * weight_bits / facts.checkpoint_bits
     logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4 * LOGIT_COPIES
     return int(weights + logits)
@@ -63,7 +65,7 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> M
             if done.height else [])
     own = [r["peak_device_mem_bytes"] for r in rows if r["job_id"] == job.id]
     if own:
-        return MemoryEstimate(int(max(own) * SAFETY), "its measured peak")
+        return MemoryEstimate(int(max(own) * SAFETY), "its measured peak", measured=max(own))
     prior = config_bytes(job.backend, job.options, job.eval, facts)
     ratios = []
     for row in rows:
@@ -92,9 +94,20 @@ def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
 
 
 def advertised_memory(client: Client) -> dict[str, float | None]:
-    """Each worker's name -> the ``DEVICE_MEMORY`` it advertises (None: none)."""
+    """Each job-taking worker's name (one with a ``GPU`` resource) -> the ``DEVICE_MEMORY`` it
+    advertises (None: none)."""
     workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return {str(w["name"]): w.get("resources", {}).get(DEVICE_MEMORY) for w in workers}
+    return {str(w["name"]): w.get("resources", {}).get(DEVICE_MEMORY) for w in workers
+            if w.get("resources", {}).get("GPU", 0) > 0}
+
+
+def workers_with_room(client: Client, need: float) -> dict[str, str]:
+    """The job-taking workers now (address -> name) that advertise at least ``need`` bytes of
+    device memory (all of them when ``need`` is 0)."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return {address: str(w["name"]) for address, w in workers.items()
+            if w.get("resources", {}).get("GPU", 0) > 0
+            and (not need or w.get("resources", {}).get(DEVICE_MEMORY, 0) >= need)}
 
 
 @dataclass
@@ -112,20 +125,31 @@ class Placement:
             return replace(job, device_memory_bytes=int(self.largest))
         return job
 
+    def reference_resources(self, job: Job) -> dict[str, float]:
+        """What ``job``'s model reference asks for: it runs the unquantized model, as the
+        baseline job does, and at least as much as ``job`` (whose out-of-memory retries ask
+        for more)."""
+        resources = {"GPU": job.gpu_share}
+        need = max(self.reference_bytes.get(job.model.label, 0), job.device_memory_bytes)
+        if need:
+            resources[DEVICE_MEMORY] = float(min(need, self.largest) if self.largest else need)
+        return resources
 
-def place_jobs(jobs: list[Job], client: Client,
-               run_dir: str | os.PathLike | None = None) -> Placement:
+
+def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | None = None,
+               finished: set[str] = frozenset()) -> Placement:
     """``jobs`` with device-memory requests for the workers of ``client`` (see the module
-    docstring). Raises :class:`PlacementError` naming every job that fits nowhere. Placement by
-    memory is off (jobs ask for a GPU share only) while no worker advertises ``DEVICE_MEMORY``."""
+    docstring). Raises :class:`PlacementError` naming every job that fits nowhere (the
+    ``finished`` ones, which will not run, excepted). Placement by memory is off (jobs ask for a
+    GPU share only) while no worker advertises ``DEVICE_MEMORY``."""
     from quantdask.model_facts import model_facts
 
     advertised = advertised_memory(client)
     known = {name: memory for name, memory in advertised.items() if memory}
     if not known:
-        if advertised:
-            log.warning("placement by device memory is off: no worker advertises %s (start "
-                        "workers with --preload quantdask.preload)", DEVICE_MEMORY)
+        log.warning("placement by device memory is off for this sweep: %s",
+                    f"no worker advertises {DEVICE_MEMORY} (start workers with --preload "
+                    "quantdask.preload)" if advertised else "no worker has joined yet")
         return Placement(list(jobs))
     if len(known) < len(advertised):
         log.warning("workers %s advertise no %s: jobs that need an estimate will not go there "
@@ -139,16 +163,19 @@ def place_jobs(jobs: list[Job], client: Client,
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job, layers=False)
         estimate = estimate_device_memory(job, facts[job.model.label], done)
-        if estimate.bytes is None:
+        need = estimate.bytes
+        if need is None:
             placed.append(job)
             continue
-        if estimate.bytes > largest:
-            too_big.append((job.id, f"{job.model.label} {job.config_label}", estimate.bytes,
+        if need > largest and estimate.measured is not None and estimate.measured <= largest:
+            need = int(largest)  # it ran within this much before: the headroom gives way
+        if need > largest and job.id not in finished:
+            too_big.append((job.id, f"{job.model.label} {job.config_label}", need,
                             estimate.basis))
-        placed.append(replace(job, device_memory_bytes=estimate.bytes))
+        placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
         if job.backend == BASELINE:
             # The model's reference runs the unquantized model, as its baseline job does.
-            reference_bytes[job.model.label] = estimate.bytes
+            reference_bytes[job.model.label] = min(need, int(largest))
     if too_big:
         raise PlacementError(too_big, largest, largest_worker)
     return Placement(placed, largest, reference_bytes)

@@ -37,8 +37,10 @@ def decide(job: Job, attempt: int, failure_class: str, backoff_s: float) -> Retr
         return RetryDecision(False, reason=f"no retries left ({job.retries} allowed)")
     if failure_class == "out_of_memory":
         roomier = with_more_room(job)
+        more = (f" and {roomier.device_memory_bytes:,} bytes of device memory"
+                if roomier.device_memory_bytes else "")
         return RetryDecision(True, 0.0, roomier, reason=(
-            f"retrying with a whole device and eval batch {roomier.eval.batch_size}"))
+            f"retrying with a whole device, eval batch {roomier.eval.batch_size}{more}"))
     if failure_class == "job_error":
         delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
         return RetryDecision(True, delay, job, reason=f"retrying in {delay:g}s")

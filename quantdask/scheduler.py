@@ -32,11 +32,11 @@ from quantdask.backends import get_backend
 from quantdask.cluster import cluster_capacity, live_workers, restart_worker, retire_worker
 from quantdask.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
-from quantdask.placement import Placement, place_jobs
+from quantdask.placement import Placement, advertised_memory, place_jobs, workers_with_room
 from quantdask.progress import SweepProgress
 from quantdask.reference import compute_reference, reference_key
 from quantdask.retry import DeviceHealth, RetryDecision, decide
-from quantdask.spec import DEVICE_MEMORY, Job, Sweep, expand_grid, plan_rows
+from quantdask.spec import Job, Sweep, expand_grid, plan_rows
 from quantdask.store import RunStore
 from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 
@@ -117,6 +117,11 @@ class _SweepDriver:
         self._cut_references: set[str] = set()
         self._submitted: set[str] = set()
         self._eval_texts: dict[str, str] = {}
+        # Attempts waiting for their model's reference: reference key -> (job, attempt number,
+        # worker to avoid, the reference future).
+        self.parked: dict[str, list[tuple[Job, int, str | None, Future]]] = {}
+        self._seen_workers = False
+        self._unfit_since: dict[str, float] = {}  # attempt key -> when no worker had room
 
     def _reference(self, job: Job) -> Future:
         """The future of ``job``'s model reference: submitted once per model, again only if the
@@ -132,14 +137,10 @@ class _SweepDriver:
             # cancellation of another sweep's reference must never reach this one.
             dask_key = f"{key}-{self.run_id}-{self._submissions}"
             self._reference_keys[dask_key] = job.timeout_s  # before its start can be announced
-            # It runs the unquantized model, so it asks for what the baseline job asks for.
-            resources = {"GPU": job.gpu_share}
-            if self.placement.reference_bytes.get(job.model.label):
-                resources[DEVICE_MEMORY] = float(self.placement.reference_bytes[job.model.label])
             future = self.client.submit(
                 compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
-                key=dask_key,
-                resources=resources, priority=job.priority + 10, pure=False, retries=0,
+                key=dask_key, resources=self.placement.reference_resources(job),
+                priority=job.priority + 10, pure=False, retries=0,
             )
             self.references[key] = future
         return future
@@ -151,20 +152,53 @@ class _SweepDriver:
 
     def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
         """Submit an attempt of ``job``; a retry runs on workers other than ``avoid`` (the one
-        its last attempt failed on) when there are others."""
+        its last attempt failed on) when there are others with room for it.
+
+        An attempt whose model reference is still being computed waits here until it is done
+        (see ``_release_parked``)."""
         job = self.placement.capped(job)
+        reference = self._reference(job)
+        self.progress.job_queued(job.id, _label(job), job.priority)
+        if not reference.done():
+            self.parked.setdefault(reference.key, []).append((job, number, avoid, reference))
+            return
+        self._submit_attempt(job, number, avoid, reference)
+
+    def _release_parked(self) -> None:
+        """Submit the attempts whose reference is done, once it is on every worker.
+
+        Dask starts a task where its dependencies are: submitted while the reference is on one
+        worker, a model's jobs would all be queued there and spread only by work stealing.
+        With the reference copied to every worker first, Dask places each job by the workers'
+        load and room. (A failed reference goes to the jobs as it is: each records the error.)
+        """
+        for key, entries in list(self.parked.items()):
+            reference = entries[0][3]
+            if not reference.done():
+                continue
+            del self.parked[key]
+            if reference.status == "finished":
+                try:
+                    self.client.replicate([reference])
+                except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
+                    log.info("reference %s not copied to every worker (%s)", key, error)
+            # Highest priority first: a free worker starts the first that reaches it.
+            for job, number, avoid, parked_reference in sorted(entries,
+                                                               key=lambda e: -e[0].priority):
+                self._submit_attempt(job, number, avoid, parked_reference)
+
+    def _submit_attempt(self, job: Job, number: int, avoid: str | None,
+                        reference: Future) -> None:
         # A Dask key names one computation: each resubmission needs a key of its own, or Dask
         # hands back the earlier (failed) result.
         self._submissions += 1
         key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
         self._submitted.add(job.id)
-        elsewhere = ([a for a, name in live_workers(self.client).items() if name != avoid]
-                     if avoid else [])
-        reference = self._reference(job)
+        elsewhere = ([a for a, name in workers_with_room(
+            self.client, job.device_memory_bytes).items() if name != avoid] if avoid else [])
         with self._lock:
             self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
                                           reference_key=reference.key)
-        self.progress.job_queued(job.id, _label(job), job.priority)
         self.pending.add(self.client.submit(
             run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
@@ -196,10 +230,11 @@ class _SweepDriver:
         try:
             for job in jobs:
                 self.submit(job, 1)
-            while not self.pending.is_empty() or self.delayed:
+            while not self.pending.is_empty() or self.delayed or self.parked:
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future, result in ready:
                     self._collect(future, result)
+                self._release_parked()
                 self._enforce_deadlines()
                 self._submit_due_retries()
                 self._release_stranded()
@@ -250,7 +285,11 @@ class _SweepDriver:
             return
         self._next_stranded_check = now + 2.0
         alive = set(live_workers(self.client))
-        self._no_workers_since = None if alive else (self._no_workers_since or now)
+        # Only a cluster that had workers and lost them all is "gone": one still starting
+        # (a SLURM queue, adaptive from zero) is waited for.
+        self._seen_workers = self._seen_workers or bool(alive)
+        self._no_workers_since = (None if alive or not self._seen_workers
+                                  else (self._no_workers_since or now))
         with self._lock:
             stranded = [(k, a) for k, a in self.attempts.items() if a.restricted_to
                         and a.started is None and not alive.intersection(a.restricted_to)]
@@ -260,6 +299,31 @@ class _SweepDriver:
             Future(key, self.client).cancel()
             self.progress.attempt_dropped(key)
             self.submit(attempt.job, attempt.number)
+        self._fail_unfit(now)
+
+    def _fail_unfit(self, now: float) -> None:
+        """Fail a waiting attempt that no live worker has the device memory for (its large
+        worker left), after NO_WORKERS_GRACE_S for the worker to come back."""
+        if not self.placement.largest:
+            return
+        room = max((m or 0 for m in advertised_memory(self.client).values()), default=0)
+        with self._lock:
+            waiting = {k: a for k, a in self.attempts.items()
+                       if a.started is None and a.job.device_memory_bytes > room}
+        self._unfit_since = {k: self._unfit_since.get(k, now) for k in waiting}
+        for key, attempt in waiting.items():
+            if now - self._unfit_since[key] < NO_WORKERS_GRACE_S:
+                continue
+            with self._lock:
+                if self.attempts.pop(key, None) is None:
+                    continue
+            Future(key, self.client).cancel()
+            message = (f"needs {attempt.job.device_memory_bytes:,} bytes of device memory; no "
+                       f"worker has had that much for {NO_WORKERS_GRACE_S:g}s (the most now: "
+                       f"{int(room):,})")
+            log.error("%s: %s", key, message)
+            self._finish(attempt, _failed_outside("worker_lost", "NoWorkerFits", message),
+                         final=True)
 
     def _submit_due_retries(self) -> None:
         now = time.monotonic()
@@ -366,7 +430,10 @@ class _SweepDriver:
             self.attempts.clear()
         left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
                  for _, attempt_job, number, _ in self.delayed]
+        left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
+                 for entries in self.parked.values() for attempt_job, number, _, _ in entries]
         self.delayed = []
+        self.parked = {}
         self.client.cancel([Future(k, self.client) for k, _ in left])
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
         log.error("%s: failing %d jobs", message, len(left))
@@ -455,8 +522,9 @@ def run_sweep(
     ``on_progress(progress)`` a few times a second with the live :class:`SweepProgress`, which
     is also written to ``RUN_DIR/progress.json`` for ``quantdask status --watch``.
     """
-    # Before anything is written: a job that fits on no worker refuses the whole sweep.
-    placement = place_jobs(expand_grid(sweep), client, run_dir)
+    # Before anything is written: a job to run that fits on no worker refuses the whole sweep.
+    finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
+    placement = place_jobs(expand_grid(sweep), client, run_dir, finished=finished_before)
     jobs = placement.jobs
     store = RunStore(run_dir).create()
     with store.lock():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quantdask.cluster import WORKER_PRELOAD
+from quantdask.cluster import SCHEDULER_OPTIONS, WORKER_PRELOAD
 from quantdask.errors import SpecError
 
 
@@ -57,6 +57,7 @@ def slurm_cluster(
         job_extra_directives=[f"--gres={gres}"],
         worker_extra_args=["--resources", "GPU=1", "--preload", WORKER_PRELOAD],
         job_script_prologue=job_script_prologue or [],
-        scheduler_options={"host": scheduler_host, "dashboard_address": dashboard_address},
+        scheduler_options={"host": scheduler_host, "dashboard_address": dashboard_address,
+                           **SCHEDULER_OPTIONS},
         **kwargs,
     )

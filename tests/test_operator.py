@@ -281,7 +281,8 @@ def test_plan_json_before_anything_ran(write_sweep, tmp_path, capsys):
     # 4 bytes x 3 copies = 983,040, and 20% headroom.
     assert memory["baseline"] == int((3_482_128 + 983_040) * 1.2)
     assert memory["nf4"] == int(int(3_482_128 * 4.5 / 32 + 983_040) * 1.2)  # 4 bits + absmax/64
-    assert memory["ao int4wo g256"] == int(int(3_482_128 * 4.125 / 32 + 983_040) * 1.2)
+    # torchao loads the whole model onto the device and then quantizes it: the baseline's peak.
+    assert memory["ao int4wo g256"] == memory["baseline"]
     assert plan["counts"] == {"to run": 2, "finished": 0, "unsupported": 1}
     assert not (tmp_path / "fresh").exists()  # a plan writes nothing
 

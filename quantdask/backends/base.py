@@ -79,9 +79,9 @@ class Backend:
     per-layer error: a backend without it gets no per-layer rows. ``check(options, facts)``
     is a cheap look on the driver before a sweep (``quantdask plan``): the reason a config
     cannot run here (a missing library, a shape it cannot take), or None; the worker still
-    decides (raising :class:`UnsupportedHere`). ``weight_bits(options)`` is the storage a
-    quantized weight takes on the device, scales included (the device-memory estimate;
-    None: weights stay as loaded).
+    decides (raising :class:`UnsupportedHere`). ``weight_bits(options, loaded_bits)`` is what a
+    weight takes on the device at the job's peak, scales included, given the bits it is loaded
+    at (the device-memory estimate; None: weights stay as loaded).
     """
 
     name: str
@@ -91,7 +91,7 @@ class Backend:
     label: Callable[[dict], str] | None = None
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
     check: Callable[[dict, ModelFacts], str | None] | None = None
-    weight_bits: Callable[[dict], float] | None = None
+    weight_bits: Callable[[dict, int], float] | None = None
     description: str = ""
 
     def normalize(self, options: dict, where: str) -> dict:

@@ -92,9 +92,10 @@ def check_bitsandbytes(options: dict, facts) -> str | None:
     return None
 
 
-def weight_bits(options: dict) -> float:
-    """8-bit: one byte a weight; 4-bit: half a byte plus a float32 absmax per block of 64
-    (double quantization stores that absmax in 8 bits)."""
+def weight_bits(options: dict, loaded_bits: int) -> float:
+    """Weights are quantized as they are loaded onto the device: 8-bit takes one byte a
+    weight; 4-bit half a byte plus a float32 absmax per block of 64 (double quantization
+    stores that absmax in 8 bits)."""
     if options["bits"] == 8:
         return 8.0
     return 4.0 + (8.0 if options.get("double_quant") else 32.0) / 64

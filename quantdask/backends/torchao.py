@@ -117,12 +117,10 @@ def quantize_torchao(source, options: dict, device: str):
     return model
 
 
-def weight_bits(options: dict) -> float:
-    """int8: one byte a weight (a scale per output channel is negligible); int4: half a byte
-    plus a bfloat16 scale and zero point per group."""
-    if options["mode"] == "int8_weight_only":
-        return 8.0
-    return 4.0 + 32.0 / options["group_size"]
+def weight_bits(options: dict, loaded_bits: int) -> float:
+    """The model is loaded onto the device whole and then quantized layer by layer, so the
+    peak holds the weights as loaded (the quantized copies replace them as they go)."""
+    return float(loaded_bits)
 
 
 def dequantize_layer(module):
