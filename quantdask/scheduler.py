@@ -165,7 +165,8 @@ class _SweepDriver:
         self._submit_attempt(job, number, avoid, reference)
 
     def _release_parked(self) -> None:
-        """Submit the attempts whose reference is done, once it is on every worker.
+        """Submit the attempts whose reference is done, once it is on every worker that can
+        take them.
 
         Dask starts a task where its dependencies are: submitted while the reference is on one
         worker, a model's jobs would all be queued there and spread only by work stealing.
@@ -178,8 +179,11 @@ class _SweepDriver:
                 continue
             del self.parked[key]
             if reference.status == "finished":
+                # To the workers with room for the smallest of these jobs: no other takes one.
+                room = workers_with_room(self.client, min(
+                    job.device_memory_bytes for job, *_ in entries))
                 try:
-                    self.client.replicate([reference])
+                    self.client.replicate([reference], workers=list(room) or None)
                 except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
                     log.info("reference %s not copied to every worker (%s)", key, error)
             # Highest priority first: a free worker starts the first that reaches it.
