@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,8 +52,18 @@ class ModelSource:
 
 def load_model_source(spec: ModelSpec) -> ModelSource:
     """Load ``spec``'s model on the host with transformers (local directory or hub id)."""
+    import socket
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.path is not None and not os.path.isfile(os.path.join(spec.location, "config.json")):
+        # The driver checked it on its machine; a worker on another node may not have it (and
+        # transformers would go on to read the path as a hub id).
+        raise FileNotFoundError(
+            f"model directory {spec.location} is not on {socket.gethostname()} (where this "
+            "worker runs): put the model at the same path on every node, or use `hub:` with "
+            "each node's Hugging Face cache")
 
     dtype: Any = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
     common = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}

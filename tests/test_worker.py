@@ -161,3 +161,19 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, re
     for mine, theirs in zip(fresh, recorded):
         assert mine["weight_rel_error"] == pytest.approx(theirs["weight_rel_error"], rel=1e-6)
         assert 0.05 < mine["weight_rel_error"] < 0.2  # nf4 with 64-wide blocks
+
+
+def test_a_model_directory_missing_on_a_worker_node_says_where_and_what_to_do(demo_model,
+                                                                             tmp_path):
+    # The driver validated the path on its machine; a worker on another node may lack it.
+    import copy
+
+    from quantdask.model_source import load_model_source
+
+    job = jobs_for(demo_model)["nf4"]
+    elsewhere = copy.copy(job.model)
+    object.__setattr__(elsewhere, "path", str(tmp_path / "not-here"))
+    with pytest.raises(FileNotFoundError) as err:
+        load_model_source(elsewhere)
+    assert f"model directory {elsewhere.location} is not on " in str(err.value)
+    assert "put the model at the same path on every node, or use `hub:`" in str(err.value)
