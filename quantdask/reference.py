@@ -1,15 +1,19 @@
 """Work every job of a model shares, done once per model: the eval windows and the unquantized
 model's next-token log-probabilities, which KL divergence and top-1 agreement compare against.
 
-The scheduler submits :func:`compute_reference` once per model and passes its future to each of
-that model's jobs, so Dask moves the result to each worker once and nothing is recomputed.
+On a worker, :func:`compute_reference` makes it. On the driver, :class:`ModelReferences`
+submits it once per model and hands its future to each of that model's jobs, so Dask moves the
+result to each worker once and nothing is recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dask.sizeof import sizeof
@@ -19,8 +23,11 @@ from quantdask.model_source import cached_model_source
 
 if TYPE_CHECKING:
     import torch
+    from distributed import Client, Future
 
-    from quantdask.spec import EvalSettings, ModelSpec
+    from quantdask.spec import EvalSettings, Job, ModelSpec
+
+log = logging.getLogger("quantdask.reference")
 
 REFERENCE_TOPIC = "quantdask-reference"
 """Dask event topic: one event each time a worker computes a reference (to count them)."""
@@ -95,3 +102,116 @@ def _announce(key: str) -> None:
         get_worker().log_event(REFERENCE_TOPIC, {"key": key})
     except ValueError:  # computed outside a Dask worker
         pass
+
+
+@dataclass
+class ModelReferences:
+    """The driver's side of one sweep's references: one future per model (submitted again
+    only after a failure, so a retry never inherits a failed dependency), the attempts waiting
+    for one (``parked``), and a deadline on each like a job's.
+
+    ``resources_for(job)`` is what the reference of ``job``'s model asks Dask for.
+    """
+
+    client: Client
+    run_id: str
+    resources_for: Callable[[Job], dict[str, float]]
+    futures: dict[str, Future] = field(default_factory=dict)  # reference_key -> current future
+    # Attempts waiting for their model's reference: Dask key -> [(job, attempt, avoid, future)].
+    parked: dict[str, list[tuple[Job, int, str | None, Future]]] = field(default_factory=dict)
+    _deadlines: dict[str, float] = field(default_factory=dict)  # Dask key -> timeout_s
+    _starts: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (t, address)
+    _cut: set[str] = field(default_factory=set)
+    _eval_texts: dict[str, str] = field(default_factory=dict)
+    _submitted: int = 0
+
+    def future_for(self, job: Job) -> Future:
+        """The future of ``job``'s model reference, submitted now if there is none (or the last
+        one failed)."""
+        key = reference_key(job.model, job.eval)
+        future = self.futures.get(key)
+        if future is None or future.status in ("error", "cancelled"):
+            path = job.eval.text_path
+            if path not in self._eval_texts:
+                with open(path, encoding="utf-8") as f:
+                    self._eval_texts[path] = f.read()
+            self._submitted += 1
+            # The Dask key is this driver's own: a key is an identity across clients, and a
+            # cancellation of another sweep's reference must never reach this one.
+            dask_key = f"{key}-{self.run_id}-{self._submitted}"
+            self._deadlines[dask_key] = job.timeout_s  # before its start can be announced
+            future = self.client.submit(
+                compute_reference, job.model, job.eval, self._eval_texts[path],
+                key=dask_key, resources=self.resources_for(job), priority=job.priority + 10,
+                pure=False, retries=0)
+            self.futures[key] = future
+        return future
+
+    def failed(self, job: Job, dask_key: str) -> bool:
+        """Whether ``dask_key`` is the current reference of ``job``'s model and it failed."""
+        future = self.futures.get(reference_key(job.model, job.eval))
+        return future is not None and future.key == dask_key and future.status == "error"
+
+    def park(self, job: Job, attempt: int, avoid: str | None, future: Future) -> None:
+        self.parked.setdefault(future.key, []).append((job, attempt, avoid, future))
+
+    def unpark_done(self, spread_to: Callable[[list[Job]], list[str]]
+                    ) -> list[tuple[Job, int, str | None, Future]]:
+        """The parked attempts whose reference is done, highest priority first, after copying
+        a finished reference to the workers ``spread_to(jobs)`` names.
+
+        Dask starts a task where its dependencies are: submitted while the reference is on one
+        worker, a model's jobs would all be queued there and spread only by work stealing.
+        With the reference copied to every worker that can take them, Dask places each job by
+        the workers' load and room. (A failed reference goes to the jobs as it is: each records
+        the error.)
+        """
+        ready = []
+        for key, entries in list(self.parked.items()):
+            future = entries[0][3]
+            if not future.done():
+                continue
+            del self.parked[key]
+            if future.status == "finished":
+                try:
+                    self.client.replicate([future],
+                                          workers=spread_to([e[0] for e in entries]) or None)
+                except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
+                    log.info("reference %s not copied to every worker (%s)", key, error)
+            ready += sorted(entries, key=lambda e: -e[0].priority)
+        return ready
+
+    def take_parked(self) -> list[tuple[Job, int, str | None, Future]]:
+        """Every parked attempt, no longer parked."""
+        taken = [entry for entries in self.parked.values() for entry in entries]
+        self.parked = {}
+        return taken
+
+    def started(self, dask_key: str, address: str) -> bool:
+        """Note that a worker began ``dask_key``; False if it is no reference of this sweep."""
+        if dask_key not in self._deadlines:
+            return False
+        self._starts[dask_key] = (time.monotonic(), address)
+        return True
+
+    def overdue(self) -> list[tuple[str, str]]:
+        """Cut every reference running past its deadline: (Dask key, worker address) of each,
+        for the caller to restart that worker. A hung reference would hold every job of its
+        model; its jobs then fail (an attempt each) and their retries get a new reference."""
+        now, cut = time.monotonic(), []
+        current = {f.key: f for f in self.futures.values()}
+        for key, (started, address) in list(self._starts.items()):
+            future = current.get(key)
+            if future is None or future.done():
+                del self._starts[key]
+            elif now - started > self._deadlines[key]:
+                log.warning("reference %s: no result after %gs; restarting its worker", key,
+                            self._deadlines[key])
+                del self._starts[key]
+                self._cut.add(key)
+                future.cancel()
+                cut.append((key, address))
+        return cut
+
+    def was_cut(self, dask_key: str) -> bool:
+        return dask_key in self._cut

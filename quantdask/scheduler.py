@@ -34,7 +34,7 @@ from quantdask.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.errors import UnsupportedHere
 from quantdask.placement import Placement, advertised_memory, place_jobs, workers_with_room
 from quantdask.progress import SweepProgress
-from quantdask.reference import compute_reference, reference_key
+from quantdask.reference import ModelReferences
 from quantdask.retry import DeviceHealth, RetryDecision, decide
 from quantdask.spec import Job, Sweep, expand_grid, plan_rows
 from quantdask.store import RunStore
@@ -101,7 +101,7 @@ class _SweepDriver:
         self._progress_shown = 0.0
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
-        self.references: dict[str, Future] = {}
+        self.references = ModelReferences(client, self.run_id, placement.reference_resources)
         # Retries waiting for their backoff: (due, job, attempt, worker the last one failed on).
         self.delayed: list[tuple[float, Job, int, str | None]] = []
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
@@ -112,38 +112,9 @@ class _SweepDriver:
         self._backends: dict[str, bytes] = {}
         self._next_stranded_check = 0.0
         self._no_workers_since: float | None = None
-        self._reference_keys: dict[str, float] = {}  # reference key -> its deadline (s)
-        self.reference_starts: dict[str, tuple[float, str]] = {}  # key -> (start, address)
-        self._cut_references: set[str] = set()
         self._submitted: set[str] = set()
-        self._eval_texts: dict[str, str] = {}
-        # Attempts waiting for their model's reference: reference key -> (job, attempt number,
-        # worker to avoid, the reference future).
-        self.parked: dict[str, list[tuple[Job, int, str | None, Future]]] = {}
         self._seen_workers = False
         self._unfit_since: dict[str, float] = {}  # attempt key -> when no worker had room
-
-    def _reference(self, job: Job) -> Future:
-        """The future of ``job``'s model reference: submitted once per model, again only if the
-        previous one failed (a retry must not inherit a failed dependency)."""
-        key = reference_key(job.model, job.eval)
-        future = self.references.get(key)
-        if future is None or future.status in ("error", "cancelled"):
-            if job.eval.text_path not in self._eval_texts:
-                with open(job.eval.text_path, encoding="utf-8") as f:
-                    self._eval_texts[job.eval.text_path] = f.read()
-            self._submissions += 1
-            # The Dask key is this driver's own: a key is an identity across clients, and a
-            # cancellation of another sweep's reference must never reach this one.
-            dask_key = f"{key}-{self.run_id}-{self._submissions}"
-            self._reference_keys[dask_key] = job.timeout_s  # before its start can be announced
-            future = self.client.submit(
-                compute_reference, job.model, job.eval, self._eval_texts[job.eval.text_path],
-                key=dask_key, resources=self.placement.reference_resources(job),
-                priority=job.priority + 10, pure=False, retries=0,
-            )
-            self.references[key] = future
-        return future
 
     def _pickled_backend(self, name: str) -> bytes:
         if name not in self._backends:
@@ -157,39 +128,22 @@ class _SweepDriver:
         An attempt whose model reference is still being computed waits here until it is done
         (see ``_release_parked``)."""
         job = self.placement.capped(job)
-        reference = self._reference(job)
+        reference = self.references.future_for(job)
         self.progress.job_queued(job.id, _label(job), job.priority)
         if not reference.done():
-            self.parked.setdefault(reference.key, []).append((job, number, avoid, reference))
+            self.references.park(job, number, avoid, reference)
             return
         self._submit_attempt(job, number, avoid, reference)
 
     def _release_parked(self) -> None:
-        """Submit the attempts whose reference is done, once it is on every worker that can
-        take them.
+        """Submit the attempts whose reference is done (see ``ModelReferences.unpark_done``),
+        the reference copied first to the workers with room for the smallest of them."""
+        def with_room(jobs: list[Job]) -> list[str]:
+            return list(workers_with_room(self.client,
+                                          min(j.device_memory_bytes for j in jobs)))
 
-        Dask starts a task where its dependencies are: submitted while the reference is on one
-        worker, a model's jobs would all be queued there and spread only by work stealing.
-        With the reference copied to every worker first, Dask places each job by the workers'
-        load and room. (A failed reference goes to the jobs as it is: each records the error.)
-        """
-        for key, entries in list(self.parked.items()):
-            reference = entries[0][3]
-            if not reference.done():
-                continue
-            del self.parked[key]
-            if reference.status == "finished":
-                # To the workers with room for the smallest of these jobs: no other takes one.
-                room = workers_with_room(self.client, min(
-                    job.device_memory_bytes for job, *_ in entries))
-                try:
-                    self.client.replicate([reference], workers=list(room) or None)
-                except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
-                    log.info("reference %s not copied to every worker (%s)", key, error)
-            # Highest priority first: a free worker starts the first that reaches it.
-            for job, number, avoid, parked_reference in sorted(entries,
-                                                               key=lambda e: -e[0].priority):
-                self._submit_attempt(job, number, avoid, parked_reference)
+        for job, number, avoid, reference in self.references.unpark_done(with_room):
+            self._submit_attempt(job, number, avoid, reference)
 
     def _submit_attempt(self, job: Job, number: int, avoid: str | None,
                         reference: Future) -> None:
@@ -222,8 +176,8 @@ class _SweepDriver:
                 attempt.worker_name = message["name"]
                 self.progress.job_started(attempt.key, attempt.job.id, _label(attempt.job),
                                           attempt.job.priority, attempt.number, message["name"])
-            elif message["key"] in self._reference_keys:
-                self.reference_starts[message["key"]] = (time.monotonic(), message["address"])
+            else:
+                self.references.started(message["key"], message["address"])
 
     def run(self, jobs: list[Job]) -> None:
         self.client.register_plugin(DeviceSampler())
@@ -234,7 +188,7 @@ class _SweepDriver:
         try:
             for job in jobs:
                 self.submit(job, 1)
-            while not self.pending.is_empty() or self.delayed or self.parked:
+            while not self.pending.is_empty() or self.delayed or self.references.parked:
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future, result in ready:
                     self._collect(future, result)
@@ -252,12 +206,13 @@ class _SweepDriver:
                 keys = list(self.attempts)
                 self.attempts.clear()
             self.client.cancel([Future(k, self.client) for k in keys]
-                               + list(self.references.values()))
+                               + list(self.references.futures.values()))
             raise
         finally:
             self.client.unsubscribe_topic(JOB_START_TOPIC)
             self.client.unsubscribe_topic(TELEMETRY_TOPIC)
-            self.references.clear()  # released: Dask forgets them once no client holds them
+            # Released: Dask forgets them once no client holds them.
+            self.references.futures.clear()
         # The idle time since each worker's last job.
         for samples in self.client.run(drain_this_worker, on_error="ignore").values():
             self._write_samples(samples)
@@ -354,7 +309,7 @@ class _SweepDriver:
         job = attempt.job
         lost = isinstance(error, (KilledWorker, CancelledError)) \
             or "CommClosed" in type(error).__name__
-        cut = attempt.reference_key in self._cut_references
+        cut = self.references.was_cut(attempt.reference_key)
         dropped = isinstance(error, CancelledError) or attempt.started is None
         if lost and not cut and dropped and self.requeues.get(job.id, 0) < MAX_REQUEUES:
             # The worker it was queued on (or its reference's) died before it began, or the
@@ -366,7 +321,6 @@ class _SweepDriver:
             self.progress.attempt_dropped(future.key)
             self.submit(job, attempt.number)
             return
-        reference = self.references.get(reference_key(job.model, job.eval))
         if cut:
             record = _failed_outside(
                 "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
@@ -376,9 +330,8 @@ class _SweepDriver:
                       "status": "skipped"}
         else:
             # A failed reference fails each of its model's jobs: one failed attempt each.
-            where = ("in its model's reference: " if reference is not None
-                     and reference.key == attempt.reference_key and reference.status == "error"
-                     else "")
+            where = ("in its model's reference: "
+                     if self.references.failed(job, attempt.reference_key) else "")
             record = _failed_outside(
                 "worker_lost" if lost else failure_class_of(error), type(error).__name__,
                 where + (str(error) or type(error).__name__),
@@ -387,20 +340,9 @@ class _SweepDriver:
         self._finish(attempt, record)
 
     def _enforce_deadlines(self) -> None:
+        for _, address in self.references.overdue():
+            restart_worker(self.client, address)
         now = time.monotonic()
-        for key, (started, address) in list(self.reference_starts.items()):
-            future = next((f for f in self.references.values() if f.key == key), None)
-            if future is None or future.done():
-                del self.reference_starts[key]
-            elif now - started > self._reference_keys[key]:
-                # A hung reference would hold every job of its model: cut it like a job. Its
-                # jobs then fail (an attempt each) and their retries get a new reference.
-                log.warning("reference %s: no result after %gs; restarting its worker", key,
-                            self._reference_keys[key])
-                del self.reference_starts[key]
-                self._cut_references.add(key)
-                future.cancel()
-                restart_worker(self.client, address)
         with self._lock:
             late = [(key, a) for key, a in self.attempts.items()
                     if a.started is not None and now - a.started > a.job.timeout_s]
@@ -435,9 +377,8 @@ class _SweepDriver:
         left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
                  for _, attempt_job, number, _ in self.delayed]
         left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
-                 for entries in self.parked.values() for attempt_job, number, _, _ in entries]
+                 for attempt_job, number, _, _ in self.references.take_parked()]
         self.delayed = []
-        self.parked = {}
         self.client.cancel([Future(k, self.client) for k, _ in left])
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
         log.error("%s: failing %d jobs", message, len(left))
