@@ -20,6 +20,7 @@ from dask.sizeof import sizeof
 
 from quantdask.metrics import eval_windows, forward_log_probs
 from quantdask.model_source import cached_model_source
+from quantdask.spec import DEVICE_MEMORY
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +123,7 @@ class ModelReferences:
     _deadlines: dict[str, float] = field(default_factory=dict)  # Dask key -> timeout_s
     _starts: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (t, address)
     _cut: set[str] = field(default_factory=set)
+    _requests: dict[str, float] = field(default_factory=dict)  # Dask key -> DEVICE_MEMORY asked
     _eval_texts: dict[str, str] = field(default_factory=dict)
     _submitted: int = 0
 
@@ -140,9 +142,11 @@ class ModelReferences:
             # cancellation of another sweep's reference must never reach this one.
             dask_key = f"{key}-{self.run_id}-{self._submitted}"
             self._deadlines[dask_key] = job.timeout_s  # before its start can be announced
+            resources = self.resources_for(job)
+            self._requests[dask_key] = resources.get(DEVICE_MEMORY, 0)
             future = self.client.submit(
                 compute_reference, job.model, job.eval, self._eval_texts[path],
-                key=dask_key, resources=self.resources_for(job), priority=job.priority + 10,
+                key=dask_key, resources=resources, priority=job.priority + 10,
                 pure=False, retries=0)
             self.futures[key] = future
         return future
@@ -215,3 +219,17 @@ class ModelReferences:
 
     def was_cut(self, dask_key: str) -> bool:
         return dask_key in self._cut
+
+    def unfit(self, room: float) -> dict[str, float]:
+        """The references waiting to start that ask for more device memory than ``room``:
+        Dask key -> bytes asked."""
+        return {f.key: self._requests[f.key] for f in self.futures.values()
+                if not f.done() and f.key not in self._starts
+                and self._requests.get(f.key, 0) > room}
+
+    def abandon(self, dask_key: str) -> list[tuple[Job, int, str | None, Future]]:
+        """Cancel the reference ``dask_key``; return the attempts that were parked on it."""
+        for future in self.futures.values():
+            if future.key == dask_key:
+                future.cancel()
+        return self.parked.pop(dask_key, [])

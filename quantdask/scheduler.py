@@ -261,28 +261,40 @@ class _SweepDriver:
         self._fail_unfit(now)
 
     def _fail_unfit(self, now: float) -> None:
-        """Fail a waiting attempt that no live worker has the device memory for (its large
-        worker left), after NO_WORKERS_GRACE_S for the worker to come back."""
+        """Fail what no live worker has the device memory for (its large worker left): a
+        waiting attempt, or a model reference with the attempts parked on it, after
+        NO_WORKERS_GRACE_S for such a worker to come (back)."""
         if not self.placement.largest:
             return
         room = max((m or 0 for m in advertised_memory(self.client).values()), default=0)
         with self._lock:
             waiting = {k: a for k, a in self.attempts.items()
                        if a.started is None and a.job.device_memory_bytes > room}
-        self._unfit_since = {k: self._unfit_since.get(k, now) for k in waiting}
-        for key, attempt in waiting.items():
-            if now - self._unfit_since[key] < NO_WORKERS_GRACE_S:
-                continue
+        unfit_references = self.references.unfit(room)
+        self._unfit_since = {k: self._unfit_since.get(k, now)
+                             for k in [*waiting, *unfit_references]}
+        overdue = {k for k, since in self._unfit_since.items()
+                   if now - since >= NO_WORKERS_GRACE_S}
+
+        def failed(what: str, need: float) -> dict[str, Any]:
+            message = (f"{what} {int(need):,} bytes of device memory; no worker has had that "
+                       f"much for {NO_WORKERS_GRACE_S:g}s (the most now: {int(room):,})")
+            return _failed_outside("worker_lost", "NoWorkerFits", message)
+
+        for key in overdue & set(waiting):
             with self._lock:
-                if self.attempts.pop(key, None) is None:
-                    continue
-            Future(key, self.client).cancel()
-            message = (f"needs {attempt.job.device_memory_bytes:,} bytes of device memory; no "
-                       f"worker has had that much for {NO_WORKERS_GRACE_S:g}s (the most now: "
-                       f"{int(room):,})")
-            log.error("%s: %s", key, message)
-            self._finish(attempt, _failed_outside("worker_lost", "NoWorkerFits", message),
-                         final=True)
+                attempt = self.attempts.pop(key, None)
+            if attempt is not None:
+                Future(key, self.client).cancel()
+                log.error("%s: no worker has room for it", key)
+                self._finish(attempt, failed("needs", attempt.job.device_memory_bytes),
+                             final=True)
+        for key in overdue & set(unfit_references):
+            log.error("reference %s: no worker has room for it", key)
+            for job, number, _, _ in self.references.abandon(key):
+                self._finish(_Attempt(job, number, _now(), job.id),
+                             failed("its model's reference needs", unfit_references[key]),
+                             final=True)
 
     def _submit_due_retries(self) -> None:
         now = time.monotonic()

@@ -149,6 +149,41 @@ def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(dask_pro
     assert {"small-1", "small-2"} & set(where.values()), where
 
 
+@pytest.mark.timeout(240)
+def test_jobs_that_no_live_worker_can_hold_fail_after_the_grace(dask_processes, tmp_path,
+                                                                 monkeypatch):
+    import quantdask.scheduler
+    from quantdask.placement import advertised_memory
+
+    monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
+    nodes = dask_processes()
+    address = nodes.start_scheduler()
+    nodes.start_worker("small-1", resources=f"GPU=1,{DEVICE_MEMORY}=3e6")
+    nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
+    wait_for_workers(address, {"small-1", "large"})
+    with start_cluster(address=address) as cluster:
+        def lose_the_large_node(progress) -> None:
+            # The first progress update comes after placement, before anything is submitted.
+            if nodes.processes["large"].poll() is None:
+                nodes.kill("large")
+                wait_until(lambda: set(advertised_memory(cluster.client)) == {"small-1"}, 60,
+                           "the scheduler to see the large worker gone")
+
+        started = time.monotonic()
+        results = run_sweep(sweep_from_dict(sweep_dict(name="unfit")), tmp_path / "run",
+                            cluster.client, on_progress=lose_the_large_node)
+        took = time.monotonic() - started
+    # The reference (baseline-sized) fits only the lost worker: both jobs, parked on it, fail
+    # once each with the numbers instead of waiting forever.
+    assert results.height == 2 and results["status"].to_list() == ["failed"] * 2
+    assert results["failure_class"].to_list() == ["worker_lost"] * 2
+    assert results["error_class"].to_list() == ["NoWorkerFits"] * 2
+    assert results["error_message"].to_list() == [
+        "its model's reference needs 5,358,201 bytes of device memory; no worker has had that "
+        "much for 3s (the most now: 3,000,000)"] * 2
+    assert took < 60
+
+
 # -- adaptive scaling --------------------------------------------------------------------------
 
 
