@@ -93,21 +93,24 @@ def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
     return results.filter(pl.col("status") == "done") if results.height else results
 
 
+def _job_takers(client: Client) -> dict[str, dict]:
+    """The workers now that take jobs (those with a ``GPU`` resource): address -> resources,
+    with the worker's name under ``"name"``."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return {address: {**w.get("resources", {}), "name": str(w["name"])}
+            for address, w in workers.items() if w.get("resources", {}).get("GPU", 0) > 0}
+
+
 def advertised_memory(client: Client) -> dict[str, float | None]:
-    """Each job-taking worker's name (one with a ``GPU`` resource) -> the ``DEVICE_MEMORY`` it
-    advertises (None: none)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return {str(w["name"]): w.get("resources", {}).get(DEVICE_MEMORY) for w in workers
-            if w.get("resources", {}).get("GPU", 0) > 0}
+    """Each job-taking worker's name -> the ``DEVICE_MEMORY`` it advertises (None: none)."""
+    return {w["name"]: w.get(DEVICE_MEMORY) for w in _job_takers(client).values()}
 
 
 def workers_with_room(client: Client, need: float) -> dict[str, str]:
     """The job-taking workers now (address -> name) that advertise at least ``need`` bytes of
     device memory (all of them when ``need`` is 0)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
-    return {address: str(w["name"]) for address, w in workers.items()
-            if w.get("resources", {}).get("GPU", 0) > 0
-            and (not need or w.get("resources", {}).get(DEVICE_MEMORY, 0) >= need)}
+    return {address: w["name"] for address, w in _job_takers(client).items()
+            if not need or w.get(DEVICE_MEMORY, 0) >= need}
 
 
 @dataclass
