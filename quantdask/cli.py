@@ -268,12 +268,18 @@ def _scale(sweep, counts: list[int], out: str, host: str) -> int:
                  ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
                   "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound"]))
     print(f"scaling: {os.path.join(out, 'scaling.parquet')} "
-          f"(python: quantdask.read_scaling({out!r}); notebook: notebooks/scaling.ipynb)")
+          f"(python: quantdask.read_scaling({out!r}); notebook: {_notebook('scaling')})")
     failed = sum(read_results(run_dir).filter(pl.col("status") == "failed").height
                  for run_dir in frame["run_dir"])
     if failed:
         print(f"scaling: {failed} jobs failed (see each run directory's logs/jobs)")
     return EXIT_FAILED_JOBS if failed else 0
+
+
+def _notebook(name: str) -> str:
+    from quantdask.resources import notebooks_dir
+
+    return os.path.join(notebooks_dir(), f"{name}.ipynb")
 
 
 def cmd_scale(args) -> int:
@@ -328,9 +334,23 @@ def cmd_logs(args) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a checkout that
+    is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("quantdask")
+    except PackageNotFoundError:
+        from quantdask import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="quantdask", description="Quantize models across GPUs with Dask.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every job event")
+    parser.add_argument("--version", action="version", version=f"quantdask {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def cluster_args(p):

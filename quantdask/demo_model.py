@@ -1,7 +1,8 @@
 """The built-in demo: a tiny Llama model trained here on text generated here (no downloads).
 
-``python -m quantdask.demo_model`` rebuilds ``data/demo-model`` and the eval text. The build is
-deterministic on one machine; the committed copy is what the demo and tests use.
+``python -m quantdask.demo_model`` rebuilds ``data/demo-model`` and the eval text (``--out DIR``
+and ``--eval-text FILE`` write them elsewhere). The build is deterministic on one machine; the
+committed copy is what the demo and tests use, and the wheel ships it (``quantdask/data``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import os
 import random
 import time
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-DEMO_MODEL_DIR = os.path.join(DATA_DIR, "demo-model")
-DEMO_EVAL_TEXT = os.path.join(DATA_DIR, "demo", "eval.txt")
-DEMO_SWEEP = os.path.join(DATA_DIR, "demo_sweep.yaml")
+from quantdask import resources
+
+# Where the demo ships (``data/`` of a checkout, ``quantdask/data`` of an installed wheel), as
+# strings: see quantdask.resources.
+DATA_DIR = os.fspath(resources.data_dir())
+DEMO_MODEL_DIR = os.fspath(resources.demo_model_dir())
+DEMO_EVAL_TEXT = os.fspath(resources.demo_eval_text())
+DEMO_SWEEP = os.fspath(resources.demo_sweep())
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vas", "pe", "nu", "dar", "si", "gol", "be",
               "fa", "zu", "tin", "ro"]

@@ -2,7 +2,7 @@
 
 A notebook marks its parameters cell with the tag ``parameters``; :func:`execute_notebook`
 inserts the caller's values after it (as papermill does), runs every cell in a fresh kernel and
-fails on the first error. :func:`write_report` runs ``notebooks/report.ipynb`` on a run
+fails on the first error. :func:`write_report` runs the report notebook on a run
 directory and writes ``report.html`` there, with the charts' JavaScript inlined once.
 
 >>> write_report("runs/demo")  # doctest: +SKIP
@@ -19,13 +19,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from quantdask import resources
 from quantdask.errors import QuantdaskError
 from quantdask.store import atomic_write
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-"""The project's notebooks (quickstart, report, scaling, memory, quality)."""
+NOTEBOOKS_DIR = resources.notebooks_dir()
+"""The project's notebooks (quickstart, report, scaling, memory, quality): ``notebooks/`` of a
+checkout, ``quantdask/notebooks`` of an installed wheel."""
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "report_template"
+TEMPLATE_DIR = resources.report_template_dir()
 CELL_TIMEOUT_S = 900
 RENDERER = "quantdask"
 EMBED_OPTIONS = {"renderer": "svg",

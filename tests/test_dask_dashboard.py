@@ -1,0 +1,46 @@
+"""The Dask dashboard a sweep prints is the real one: its Bokeh apps, served on 127.0.0.1."""
+
+from __future__ import annotations
+
+import urllib.request
+from urllib.parse import urlsplit
+
+import pytest
+
+from quantdask.scheduler import run_sweep
+from quantdask.sweep_file import sweep_from_dict
+from tests.conftest import sweep_dict
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+PAGES = ("/status", "/individual-task-stream")
+
+
+def fetch(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.status, response.read().decode("utf-8", "replace")
+
+
+def test_the_task_stream_and_status_pages_are_bokeh_apps_while_a_sweep_runs(cluster, tmp_path):
+    link = urlsplit(cluster.dashboard_link)
+    assert link.hostname == "127.0.0.1", cluster.dashboard_link
+    pages: dict[str, tuple[int, str]] = {}
+
+    def fetch_while_running(progress) -> None:
+        # On the driver's thread while jobs run: what a user opening the link then would see.
+        if not pages and progress.running:
+            for path in PAGES:
+                pages[path] = fetch(f"http://127.0.0.1:{link.port}{path}")
+
+    # Several jobs, so that progress updates (4 a second) come while one runs.
+    data = sweep_dict(name="dash", backends=[{"backend": "bitsandbytes", "grid": {
+        "bits": [4], "quant_type": ["nf4", "fp4"], "double_quant": [False, True]}}])
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client,
+                        on_progress=fetch_while_running)
+    assert results["status"].to_list() == ["done"] * 5
+    assert set(pages) == set(PAGES), "no progress update came while a job ran"
+    for path, (status, html) in pages.items():
+        assert status == 200, path
+        assert "needs bokeh" not in html, f"{path}: {html[:300]}"
+        # A Bokeh server document: BokehJS loaded and the app's document embedded.
+        assert "bokeh" in html.lower() and "Bokeh.embed" in html, f"{path}: {html[:300]}"
