@@ -24,6 +24,20 @@ class UnsupportedHere(QuantdaskError):
     """A job cannot run here (backend missing, needs CUDA, ...): it is skipped, not retried."""
 
 
+class JobTimeout(QuantdaskError):
+    """An attempt (or a model's reference) ran past its ``timeout_s``: failure class ``timeout``.
+
+    Raised on the worker when the work ends after its deadline (its result is discarded, so a
+    deadline means the same however soon the driver looks); the driver records the same class
+    when it cuts a hung attempt.
+    """
+
+    def __init__(self, what: str, elapsed_s: float, timeout_s: float):
+        self.what, self.elapsed_s, self.timeout_s = what, elapsed_s, timeout_s
+        super().__init__(f"{what} ran {elapsed_s:.3g}s, past timeout_s={timeout_s:g}s; "
+                         "its result was discarded")
+
+
 class SchemaError(QuantdaskError):
     """A result record does not match the results schema; it is never persisted."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dask.sizeof import sizeof
 
+from quantdask.errors import JobTimeout
 from quantdask.metrics import eval_windows, forward_log_probs
 from quantdask.model_source import cached_model_source
 from quantdask.spec import DEVICE_MEMORY
@@ -61,23 +62,33 @@ def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
     return f"reference-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
-def compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
-    """Tokenize ``text`` into eval windows and run the unquantized model over them."""
+def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
+                      timeout_s: float = float("inf")) -> Reference:
+    """Tokenize ``text`` into eval windows and run the unquantized model over them.
+
+    Raises :class:`JobTimeout` when that took longer than ``timeout_s`` (the jobs waiting on it
+    then fail as ``timeout``, as they do when the driver cuts a hung one)."""
     from quantdask.devices import this_workers_sampler
     from quantdask.worker import announce_start, quiet_libraries
 
     announce_start()  # its deadline starts now
+    began = time.monotonic()
     quiet_libraries()
     sampler = this_workers_sampler()
     if sampler is not None:  # the device's samples meanwhile belong to the reference
         sampler.current_job = reference_key(model, settings)
         sampler.sample_now()
     try:
-        return _compute_reference(model, settings, text)
+        reference = _compute_reference(model, settings, text)
     finally:
         if sampler is not None:
             sampler.sample_now()
             sampler.current_job = None
+    elapsed = time.monotonic() - began
+    if elapsed > timeout_s:
+        raise JobTimeout("its model's reference (eval windows and baseline log-probs)", elapsed,
+                         timeout_s)
+    return reference
 
 
 def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
@@ -111,12 +122,14 @@ class ModelReferences:
     only after a failure, so a retry never inherits a failed dependency), the attempts waiting
     for one (``parked``), and a deadline on each like a job's.
 
-    ``resources_for(job)`` is what the reference of ``job``'s model asks Dask for.
+    ``resources_for(job)`` is what the reference of ``job``'s model asks Dask for; ``clock``
+    reads the time its deadlines are measured on (a fake one in tests).
     """
 
     client: Client
     run_id: str
     resources_for: Callable[[Job], dict[str, float]]
+    clock: Callable[[], float] = time.monotonic
     futures: dict[str, Future] = field(default_factory=dict)  # reference_key -> current future
     # Attempts waiting for their model's reference: Dask key -> [(job, attempt, avoid, future)].
     parked: dict[str, list[tuple[Job, int, str | None, Future]]] = field(default_factory=dict)
@@ -145,7 +158,7 @@ class ModelReferences:
             resources = self.resources_for(job)
             self._requests[dask_key] = resources.get(DEVICE_MEMORY, 0)
             future = self.client.submit(
-                compute_reference, job.model, job.eval, self._eval_texts[path],
+                compute_reference, job.model, job.eval, self._eval_texts[path], job.timeout_s,
                 key=dask_key, resources=resources, priority=job.priority + 10,
                 pure=False, retries=0)
             self.futures[key] = future
@@ -195,14 +208,14 @@ class ModelReferences:
         """Note that a worker began ``dask_key``; False if it is no reference of this sweep."""
         if dask_key not in self._deadlines:
             return False
-        self._starts[dask_key] = (time.monotonic(), address)
+        self._starts[dask_key] = (self.clock(), address)
         return True
 
     def overdue(self) -> list[tuple[str, str]]:
         """Cut every reference running past its deadline: (Dask key, worker address) of each,
         for the caller to restart that worker. A hung reference would hold every job of its
         model; its jobs then fail (an attempt each) and their retries get a new reference."""
-        now, cut = time.monotonic(), []
+        now, cut = self.clock(), []
         current = {f.key: f for f in self.futures.values()}
         for key, (started, address) in list(self._starts.items()):
             future = current.get(key)

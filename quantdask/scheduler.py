@@ -38,6 +38,14 @@ from quantdask.reference import ModelReferences
 from quantdask.retry import DeviceHealth, RetryDecision, decide
 from quantdask.spec import Job, Sweep, expand_grid, plan_rows
 from quantdask.store import RunStore
+from quantdask.sweep_policy import (
+    Grace,
+    RetryQueue,
+    WorkerWatch,
+    past_deadline,
+    requeue_uncounted,
+    stranded,
+)
 from quantdask.worker import JOB_START_TOPIC, failure_class_of, run_job
 
 log = logging.getLogger("quantdask.scheduler")
@@ -90,8 +98,10 @@ class _SweepDriver:
     """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
 
     def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result,
-                 progress: SweepProgress, on_progress, placement: Placement):
+                 progress: SweepProgress, on_progress, placement: Placement,
+                 clock: Callable[[], float] = time.monotonic):
         self.client = client
+        self.clock = clock  # every deadline, backoff and grace is measured on it
         self.placement = placement
         self.store = store
         self.sweep = sweep
@@ -101,9 +111,9 @@ class _SweepDriver:
         self._progress_shown = 0.0
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
-        self.references = ModelReferences(client, self.run_id, placement.reference_resources)
-        # Retries waiting for their backoff: (due, job, attempt, worker the last one failed on).
-        self.delayed: list[tuple[float, Job, int, str | None]] = []
+        self.references = ModelReferences(client, self.run_id, placement.reference_resources,
+                                          clock)
+        self.delayed = RetryQueue()
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
         self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)
         self.requeues: dict[str, int] = {}
@@ -111,10 +121,9 @@ class _SweepDriver:
         self._submissions = 0
         self._backends: dict[str, bytes] = {}
         self._next_stranded_check = 0.0
-        self._no_workers_since: float | None = None
+        self._workers = WorkerWatch(NO_WORKERS_GRACE_S)
         self._submitted: set[str] = set()
-        self._seen_workers = False
-        self._unfit_since: dict[str, float] = {}  # attempt key -> when no worker had room
+        self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
 
     def _pickled_backend(self, name: str) -> bytes:
         if name not in self._backends:
@@ -170,7 +179,7 @@ class _SweepDriver:
         with self._lock:
             attempt = self.attempts.get(message["key"])
             if attempt is not None:
-                attempt.started = time.monotonic()
+                attempt.started = self.clock()
                 attempt.started_at = _now()
                 attempt.worker_address = message["address"]
                 attempt.worker_name = message["name"]
@@ -224,7 +233,7 @@ class _SweepDriver:
 
     def show_progress(self, final: bool = False) -> None:
         """Write ``progress.json`` and call ``on_progress``, a few times a second at most."""
-        now = time.monotonic()
+        now = self.clock()
         if not final and now - self._progress_shown < PROGRESS_EVERY_S:
             return
         self._progress_shown = now
@@ -239,22 +248,17 @@ class _SweepDriver:
     def _release_stranded(self) -> None:
         """Resubmit, unrestricted, a waiting retry whose allowed workers are all gone (a worker
         restarted under a new address): Dask would hold it forever."""
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_stranded_check:
             return
         self._next_stranded_check = now + 2.0
         alive = set(live_workers(self.client))
-        # Only a cluster that had workers and lost them all is "gone": one still starting
-        # (a SLURM queue, adaptive from zero) is waited for.
-        self._seen_workers = self._seen_workers or bool(alive)
-        self._no_workers_since = (None if alive or not self._seen_workers
-                                  else (self._no_workers_since or now))
+        self._workers.observe(len(alive), now)
         with self._lock:
-            stranded = [(k, a) for k, a in self.attempts.items() if a.restricted_to
-                        and a.started is None and not alive.intersection(a.restricted_to)]
-            for key, _ in stranded:
-                del self.attempts[key]
-        for key, attempt in stranded:
+            keys = stranded({k: a.restricted_to for k, a in self.attempts.items()
+                             if a.started is None}, alive)
+            lost = [(key, self.attempts.pop(key)) for key in keys]
+        for key, attempt in lost:
             Future(key, self.client).cancel()
             self.progress.attempt_dropped(key)
             self.submit(attempt.job, attempt.number)
@@ -271,10 +275,7 @@ class _SweepDriver:
             waiting = {k: a for k, a in self.attempts.items()
                        if a.started is None and a.job.device_memory_bytes > room}
         unfit_references = self.references.unfit(room)
-        self._unfit_since = {k: self._unfit_since.get(k, now)
-                             for k in [*waiting, *unfit_references]}
-        overdue = {k for k, since in self._unfit_since.items()
-                   if now - since >= NO_WORKERS_GRACE_S}
+        overdue = self._unfit.overdue([*waiting, *unfit_references], now)
 
         def failed(what: str, need: float) -> dict[str, Any]:
             message = (f"{what} {int(need):,} bytes of device memory; no worker has had that "
@@ -297,11 +298,8 @@ class _SweepDriver:
                              final=True)
 
     def _submit_due_retries(self) -> None:
-        now = time.monotonic()
-        due = [entry for entry in self.delayed if entry[0] <= now]
-        self.delayed = [entry for entry in self.delayed if entry[0] > now]
-        for _, job, number, failed_on in due:
-            self.submit(job, number, avoid=failed_on)
+        for retry in self.delayed.pop_due(self.clock()):
+            self.submit(retry.job, retry.attempt, avoid=retry.failed_on)
 
     def _collect(self, future: Future, result: Any) -> None:
         """Handle one completed future; ``result`` was gathered on the client's event loop (so a
@@ -322,8 +320,9 @@ class _SweepDriver:
         lost = isinstance(error, (KilledWorker, CancelledError)) \
             or "CommClosed" in type(error).__name__
         cut = self.references.was_cut(attempt.reference_key)
-        dropped = isinstance(error, CancelledError) or attempt.started is None
-        if lost and not cut and dropped and self.requeues.get(job.id, 0) < MAX_REQUEUES:
+        if requeue_uncounted(lost, cut, started=attempt.started is not None,
+                             cancelled=isinstance(error, CancelledError),
+                             requeues=self.requeues.get(job.id, 0), max_requeues=MAX_REQUEUES):
             # The worker it was queued on (or its reference's) died before it began, or the
             # scheduler dropped it (a cancellation quantdask did not make): not an attempt of
             # this job, so it is requeued uncounted.
@@ -354,12 +353,11 @@ class _SweepDriver:
     def _enforce_deadlines(self) -> None:
         for _, address in self.references.overdue():
             restart_worker(self.client, address)
-        now = time.monotonic()
         with self._lock:
-            late = [(key, a) for key, a in self.attempts.items()
-                    if a.started is not None and now - a.started > a.job.timeout_s]
-            for key, _ in late:
-                del self.attempts[key]
+            keys = past_deadline({k: (a.started, a.job.timeout_s)
+                                  for k, a in self.attempts.items() if a.started is not None},
+                                 self.clock())
+            late = [(key, self.attempts.pop(key)) for key in keys]
         for key, attempt in late:
             message = (f"no result after timeout_s={attempt.job.timeout_s:g}s on worker "
                        f"{attempt.worker_name}; the worker was restarted")
@@ -380,17 +378,15 @@ class _SweepDriver:
 
     def _give_up_without_workers(self) -> None:
         """With no worker left for NO_WORKERS_GRACE_S, fail what is left instead of waiting."""
-        if self._no_workers_since is None \
-                or time.monotonic() - self._no_workers_since < NO_WORKERS_GRACE_S:
+        if not self._workers.gone(self.clock()):
             return
         with self._lock:
             left = list(self.attempts.items())
             self.attempts.clear()
-        left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
-                 for _, attempt_job, number, _ in self.delayed]
+        left += [(r.job.id, _Attempt(r.job, r.attempt, _now(), r.job.id))
+                 for r in self.delayed.take_all()]
         left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
                  for attempt_job, number, _, _ in self.references.take_parked()]
-        self.delayed = []
         self.client.cancel([Future(k, self.client) for k, _ in left])
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
         log.error("%s: failing %d jobs", message, len(left))
@@ -409,6 +405,9 @@ class _SweepDriver:
             or attempt.started_at, "finished_at": record["finished_at"],
             "status": record["status"], "failure_class": record.get("failure_class"),
             "error_class": record.get("error_class"), "error_message": record.get("error_message"),
+            # What this try ran with: an out-of-memory retry asks for more room.
+            "eval_batch_size": job.eval.batch_size, "gpu_share": job.gpu_share,
+            "device_memory_request_bytes": job.device_memory_bytes or None,
         })
         worker = record.get("worker") or attempt.worker_name
         if record["status"] == "failed":
@@ -425,8 +424,8 @@ class _SweepDriver:
                 log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
                             record["failure_class"], record["error_class"],
                             record["error_message"], decision.reason)
-                self.delayed.append((time.monotonic() + decision.delay_s, decision.job,
-                                     attempt.number + 1, worker))
+                self.delayed.add(self.clock(), decision.delay_s, decision.job,
+                                 attempt.number + 1, worker)
                 self.progress.attempt_ended(attempt.key, job.id, _label(job), attempt.number,
                                             record, final=False)
                 self._write_samples(samples)

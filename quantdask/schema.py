@@ -89,6 +89,10 @@ ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
     "failure_class": pl.String(),
     "error_class": pl.String(),
     "error_message": pl.String(),
+    # What the try ran with (an out-of-memory retry gets a whole device and half the batch).
+    "eval_batch_size": pl.Int64(),
+    "gpu_share": pl.Float64(),
+    "device_memory_request_bytes": pl.Int64(),  # null: placement by memory was off
 }
 
 SESSION_SCHEMA: dict[str, pl.DataType] = {

@@ -136,7 +136,8 @@ class RunStore:
         """Persist one try of a job (the attempts schema), atomically."""
         frame = rows_to_frame([row], ATTEMPT_SCHEMA, "attempt",
                               optional=("worker", "device", "started_at", "failure_class",
-                                        "error_class", "error_message"))
+                                        "error_class", "error_message",
+                                        "device_memory_request_bytes"))
         name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
         path = self.attempts_dir / name
         write_parquet(path, frame)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from quantdask.devices import this_workers_sampler
-from quantdask.errors import UnsupportedHere
+from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.layers import add_output_errors, weight_errors
 from quantdask.metrics import PeakMemory, Stopwatch, model_size_bytes, physical_gpu_id, quality
 from quantdask.model_source import cached_model_source
@@ -116,9 +116,12 @@ def inject_fault(kind: str, attempt: int) -> None:
 
 
 def failure_class_of(error: BaseException) -> str:
-    """``out_of_memory`` for an allocation failure on any device, else ``job_error``."""
+    """``timeout`` for a deadline, ``out_of_memory`` for an allocation failure on any device,
+    else ``job_error``."""
     import torch
 
+    if isinstance(error, JobTimeout):
+        return "timeout"
     if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
         return "out_of_memory"
     message = str(error).lower()
@@ -156,6 +159,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     worker, host = announce_start()
+    began = time.monotonic()  # the deadline counts from here, as the driver's does
     record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
     sampler = this_workers_sampler()
     if sampler is not None:  # mark the job's samples, and take one even if the job is short
@@ -223,6 +227,17 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             sampler.sample_now()
             sampler.current_job = None
             record["device_samples"] = sampler.drain()
+    elapsed = time.monotonic() - began
+    if elapsed > job.timeout_s and record["status"] != "skipped":
+        # Past the deadline is a timeout whether or not the driver looked in time: the outcome
+        # must not depend on how busy the driver was. The measurements are dropped with it.
+        late = JobTimeout("the attempt", elapsed, job.timeout_s)
+        log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
+        buffer.write(f"{_now().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
+        record = {k: record[k] for k in ("worker", "host", "started_at", "device",
+                                         "device_samples") if k in record}
+        record.update(status="failed", failure_class="timeout", error_class="JobTimeout",
+                      error_message=str(late), layers=[])
     record["finished_at"] = _now()
     record["log"] = buffer.getvalue()
     return record

@@ -1,0 +1,298 @@
+"""The driver's time-dependent policy, alone: a fake clock, fake futures, no cluster, no sleeps.
+
+Backoff, attempt and reference deadlines, the grace for jobs no worker has room for and for a
+cluster with no worker left, stranded retries, uncounted requeues and device health. The
+real-cluster tests (test_faults, test_multinode) check that the driver acts on these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from quantdask.errors import JobTimeout
+from quantdask.reference import ModelReferences, compute_reference
+from quantdask.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
+from quantdask.spec import expand_grid
+from quantdask.sweep_file import sweep_from_dict
+from quantdask.sweep_policy import (
+    Grace,
+    RetryQueue,
+    WorkerWatch,
+    past_deadline,
+    requeue_uncounted,
+    stranded,
+)
+from quantdask.worker import failure_class_of, run_job
+from tests.conftest import sweep_dict
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeFuture:
+    """What ModelReferences reads of a Dask future: its key, status, done() and cancel()."""
+
+    def __init__(self, key: str):
+        self.key, self.status = key, "pending"
+
+    def done(self) -> bool:
+        return self.status in ("finished", "error", "cancelled")
+
+    def cancel(self) -> None:
+        self.status = "cancelled"
+
+
+class FakeClient:
+    def __init__(self):
+        self.submitted: list[tuple[tuple, dict]] = []
+        self.replicated: list[tuple[list, list | None]] = []
+
+    def submit(self, func, *args, key: str, **kwargs) -> FakeFuture:
+        self.submitted.append((args, {"key": key, **kwargs}))
+        return FakeFuture(key)
+
+    def replicate(self, futures, workers=None) -> None:
+        self.replicated.append((futures, workers))
+
+
+@pytest.fixture
+def jobs():
+    """The demo sweep's jobs (baseline, nf4, fp4), retries 3, timeout_s 30."""
+    data = sweep_dict(retries=3, timeout_s=30,
+                      backends=[{"backend": "bitsandbytes",
+                                 "grid": {"bits": [4], "quant_type": ["nf4", "fp4"]}}])
+    return {job.config_label: job for job in expand_grid(sweep_from_dict(data))}
+
+
+# Retry backoff -------------------------------------------------------------------------------
+
+def test_job_errors_back_off_exponentially_up_to_the_cap_then_stop(jobs):
+    job = jobs["nf4"]
+    delays = [decide(job, n, "job_error", backoff_s=2.0).delay_s for n in (1, 2, 3)]
+    assert delays == [2.0, 4.0, 8.0]
+    assert decide(job, 1, "job_error", backoff_s=1000.0).delay_s == MAX_BACKOFF_S
+    last = decide(job, 4, "job_error", backoff_s=2.0)  # 3 retries allowed: attempt 4 is the end
+    assert not last.retry and last.reason == "no retries left (3 allowed)"
+    assert not decide(job, 1, "unsupported", 2.0).retry
+    for at_once in ("worker_lost", "timeout"):
+        assert decide(job, 1, at_once, 2.0).delay_s == 0.0
+
+
+def test_a_retry_is_submitted_when_its_backoff_is_over_and_not_before(jobs):
+    clock, queue = FakeClock(), RetryQueue()
+    decision = decide(jobs["nf4"], 2, "job_error", backoff_s=5.0)  # 10 s
+    queue.add(clock(), decision.delay_s, decision.job, 3, "tcp://127.0.0.1:1")
+    queue.add(clock(), 0.0, jobs["fp4"], 2, None)
+    assert [r.job.config_label for r in queue.pop_due(clock())] == ["fp4"]
+    clock.advance(9.99)
+    assert queue.pop_due(clock()) == [] and len(queue) == 1
+    clock.advance(0.01)
+    [due] = queue.pop_due(clock())
+    assert (due.job, due.attempt, due.failed_on) == (jobs["nf4"], 3, "tcp://127.0.0.1:1")
+    assert not queue
+
+
+def test_an_out_of_memory_retry_gets_a_whole_device_half_the_batch_and_twice_the_memory(jobs):
+    job = dataclasses.replace(jobs["nf4"], gpu_share=0.5, device_memory_bytes=1_000_000)
+    decision = decide(job, 1, "out_of_memory", backoff_s=5.0)
+    assert decision.retry and decision.delay_s == 0.0
+    assert (decision.job.gpu_share, decision.job.eval.batch_size,
+            decision.job.device_memory_bytes) == (1.0, job.eval.batch_size // 2, 2_000_000)
+    assert decision.job.id == job.id  # the same job, with more room
+    one = dataclasses.replace(job, eval=dataclasses.replace(job.eval, batch_size=1))
+    assert with_more_room(one).eval.batch_size == 1
+
+
+# Deadlines -----------------------------------------------------------------------------------
+
+def test_an_attempt_is_past_its_deadline_only_after_timeout_s():
+    running = {"a": (100.0, 30.0), "b": (110.0, 30.0), "c": (0.0, 3600.0)}
+    assert past_deadline(running, now=130.0) == []  # exactly at the deadline: not yet
+    assert past_deadline(running, now=130.5) == ["a"]
+    assert past_deadline(running, now=141.0) == ["a", "b"]
+
+
+def test_a_reference_is_cut_at_its_deadline_and_only_a_running_one(jobs):
+    clock, client = FakeClock(), FakeClient()
+    references = ModelReferences(client, "run", lambda job: {"GPU": 1.0}, clock)
+    job = jobs["nf4"]
+    future = references.future_for(job)
+    assert references.future_for(jobs["fp4"]) is future  # one per model
+    args, kwargs = client.submitted[0]
+    assert args[-1] == 30.0 and kwargs["priority"] == job.priority + 10  # the worker knows it
+    clock.advance(1000)  # queued, not started: no deadline runs yet
+    assert references.overdue() == []
+    assert references.started(future.key, "tcp://127.0.0.1:7")
+    assert not references.started("some-other-task", "tcp://127.0.0.1:7")
+    clock.advance(30)
+    assert references.overdue() == [] and not references.was_cut(future.key)
+    clock.advance(0.5)
+    assert references.overdue() == [(future.key, "tcp://127.0.0.1:7")]
+    assert future.status == "cancelled" and references.was_cut(future.key)
+    assert references.overdue() == []  # cut once
+    # The next attempt gets a fresh reference under a new key, with its own deadline.
+    again = references.future_for(job)
+    assert again is not future and again.key != future.key and len(client.submitted) == 2
+
+
+def test_a_reference_that_finished_in_time_is_never_cut(jobs):
+    clock = FakeClock()
+    references = ModelReferences(FakeClient(), "run", lambda job: {}, clock)
+    future = references.future_for(jobs["nf4"])
+    references.started(future.key, "tcp://127.0.0.1:7")
+    clock.advance(10)
+    future.status = "finished"
+    clock.advance(100)
+    assert references.overdue() == [] and future.status == "finished"
+
+
+def test_parked_attempts_are_released_when_their_reference_is_done_highest_priority_first(jobs):
+    client = FakeClient()
+    references = ModelReferences(client, "run", lambda job: {}, FakeClock())
+    future = references.future_for(jobs["nf4"])
+    low = dataclasses.replace(jobs["fp4"], priority=-5)
+    references.park(low, 1, None, future)
+    references.park(jobs["nf4"], 2, "w1", future)
+    assert references.unpark_done(lambda js: ["tcp://a"]) == []
+    future.status = "finished"
+    released = references.unpark_done(lambda js: ["tcp://a"])
+    assert [(e[0].config_label, e[1]) for e in released] == [("nf4", 2), ("fp4", 1)]
+    assert client.replicated == [([future], ["tcp://a"])] and not references.parked
+
+
+def test_the_worker_discards_a_result_that_came_after_the_deadline(demo_model, jobs):
+    """Enforced, not best-effort: a real job of the demo model takes far more than 1 ms."""
+    from quantdask.backends import get_backend
+
+    job = dataclasses.replace(jobs["nf4"], timeout_s=0.001,
+                              eval=dataclasses.replace(jobs["nf4"].eval, samples=2))
+    record = run_job(job, get_backend(job.backend))
+    assert (record["status"], record["failure_class"], record["error_class"]) == (
+        "failed", "timeout", "JobTimeout")
+    assert "past timeout_s=0.001s" in record["error_message"]
+    assert "perplexity" not in record and record["layers"] == []
+    assert "past timeout_s=0.001s" in record["log"]
+
+
+def test_a_reference_that_ends_after_its_deadline_fails_as_timeout(demo_model, jobs):
+    job = jobs["nf4"]
+    with open(job.eval.text_path) as f:
+        text = f.read()
+    with pytest.raises(JobTimeout, match="its model's reference .* past timeout_s=0.001s") as e:
+        compute_reference(job.model, dataclasses.replace(job.eval, samples=2), text, 0.001)
+    assert failure_class_of(e.value) == "timeout"
+
+
+# Graces --------------------------------------------------------------------------------------
+
+def test_no_room_fails_only_after_the_grace_and_a_key_that_recovers_starts_afresh():
+    clock, grace = FakeClock(0.0), Grace(grace_s=120)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == set()
+    clock.advance(60)
+    assert grace.overdue({"job-a"}, clock()) == set()  # job-b found room
+    clock.advance(40)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == set()  # job-b lacks it again at 100
+    clock.advance(19)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == set()
+    clock.advance(1)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == {"job-a"}
+    clock.advance(99)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == {"job-a"}
+    clock.advance(1)
+    assert grace.overdue({"job-a", "job-b"}, clock()) == {"job-a", "job-b"}
+
+
+def test_the_references_no_worker_has_room_for_are_the_unstarted_ones_asking_too_much(jobs):
+    requests = {"nf4": 3e9, "fp4": 1e9}
+    references = ModelReferences(
+        FakeClient(), "run", lambda job: {"DEVICE_MEMORY": requests[job.config_label]},
+        FakeClock())
+    big = references.future_for(jobs["nf4"])
+    assert references.unfit(room=2e9) == {big.key: 3e9}
+    assert references.unfit(room=4e9) == {}
+    references.started(big.key, "tcp://127.0.0.1:7")
+    assert references.unfit(room=2e9) == {}  # it runs somewhere: nothing to fail
+
+
+def test_a_cluster_is_gone_only_after_it_had_workers_and_lost_them_for_the_grace():
+    clock, watch = FakeClock(), WorkerWatch(grace_s=120)
+    watch.observe(0, clock())  # still starting (a SLURM queue): waited for, however long
+    clock.advance(1000)
+    watch.observe(0, clock())
+    assert not watch.gone(clock())
+    watch.observe(2, clock())
+    clock.advance(5)
+    watch.observe(0, clock())
+    clock.advance(119)
+    watch.observe(0, clock())
+    assert not watch.gone(clock())
+    clock.advance(1)
+    assert watch.gone(clock())
+    watch.observe(1, clock())  # one came back: the grace starts again next time
+    assert not watch.gone(clock())
+
+
+# Stranded retries and uncounted requeues -----------------------------------------------------
+
+def test_a_retry_whose_allowed_workers_all_left_is_stranded():
+    waiting = {"only-w1": ["tcp://w1"], "anywhere": [], "w1-or-w2": ["tcp://w1", "tcp://w2"]}
+    assert stranded(waiting, {"tcp://w1", "tcp://w2"}) == []
+    assert stranded(waiting, {"tcp://w2"}) == ["only-w1"]
+    assert stranded(waiting, set()) == ["only-w1", "w1-or-w2"]
+
+
+@pytest.mark.parametrize(("lost", "cut", "started", "cancelled", "requeues", "expected"), [
+    (True, False, False, False, 0, True),  # queued on a worker that died: not an attempt
+    (True, False, True, True, 0, True),  # the scheduler dropped it (quantdask did not cancel)
+    (True, False, True, False, 0, False),  # it was running when its worker died: counted
+    (False, False, False, False, 0, False),  # an error of its own
+    (True, True, False, True, 0, False),  # its reference was cut at the deadline: a timeout
+    (True, False, False, False, 10, False),  # requeued too often already
+])
+def test_which_endings_are_requeued_without_counting_an_attempt(lost, cut, started, cancelled,
+                                                                 requeues, expected):
+    assert requeue_uncounted(lost, cut, started, cancelled, requeues, max_requeues=10) is expected
+
+
+# Device health -------------------------------------------------------------------------------
+
+def test_a_device_is_excluded_once_its_failed_jobs_ran_fine_elsewhere():
+    health = DeviceHealth(limit=2)
+    for job in ("j1", "j2", "j3"):
+        health.failed("w1", job, "job_error")
+    health.failed("w1", "j4", "out_of_memory")  # does not count against the device
+    assert health.succeeded("w2", "j1") == []
+    assert health.succeeded("w2", "j4") == []
+    assert health.succeeded("w2", "j2") == ["w1"]
+    assert "failed 3 different jobs in a row, 2 of which then ran fine elsewhere: j1, j2" \
+        == health.excluded["w1"]
+    assert health.succeeded("w2", "j3") == []  # excluded once
+
+
+def test_a_config_that_fails_everywhere_excludes_no_device():
+    health = DeviceHealth(limit=2)
+    for worker in ("w1", "w2"):
+        for job in ("j1", "j2"):
+            health.failed(worker, job, "job_error")
+    assert health.excluded == {}
+
+
+def test_a_done_job_clears_the_devices_streak():
+    health = DeviceHealth(limit=2)
+    health.failed("w1", "j1", "job_error")
+    assert health.succeeded("w1", "j9") == []  # w1 works after all
+    health.failed("w1", "j2", "job_error")
+    assert health.succeeded("w2", "j1") == [] and health.succeeded("w2", "j2") == []
+    assert health.excluded == {}
