@@ -11,6 +11,7 @@ import pytest
 
 from quantdask.cli import main
 from quantdask.demo_model import DEMO_SWEEP
+from quantdask.store import read_results
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,3 +83,20 @@ def test_the_shipped_demo_sweep_has_six_bitsandbytes_configs_and_the_baseline():
 
     jobs = expand_grid(load_sweep(DEMO_SWEEP))
     assert [j.backend for j in jobs] == ["none"] + ["bitsandbytes"] * 6
+
+
+@pytest.mark.slow
+def test_run_keeps_the_results_and_exits_1_with_a_hint_when_the_report_fails(cluster, write_sweep,
+                                                                              tmp_path, capsys,
+                                                                              monkeypatch):
+    # A real way for the report to fail: its output path is taken by a directory.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "t" / "report.html").mkdir(parents=True)
+    status = main(["run", write_sweep(), "--scheduler", cluster.client.scheduler.address])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert "2 jobs: 2 done, 0 failed, 0 skipped" in out
+    assert "quantdask: error: the report failed (" in err
+    assert "the results are kept: `quantdask report runs/t` tries again" in err
+    results = read_results(tmp_path / "runs" / "t")
+    assert results["status"].to_list() == ["done", "done"]

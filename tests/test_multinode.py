@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
 import re
 import subprocess
 import sys
@@ -110,6 +111,68 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
     after = attempts.filter((pl.col("status") == "done") & (pl.col("started_at") > killed_at))
     assert after.height >= 1 and "node-2" not in after["worker"].to_list()
     assert nodes.listening_addresses() == {"127.0.0.1"}
+
+
+@pytest.mark.timeout(300)
+def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_never_retired(
+        dask_processes, tmp_path, caplog):
+    from quantdask.cluster import retire_worker
+
+    nodes = dask_processes()
+    address = nodes.start_scheduler()
+    nodes.start_worker("solo")  # one thread: Dask queues a second task on it while one runs
+    wait_for_workers(address, {"solo"})
+    data = sweep_dict(name="requeue", retries=1,
+                      backends=[{"backend": BNB, "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
+                                                          "double_quant": [False, True]}}],
+                      faults=[{"config": "nf4", "attempt": 1, "kind": "kill"}])
+    caplog.set_level(logging.INFO, logger="quantdask.scheduler")
+    with start_cluster(address=address) as cluster:
+        results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+        # The last worker is kept however it fails: a sweep without workers gets nowhere.
+        assert retire_worker(cluster.client, "solo") is False
+        assert {str(w["name"]) for w in
+                cluster.client.scheduler_info(n_workers=-1)["workers"].values()} == {"solo"}
+    attempts = dict(zip(results["config_label"], results["attempts"]))
+    assert results["status"].to_list() == ["done"] * 5
+    assert attempts.pop("nf4") == 2 and set(attempts.values()) == {1}
+    # The job queued behind the killing one died with the worker before it began: requeued,
+    # not counted (one attempt row per job but nf4's two).
+    assert "was dropped before it started (KilledWorker); resubmitting" in caplog.text
+    rows = read_attempts(tmp_path / "run")
+    assert rows.height == 6 and rows["failure_class"].drop_nulls().to_list() == ["worker_lost"]
+
+
+@pytest.mark.timeout(240)
+def test_with_every_worker_gone_the_rest_fail_after_the_grace(dask_processes, tmp_path,
+                                                               monkeypatch):
+    import quantdask.scheduler
+
+    monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
+    nodes = dask_processes()
+    address = nodes.start_scheduler()
+    nodes.start_worker("only")
+    wait_for_workers(address, {"only"})
+    data = sweep_dict(name="gone", retries=1, backends=[
+        {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}])
+    data["eval"].update(seq_len=128, samples=48)  # about a second a job
+
+    def lose_the_only_node(record) -> None:
+        if nodes.processes["only"].poll() is None:
+            nodes.kill("only")
+
+    with start_cluster(address=address) as cluster:
+        started = time.monotonic()
+        results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client,
+                            on_result=lose_the_only_node)
+        took = time.monotonic() - started
+    failed = results.filter(pl.col("status") == "failed")
+    assert results.height == 4 and failed.height >= 2
+    assert set(results["status"]) == {"done", "failed"}
+    assert failed["failure_class"].to_list() == ["worker_lost"] * failed.height
+    assert failed["error_class"].to_list() == ["NoWorkers"] * failed.height
+    assert set(failed["error_message"]) == {"no worker left for 3s; the cluster is gone"}
+    assert took < 120  # not a wait for workers that never come
 
 
 # -- placement by device memory ----------------------------------------------------------------

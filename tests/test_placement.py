@@ -51,7 +51,8 @@ def advertising():
         client.wait_for_workers(len(sizes), timeout=60)
         listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN}
-        assert listening <= {"127.0.0.1"}, listening
+        # At least the dashboards listen (an empty reading would prove nothing), and only there.
+        assert listening == {"127.0.0.1"}, listening
         made.append((client, cluster))
         return client
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import subprocess
 import sys
 
@@ -80,10 +82,29 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     sweep = Sweep(name="s", models=[ModelSpec(path="m", root=str(tmp_path))],
                   backends=[BackendBlock("bitsandbytes", grid={"bits": [8]})],
                   eval=EvalSettings(text="eval.txt", seq_len=16, samples=2, root=str(tmp_path)))
-    # A golden value, worked out by hand from the canonical JSON: ids must not drift between
-    # versions or machines.
-    assert [j.id for j in expand_grid(sweep)] == [
-        "none-0505861aaaa71935", "bitsandbytes-01caf1c14bcc1d81"]
+    # The documented rule, worked out here: the id is "<backend>-" + the first 16 hex digits
+    # of the sha256 of the canonical job spec as JSON (keys sorted, no spaces, ASCII). The spec:
+    # the model (its directory's name, and a fingerprint: the sha256 of config.json's bytes
+    # then "<name>:<size>" of each weight file, none here), the backend, its canonical options
+    # (defaults filled in), the eval (the text's sha256, seq_len, samples) and the seed.
+    def expected_id(backend: str, options: dict) -> str:
+        spec = {
+            "model": {"path": "m", "fingerprint": hashlib.sha256(b"{}").hexdigest()[:16],
+                      "dtype": "auto", "trust_remote_code": False},
+            "backend": backend,
+            "options": options,
+            "eval": {"text_sha256": hashlib.sha256(b"some eval text\n").hexdigest(),
+                     "seq_len": 16, "samples": 2},
+            "seed": 0,
+        }
+        canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return f"{backend}-{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+
+    ids = [j.id for j in expand_grid(sweep)]
+    assert ids == [expected_id("none", {}),
+                   expected_id("bitsandbytes", {"bits": 8, "int8_threshold": 6.0})]
+    # And the values themselves, so ids cannot drift between versions or machines unnoticed.
+    assert ids == ["none-0505861aaaa71935", "bitsandbytes-01caf1c14bcc1d81"]
 
 
 @pytest.mark.parametrize("change", [

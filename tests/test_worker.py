@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
+from safetensors import safe_open
 
 from quantdask.backends import Backend, get_backend
-from quantdask.demo_model import DEMO_EVAL_TEXT
+from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
 from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
 from quantdask.worker import run_job
@@ -49,7 +51,13 @@ def test_every_job_is_done_with_plausible_metrics(records):
     assert nf4["size_bytes"] < int8["size_bytes"] < base["size_bytes"]
     assert base["bits_per_weight"] == pytest.approx(32.0)  # the demo model is float32
     assert 4.0 < nf4["bits_per_weight"] < int8["bits_per_weight"] < 32.0
-    assert len({r["param_count"] for r in records.values()}) == 1
+    # Every job counts the checkpoint's weights (the demo model ties nothing), float32 bytes each
+    # for the unquantized baseline.
+    with safe_open(os.path.join(DEMO_MODEL_DIR, "model.safetensors"), "pt") as checkpoint:
+        weights = sum(math.prod(checkpoint.get_slice(name).get_shape())
+                      for name in checkpoint.keys())
+    assert {r["param_count"] for r in records.values()} == {weights}
+    assert base["size_bytes"] == 4 * weights
     for r in records.values():
         assert math.isfinite(r["perplexity"]) and 1.0 < r["perplexity"] < 50.0
         assert r["eval_tokens"] == 8 * 63
