@@ -352,7 +352,7 @@ class _SweepDriver:
 
     def _enforce_deadlines(self) -> None:
         for _, address in self.references.overdue():
-            restart_worker(self.client, address)
+            restart_worker(self.client, address, wait=False)
         with self._lock:
             keys = past_deadline({k: (a.started, a.job.timeout_s)
                                   for k, a in self.attempts.items() if a.started is not None},
@@ -363,7 +363,7 @@ class _SweepDriver:
                        f"{attempt.worker_name}; the worker was restarted")
             log.warning("%s: %s", key, message)
             Future(key, self.client).cancel()
-            restart_worker(self.client, attempt.worker_address)
+            restart_worker(self.client, attempt.worker_address, wait=False)
             self._finish(attempt, {**_failed_outside("timeout", "JobTimeout", message),
                                    "worker": attempt.worker_name})
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from quantdask.demo_model import generate_text
+from quantdask.demo_model import DEMO_SWEEP, generate_text
+from quantdask.sweep_file import load_sweep
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,5 +25,14 @@ def test_recipe_builds_a_model_transformers_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "llama"
-    assert len(tokenizer("the red fox")["input_ids"]) > 0
-    assert (tmp_path / "eval.txt").stat().st_size > 10_000
+    assert model.config.vocab_size == len(tokenizer)
+    # The eval text is the recipe's seed + 1 text, and its tokens are what the demo sweep reads.
+    text = (tmp_path / "eval.txt").read_text(encoding="utf-8")
+    assert text == generate_text(1_500, seed=1)
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text  # lossless
+    assert max(ids) < len(tokenizer) and tokenizer.unk_token_id not in ids
+    # Trained merges: well under one token per byte (about one per two bytes here).
+    assert len(ids) < 0.75 * len(text.encode("utf-8"))
+    demo = load_sweep(DEMO_SWEEP).eval
+    assert len(ids) >= demo.samples * demo.seq_len  # enough for the demo sweep's windows

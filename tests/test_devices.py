@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from types import SimpleNamespace
 
 import polars as pl
+import psutil
 import pytest
 
 from quantdask.devices import DeviceSampler, NvmlProbe, ProcessProbe
@@ -71,10 +73,25 @@ def test_sampler_tags_samples_with_the_running_job_and_drains_them():
 
 
 def test_process_probe_reads_this_process():
-    reading = ProcessProbe().sample()
-    assert reading["memory_used_bytes"] > 10_000_000
-    assert reading["memory_total_bytes"] > reading["memory_used_bytes"]
-    assert reading["utilization_pct"] >= 0
+    probe = ProcessProbe()
+    # Keep this process busy for 0.3 s of CPU time, measured here independently of psutil:
+    # the probe's utilization is this process's CPU time over the wall time, in percent.
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    while time.process_time() - cpu0 < 0.3:
+        pass
+    busy = probe.sample()
+    busy_pct = 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    # Then idle for 0.3 s: each reading covers the time since the previous one.
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(0.3)
+    idle = probe.sample()
+    idle_pct = 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    assert busy["utilization_pct"] == pytest.approx(busy_pct, abs=10)
+    assert idle["utilization_pct"] == pytest.approx(idle_pct, abs=10)
+    assert busy_pct - idle_pct > 20  # farther apart than 2 x 10: no constant reading passes
+    assert idle["memory_used_bytes"] == pytest.approx(psutil.Process().memory_info().rss,
+                                                      rel=0.05)
+    assert idle["memory_total_bytes"] == psutil.virtual_memory().total
 
 
 def test_device_summary_busy_idle_and_utilization():

@@ -75,7 +75,11 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
         nodes.start_worker(name)
     resources = wait_for_workers(address, {"node-1", "node-2", "node-3"})
     # Each worker advertises its device memory (here a CPU slot: its memory limit).
-    assert all(r["GPU"] == 1 and r[DEVICE_MEMORY] > 0 for r in resources.values())
+    with Client(address) as client:
+        limits = {str(w["name"]): w["memory_limit"]
+                  for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+    assert {name: r["GPU"] for name, r in resources.items()} == dict.fromkeys(limits, 1)
+    assert {name: r[DEVICE_MEMORY] for name, r in resources.items()} == limits
     data = sweep_dict(name="nodes", retries=2, backends=[
         FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}])
     data["eval"].update(seq_len=128, samples=96)  # one to three seconds a job
@@ -122,9 +126,14 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
     address = nodes.start_scheduler()
     nodes.start_worker("solo")  # one thread: Dask queues a second task on it while one runs
     wait_for_workers(address, {"solo"})
+    # nf4 goes first (the highest priority) and kills its worker; the others wait on that
+    # worker meanwhile (Dask sends resource-restricted tasks to it at once).
     data = sweep_dict(name="requeue", retries=1,
-                      backends=[{"backend": BNB, "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
-                                                          "double_quant": [False, True]}}],
+                      backends=[{"backend": BNB, "priority": 10,
+                                 "grid": {"bits": [4], "quant_type": ["nf4"]}},
+                                {"backend": BNB, "grid": {"bits": [4], "quant_type": ["fp4"],
+                                                          "double_quant": [False, True]},
+                                 }, {"backend": BNB, "grid": {"bits": [8]}}],
                       faults=[{"config": "nf4", "attempt": 1, "kind": "kill"}])
     caplog.set_level(logging.INFO, logger="quantdask.scheduler")
     with start_cluster(address=address) as cluster:
