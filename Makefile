@@ -36,8 +36,10 @@ ifeq ($(CHROMIUM),)
 	fi
 endif
 
+# Two pytest processes, a test file each at a time (a file's tests share its clusters): much of
+# the suite waits on worker processes, deadlines and subprocesses, which the other one fills.
 test: $(VENV)/.installed browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts

@@ -24,12 +24,15 @@ def quantdask(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_run_status_and_plan_on_a_real_cluster(write_sweep, tmp_path):
+def test_run_status_and_plan_on_a_real_cluster(cluster, write_sweep, tmp_path, capsys,
+                                                monkeypatch):
+    # `quantdask run` on a cluster of its own is run end to end by tests/test_install.py (the
+    # demo from an installed wheel); here the command runs on the session's cluster.
     sweep = write_sweep(sweep_dict(backends=[{"backend": "bitsandbytes",
                                               "grid": {"bits": [4, 8]}}]))
-    run = quantdask("run", sweep, "--workers", "2", cwd=tmp_path)
+    run = quantdask("run", sweep, "--scheduler", cluster.client.scheduler.address, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert "2 workers (cpu); Dask dashboard: http://127.0.0.1:" in run.stdout
+    assert "2 workers (external); Dask dashboard: http://127.0.0.1:" in run.stdout
     assert "3 jobs: 3 done, 0 failed, 0 skipped" in run.stdout
     run_dir = tmp_path / "runs" / "t"  # the default: runs/<sweep name>
     assert len(list((run_dir / "results").glob("*.parquet"))) == 3
@@ -38,24 +41,27 @@ def test_run_status_and_plan_on_a_real_cluster(write_sweep, tmp_path):
     assert "WARNING" not in run.stderr  # notebook and kernel clean-up stay quiet
     assert (run_dir / "report.html").stat().st_size > 500_000  # the charts' JavaScript inlined
 
-    status = quantdask("status", str(run_dir), cwd=tmp_path)
-    assert status.returncode == 0 and "3 done" in status.stdout
-    assert status.stdout.count(" done ") == 3
+    # The same commands in this process (the subprocess path is the run's, above).
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    status = capsys.readouterr().out
+    assert "3 done" in status and status.count(" done ") == 3
 
-    plan = quantdask("plan", sweep, "--run-dir", str(run_dir), cwd=tmp_path)
-    assert plan.returncode == 0
-    assert plan.stdout.count(" finished ") == 3
-    assert "3 jobs: 0 to run, 3 finished, 0 unsupported here" in plan.stdout
+    assert main(["plan", sweep, "--run-dir", str(run_dir)]) == 0
+    plan = capsys.readouterr().out
+    assert plan.count(" finished ") == 3
+    assert "3 jobs: 0 to run, 3 finished, 0 unsupported here" in plan
 
 
 @pytest.mark.slow
-def test_run_with_a_failing_job_exits_1_and_points_at_its_log(write_sweep, tmp_path):
+def test_run_with_a_failing_job_exits_1_and_points_at_its_log(cluster, write_sweep, tmp_path):
     # More eval tokens than the text holds: the model's reference (eval windows) fails on the
     # worker, every attempt, and so does each job that depends on it.
     data = sweep_dict(retries=1)
     data["eval"]["samples"] = 100_000
-    run = quantdask("run", write_sweep(data), "--workers", "1", "--run-dir", "out",
-                    "--no-report", cwd=tmp_path)
+    run = quantdask("run", write_sweep(data), "--scheduler", cluster.client.scheduler.address,
+                    "--run-dir", "out", "--no-report", cwd=tmp_path)
     assert run.returncode == 1, run.stderr
     assert not (tmp_path / "out" / "report.html").exists() and "report:" not in run.stdout
     assert "2 jobs: 0 done, 2 failed, 0 skipped" in run.stdout
