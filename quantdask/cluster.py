@@ -323,10 +323,12 @@ def _fork_cpu_slots_from_a_warm_server() -> None:
     from distributed.utils import get_mp_context
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    # After Dask's own first call, which sets its preload list once: this one adds ours (it
-    # takes effect when the server first starts).
+    # After Dask's own first call, which sets its preload list once: this one replaces it (it
+    # takes effect when the server first starts). Only libraries that start no thread when
+    # imported: a fork copies just the forking thread, so a lock another thread held (polars'
+    # allocator, say; quantdask imports polars) would stay locked in every worker.
     get_mp_context().set_forkserver_preload(
-        ["distributed", "torch", "transformers", "bitsandbytes", "quantdask.worker"])
+        ["distributed", "torch", "transformers", "bitsandbytes"])
 
 
 def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
