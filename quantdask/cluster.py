@@ -292,7 +292,6 @@ def start_cluster(
                                    // ((adapt.maximum if adapt else n) * jobs_per_worker))
     from distributed import LocalCluster
 
-    _fork_cpu_slots_from_a_warm_server()
     local_cluster = LocalCluster(
         n_workers=n, processes=True,
         # CPU slots stay on the CPU even on a machine with GPUs.
@@ -307,28 +306,6 @@ def start_cluster(
              f" (adapting {adapt.minimum}-{adapt.maximum})" if adapt else "",
              client.dashboard_link)
     return ClusterHandle(client=client, cluster=local_cluster, kind="cpu")
-
-
-def _fork_cpu_slots_from_a_warm_server() -> None:
-    """Start (and restart) CPU slots by forking a server process that imported torch,
-    transformers and bitsandbytes once, instead of spawning an interpreter that imports them
-    again: about 7 s of CPU per worker on a 2-core machine, paid at every start, every restart
-    after a timeout and every slot adaptive scaling adds. (Dask's ``forkserver`` method; the
-    server imports but never computes, so no thread or device state is forked.)
-
-    The setting is process-wide (Dask reads it whenever a nanny starts a worker). dask-cuda
-    workers keep Dask's default ``spawn`` unless this process started CPU slots before.
-    """
-    import dask
-    from distributed.utils import get_mp_context
-
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    # After Dask's own first call, which sets its preload list once: this one replaces it (it
-    # takes effect when the server first starts). Only libraries that start no thread when
-    # imported: a fork copies just the forking thread, so a lock another thread held (polars'
-    # allocator, say; quantdask imports polars) would stay locked in every worker.
-    get_mp_context().set_forkserver_preload(
-        ["distributed", "torch", "transformers", "bitsandbytes"])
 
 
 def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
