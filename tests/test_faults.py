@@ -185,15 +185,22 @@ def test_chaos_workers_killed_mid_job_every_job_one_result(fault_cluster, tmp_pa
     runner = threading.Thread(target=lambda: outcome.setdefault(
         "results", run_sweep(sweep, run_dir, client, on_progress=note_running)))
     runner.start()
+    last_kill = dt.datetime.now(dt.UTC)
     while runner.is_alive() and len(kills) < 3:
         now = dt.datetime.now(dt.UTC)
-        fresh = [w for w, began in dict(running).items() if now - began < dt.timedelta(seconds=1)]
+        # A job that began since the last kill (so on a live process) less than a second ago.
+        fresh = [w for w, began in dict(running).items()
+                 if last_kill < began and now - began < dt.timedelta(seconds=1)]
         # One kill per result: the next one hits a job of the sweep as it goes on.
         if fresh and len(result_files(run_dir)) > len(kills):
             pid = worker_pids(client).get(fresh[0])
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 kills.append(fresh[0])
+                # Never kill a worker while its nanny restarts it (a worker that dies during
+                # its start is given up on): wait until both are back.
+                client.wait_for_workers(2, timeout=120)
+                last_kill = dt.datetime.now(dt.UTC)
         time.sleep(0.05)
     runner.join(timeout=300)
     assert not runner.is_alive(), "the sweep did not finish after the kills"
