@@ -36,10 +36,10 @@ ifeq ($(CHROMIUM),)
 	fi
 endif
 
-# Two pytest processes, a test file each at a time (a file's tests share its clusters): much of
-# the suite waits on worker processes, deadlines and subprocesses, which the other one fills.
+# One pytest process: on 2 cores, two (pytest -n 2 --dist loadfile, pytest-xdist is installed)
+# gained only 1.2x and left the worker-killing fault tests short of CPU enough to fail.
 test: $(VENV)/.installed browser
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts
