@@ -37,7 +37,7 @@ ifeq ($(CHROMIUM),)
 endif
 
 # One pytest process: on 2 cores, two (pytest -n 2 --dist loadfile, pytest-xdist is installed)
-# gained only 1.2x and left the worker-killing fault tests short of CPU enough to fail.
+# gained only 1.2x, and the worker-killing fault tests failed there (not yet understood).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest
 
