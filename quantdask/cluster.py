@@ -292,6 +292,8 @@ def start_cluster(
                                    // ((adapt.maximum if adapt else n) * jobs_per_worker))
     from distributed import LocalCluster
 
+    _fork_cpu_slots_from_a_warm_server()
+    _keep_nannies_of_lost_workers()
     local_cluster = LocalCluster(
         n_workers=n, processes=True,
         # CPU slots stay on the CPU even on a machine with GPUs.
@@ -308,6 +310,44 @@ def start_cluster(
     return ClusterHandle(client=client, cluster=local_cluster, kind="cpu")
 
 
+def _fork_cpu_slots_from_a_warm_server() -> None:
+    """Start (and restart) CPU slots by forking a server process that imported torch,
+    transformers and bitsandbytes once, instead of spawning an interpreter that imports them
+    again: about 7 s of CPU per worker on a 2-core machine, paid at every start, every restart
+    after a timeout and every slot adaptive scaling adds. (Dask's ``forkserver`` method; the
+    server imports but never computes, so no thread or device state is forked.)
+
+    The setting is process-wide (Dask reads it whenever a nanny starts a worker). dask-cuda
+    workers keep Dask's default ``spawn`` unless this process started CPU slots before.
+    """
+    import dask
+    from distributed.utils import get_mp_context
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    # After Dask's own first call, which sets its preload list once: this one replaces it (it
+    # takes effect when the server first starts). Only libraries that start no thread when
+    # imported: a fork copies just the forking thread, so a lock another thread held (polars'
+    # allocator, say; quantdask imports polars) would stay locked in every worker.
+    get_mp_context().set_forkserver_preload(
+        ["distributed", "torch", "transformers", "bitsandbytes"])
+
+
+def _keep_nannies_of_lost_workers() -> None:
+    """Never let the local cluster close a nanny because its worker was once lost.
+
+    A ``SpecCluster`` (LocalCluster, LocalCUDACluster) closes a worker's nanny for good when,
+    ``distributed.deploy.lost-worker-timeout`` (15 s) after the worker left the scheduler, no
+    worker of that name is there. The timer belongs to the earlier loss, but it looks at the
+    present: a worker killed by a job and brought back by its nanny, then restarted by
+    quantdask (a hung job) within 15 s, has its nanny closed in the middle of that restart and
+    the cluster stays a slot short. A local nanny brings its worker back itself, so the timer
+    only does harm here. (Process-wide, like every Dask setting.)
+    """
+    import dask
+
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "24h"})
+
+
 def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
                         adapt: Adapt | None) -> ClusterHandle:
     # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
@@ -318,6 +358,7 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
                                 "pip install 'quantdask[gpu]'") from None
     # Adaptive: start the minimum (at least one: dask-cuda refuses none, and placement learns
     # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
+    _keep_nannies_of_lost_workers()
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
         n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus), **common,
