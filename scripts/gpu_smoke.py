@@ -28,14 +28,17 @@ CONFIGS = [{"bits": 4, "quant_type": "nf4"}, {"bits": 4, "quant_type": "fp4"},
            {"bits": 4, "quant_type": "nf4", "double_quant": True}, {"bits": 8}]
 
 
-def sweep(name: str, jobs_per_gpu: int = 1):
+def sweep(name: str, jobs_per_gpu: int = 1, dry_run: bool = False):
+    """The smoke sweep; a dry run evaluates a quarter of the tokens (CPU slots are slow, and
+    the checks are about where and how jobs ran, not about the numbers)."""
     from quantdask import sweep_from_dict
     from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
     return sweep_from_dict({
         "name": name, "models": [{"name": "demo", "path": DEMO_MODEL_DIR}],
         "backends": [{"backend": "bitsandbytes", "configs": CONFIGS}],
-        "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 128, "samples": 32, "batch_size": 8},
+        "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 64 if dry_run else 128,
+                 "samples": 16 if dry_run else 32, "batch_size": 8},
         "retries": 1, "jobs_per_gpu": jobs_per_gpu,
     })
 
@@ -99,7 +102,7 @@ def main() -> int:
               f"GPUs {cluster.gpus or '-'}", flush=True)
         ok, shown = memory_advertised_as_expected(cluster.client, cluster.gpus, args.dry_run)
         check(ok, f"each worker advertises its device memory for placement ({shown})")
-        results = qd.run_sweep(sweep("smoke"), out / "sweep", cluster.client)
+        results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run), out / "sweep", cluster.client)
     check(results.height == len(CONFIGS) + 1 and (results["status"] == "done").all(),
           f"{results.height} jobs done: {results['status'].to_list()}")
     for row in results.sort("config_label").to_dicts():
@@ -117,7 +120,8 @@ def main() -> int:
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
     with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
-        qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2), out / "shared", cluster.client)
+        qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run),
+                     out / "shared", cluster.client)
     pairs = overlapping(qd.read_attempts(out / "shared"))
     check(len(pairs) > 0, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
                           f"({len(pairs)} overlapping pairs)")

@@ -237,6 +237,19 @@ def test_servers_bind_to_loopback_only(cluster):
     assert listening and set(listening) <= {"127.0.0.1"}
 
 
+def test_a_local_cluster_never_hard_closes_a_slot_it_once_lost(cluster):
+    """Dask's local clusters close a nanny for good when, ``lost-worker-timeout`` after its
+    worker left, no worker of that name is back. That timer outlived the loss it was set for: a
+    worker killed by a job (back within a second) and restarted for a hung job 15 s later lost
+    its nanny in the middle of the restart, and the cluster stayed a slot short. quantdask's
+    local clusters (CPU and CUDA) keep their nannies, which bring their workers back."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    timeout_s = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+    assert timeout_s >= 24 * 3600
+
+
 def sleeps_then_builds(source, options, device):
     time.sleep(3.0)
     return source.build(device)
