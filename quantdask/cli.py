@@ -147,8 +147,8 @@ def _run(sweep, args) -> int:
                         pl.col("config_label"), descending=[False, False, True, False],
                         nulls_last=True)
     print(_table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "perplexity", "kl_divergence",
-                                   "top1_agreement", "wall_s"]))
+                                   "bits_per_weight", "quantized_share", "perplexity",
+                                   "kl_divergence", "top1_agreement", "wall_s"]))
     counts = {s: results.filter(pl.col("status") == s).height
               for s in ("done", "failed", "skipped")}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))

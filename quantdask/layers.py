@@ -21,24 +21,45 @@ def _sqnr_db(signal: float, noise: float) -> float:
     return -math.inf if signal == 0 else 10.0 * math.log10(signal / noise)
 
 
+def _oriented(original: torch.Tensor, weight_q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The original weight as (out_features, in_features), like the dequantized one, and whether
+    the checkpoint stores it transposed (GPT-2's ``Conv1D`` keeps (in, out)).
+
+    Raises ValueError when the two shapes do not correspond (a fused or reshaped layer)."""
+    if tuple(weight_q.shape) == tuple(original.shape):
+        return original, False
+    if original.dim() == 2 and tuple(weight_q.shape) == tuple(original.t().shape):
+        return original.t(), True
+    raise ValueError(f"dequantized weight {tuple(weight_q.shape)} does not match the "
+                     f"checkpoint's {tuple(original.shape)}")
+
+
 def weight_errors(
     model: torch.nn.Module,
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None],
     originals: dict[str, torch.Tensor],
-) -> list[dict[str, Any]]:
-    """One row per layer ``dequantize_layer`` recognizes, in network order, with weight errors.
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """One row per layer ``dequantize_layer`` recognizes, in network order, with weight errors;
+    and the layers it recognized but could not measure, with the reason (never an exception:
+    the stats must not cost the job its measurements).
 
     Call it before the model's first forward pass: kernels may repack weights then (bitsandbytes
     does on some CPUs). Layers are dequantized one at a time, so memory stays at one layer.
     """
-    rows = []
+    rows, unmeasured = [], {}
     for name, module in model.named_modules():
         original = originals.get(f"{name}.weight")
-        weight_q = None if original is None else dequantize_layer(module)
-        if weight_q is None:  # not a layer this backend quantized (e.g. the output head)
+        if original is None:
             continue
-        original = original.float()
-        noise = (weight_q.float().cpu() - original).pow(2).sum().item()
+        try:
+            weight_q = dequantize_layer(module)
+            if weight_q is None:  # not a layer this backend quantized (e.g. the output head)
+                continue
+            original, transposed = _oriented(original.float(), weight_q)
+            noise = (weight_q.float().cpu() - original).pow(2).sum().item()
+        except Exception as err:  # noqa: BLE001 - recorded as unmeasured, with the reason
+            unmeasured[name] = f"{type(err).__name__}: {err}"
+            continue
         signal = original.pow(2).sum().item()
         rows.append({
             "layer": name,
@@ -46,8 +67,9 @@ def weight_errors(
             "in_features": int(original.shape[1]),
             "weight_rel_error": math.sqrt(noise / signal) if signal else 0.0,
             "weight_sqnr_db": _sqnr_db(signal, noise),
+            "transposed": transposed,
         })
-    return rows
+    return rows, unmeasured
 
 
 def add_output_errors(
@@ -58,21 +80,29 @@ def add_output_errors(
     device: str,
 ) -> list[dict[str, Any]]:
     """``rows`` with ``output_rel_error``: each layer's output on ``probe`` (token ids) against
-    the original weight applied to the same input."""
+    the original weight applied to the same input (null for a layer whose output could not be
+    compared, e.g. one that returns more than a tensor)."""
     import torch
 
     sums = {row["layer"]: [0.0, 0.0] for row in rows}
+    failed: set[str] = set()
+    transposed = {row["layer"]: row["transposed"] for row in rows}
 
     def hook(name: str):
         weight = originals[f"{name}.weight"]
         bias = originals.get(f"{name}.bias")
 
         def capture(module, inputs, output):
-            x = inputs[0].float()
-            expected = torch.nn.functional.linear(
-                x, weight.float().to(x.device), None if bias is None else bias.float().to(x.device))
-            sums[name][0] += (output.float() - expected).pow(2).sum().item()
-            sums[name][1] += expected.pow(2).sum().item()
+            try:
+                x = inputs[0].float()
+                w = weight.float().to(x.device)
+                expected = torch.nn.functional.linear(
+                    x, w.t() if transposed[name] else w,
+                    None if bias is None else bias.float().to(x.device))
+                sums[name][0] += (output.float() - expected).pow(2).sum().item()
+                sums[name][1] += expected.pow(2).sum().item()
+            except Exception:  # noqa: BLE001 - this layer's output error stays null
+                failed.add(name)
 
         return capture
 
@@ -83,5 +113,10 @@ def add_output_errors(
     finally:
         for handle in handles:
             handle.remove()
-    return [{**row, "output_rel_error": math.sqrt(sums[row["layer"]][0] / sums[row["layer"]][1])
-             if sums[row["layer"]][1] else 0.0} for row in rows]
+    out = []
+    for row in rows:
+        error, norm = sums[row["layer"]]
+        measured = None if row["layer"] in failed else (math.sqrt(error / norm) if norm else 0.0)
+        out.append({k: v for k, v in row.items() if k != "transposed"}
+                   | {"output_rel_error": measured})
+    return out

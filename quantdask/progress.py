@@ -31,8 +31,14 @@ QUEUE_KEPT = 20  # the head of the queue a view is given
 def describe_result(record: dict) -> str:
     """One line on how an attempt ended: its metrics, or its error's first line."""
     if record["status"] == "done":
-        return (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
+        line = (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
                 f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
+        share = record.get("quantized_share")
+        if record.get("quantized_params"):  # the baseline quantizes nothing, by definition
+            line += f", {share:.0%} of weights quantized"
+            if share < 0.5 and record.get("full_precision"):  # most of the model untouched
+                line += f" (full precision: {record['full_precision']})"
+        return line
     message = (record.get("error_message") or "").strip().splitlines()
     return f"{record.get('error_class')}: {message[0] if message else ''}"
 

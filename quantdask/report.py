@@ -78,6 +78,8 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
     tooltip = [*JOB_TOOLTIP, alt.Tooltip("bits_per_weight:Q", format=".3f"),
+               alt.Tooltip("quantized_share:Q", title="share of weights quantized",
+                           format=".1%"),
                alt.Tooltip("size_mib:Q", title="size MiB", format=".2f"),
                alt.Tooltip("perplexity:Q", format=".4f"),
                alt.Tooltip("kl_divergence:Q", title="KL nats/token", format=".3g"),
@@ -343,5 +345,5 @@ def jobs_table(results: pl.DataFrame) -> pl.DataFrame:
     return results.sort(pl.col("model"), pl.col("status") != "done", pl.col("kl_divergence"),
                         nulls_last=True).select(
         "model", "config_label", "status", "attempts", "worker", "bits_per_weight",
-        "size_bytes", "perplexity", "kl_divergence", "top1_agreement", "wall_s",
-        "peak_device_mem_bytes", "failure_class", "job_id")
+        "quantized_share", "full_precision", "size_bytes", "perplexity", "kl_divergence",
+        "top1_agreement", "wall_s", "peak_device_mem_bytes", "failure_class", "job_id")

@@ -40,6 +40,12 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "param_count": pl.Int64(),
     "size_bytes": pl.Int64(),
     "bits_per_weight": pl.Float64(),
+    # Weights the backend holds quantized (logical count), and their share of param_count:
+    # 0 for the baseline; a quantized config that quantized nothing is skipped, never done.
+    "quantized_params": pl.Int64(),
+    "quantized_share": pl.Float64(),
+    "full_precision": pl.String(),  # what stayed in full precision, largest share first
+    "layers_unmeasured": pl.Int64(),  # quantized layers the per-layer stats could not measure
     "perplexity": pl.Float64(),
     "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
     "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
@@ -54,8 +60,9 @@ ALWAYS_REQUIRED = ("job_id", "sweep", "model", "backend", "config", "config_labe
                    "attempts", "priority", "queued_at", "finished_at")
 METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quantize_s", "eval_s",
            "source_cached", "peak_device_mem_bytes", "peak_device_reserved_bytes",
-           "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight", "perplexity",
-           "kl_divergence", "top1_agreement", "eval_tokens")
+           "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight",
+           "quantized_params", "quantized_share", "perplexity", "kl_divergence",
+           "top1_agreement", "eval_tokens")
 REQUIRED_BY_STATUS = {
     "done": ALWAYS_REQUIRED + METRICS,
     "failed": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
@@ -70,7 +77,9 @@ LAYER_SCHEMA: dict[str, pl.DataType] = {
     "out_features": pl.Int64(),
     "weight_rel_error": pl.Float64(),  # ||W_q - W|| / ||W||
     "weight_sqnr_db": pl.Float64(),  # 10 log10(||W||^2 / ||W_q - W||^2)
-    "output_rel_error": pl.Float64(),  # same input, quantized vs original weight, probe batch
+    # Same input, quantized vs original weight, probe batch (null: the output could not be
+    # compared, e.g. a layer whose forward returns more than a tensor).
+    "output_rel_error": pl.Float64(),
 }
 
 FAILURE_CLASSES = ("unsupported", "out_of_memory", "worker_lost", "timeout", "job_error")

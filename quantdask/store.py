@@ -117,7 +117,8 @@ class RunStore:
     def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
         """Persist a job's per-layer rows (``job_id`` and ``position`` added), atomically."""
         frame = rows_to_frame([{**row, "job_id": job_id, "position": i}
-                               for i, row in enumerate(rows)], LAYER_SCHEMA, "layer")
+                               for i, row in enumerate(rows)], LAYER_SCHEMA, "layer",
+                              optional=("output_rel_error",))
         path = self.layers_dir / f"{job_id}.parquet"
         write_parquet(path, frame)
         return path

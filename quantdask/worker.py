@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.layers import add_output_errors, weight_errors
@@ -184,10 +185,18 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 source, cached = cached_model_source(job.model)
             with watch("quantize"):
                 model = backend.quantize(source, job.options, device)
+            covered = coverage(model)
+            if backend.quantizes and not covered.quantized_params:
+                raise UnsupportedHere(
+                    f"no layer was quantized: {backend.name} replaced none of this model's "
+                    f"weights, which stay in {covered.summary()}")
             size = model_size_bytes(model)
-            layers = []
+            layers, unmeasured = [], {}
             if backend.dequantize_layer is not None:  # before any forward pass (see layers)
-                layers = weight_errors(model, backend.dequantize_layer, source.state_dict)
+                layers, unmeasured = weight_errors(model, backend.dequantize_layer,
+                                                   source.state_dict)
+            for name, reason in unmeasured.items():
+                log.warning("per-layer stats skip %s: %s", name, reason)
             with watch("eval"):
                 scores = quality(model, reference.windows, reference.log_probs,
                                  job.eval.batch_size, device)
@@ -201,16 +210,28 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             source_cached=cached, peak_device_mem_bytes=peak.peak_device_bytes,
             peak_device_reserved_bytes=peak.peak_reserved_bytes,
             peak_host_rss_bytes=peak.peak_rss_bytes, param_count=source.param_count,
-            size_bytes=size, bits_per_weight=8.0 * size / source.param_count, **scores,
+            size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
+            quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
+            full_precision=covered.summary() if backend.quantizes else None,
+            layers_unmeasured=len(unmeasured), **scores,
         )
-        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, perplexity %.4f, KL %.3g, "
-                 "top-1 %.4f, %d layers measured", record["wall_s"], size,
-                 record["bits_per_weight"], scores["perplexity"], scores["kl_divergence"],
-                 scores["top1_agreement"], len(record["layers"]))
-    except UnsupportedHere as err:
+        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
+                 "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
+                 size, record["bits_per_weight"], 100 * covered.quantized_share,
+                 scores["perplexity"], scores["kl_divergence"], scores["top1_agreement"],
+                 len(record["layers"]))
+    except (UnsupportedHere, NotImplementedError) as err:
+        # NotImplementedError: the library has no kernel or op for this layer type or tensor
+        # (torchao on Falcon's layers, say), a limit of this combination that a retry repeats.
         record.update(status="skipped", failure_class="unsupported",
-                      error_class=type(err).__name__, error_message=str(err))
-        log.warning("skipped: %s", err)
+                      error_class=type(err).__name__,
+                      error_message=str(err) or f"{type(err).__name__} in {job.backend}")
+        if isinstance(err, NotImplementedError):
+            record["traceback"] = traceback.format_exc()
+            log.warning("skipped (not implemented by the library): %s\n%s", err,
+                        record["traceback"])
+        else:
+            log.warning("skipped: %s", err)
     except Exception as err:
         record.update(status="failed", failure_class=failure_class_of(err),
                       error_class=type(err).__name__,

@@ -153,6 +153,72 @@ def test_an_unsupported_job_is_skipped_with_the_reason(demo_model):
     assert record["error_message"] == "this backend needs CUDA"
 
 
+def test_the_quantized_share_counts_the_weights_each_backend_replaced(demo_model, records):
+    # Independently of quantdask: the demo model's weights in nn.Linear layers but the output
+    # head (what bitsandbytes replaces), over every weight in the checkpoint.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR)
+    total = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    for label in ("nf4", "int8 t=6"):
+        assert records[label]["quantized_params"] == linear
+        assert records[label]["quantized_share"] == pytest.approx(linear / total)
+        assert records[label]["full_precision"].startswith("embed_tokens (Embedding) 5%, "
+                                                           "lm_head (Linear) 5%")
+        assert records[label]["layers_unmeasured"] == 0
+    assert (records["baseline"]["quantized_params"], records["baseline"]["quantized_share"],
+            records["baseline"]["full_precision"]) == (0, 0.0, None)
+
+
+def test_a_config_that_quantized_nothing_is_skipped_not_done(demo_model):
+    """A backend that hands the model back in full precision (a layer class it does not
+    recognize, say) has measured nothing about quantization."""
+    def loads_only(source, options, device):
+        return source.build(device)
+
+    job = jobs_for(demo_model)["nf4"]
+    record = run_job(job, Backend("no-op", loads_only))
+    assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
+    assert record["error_message"] == (
+        "no layer was quantized: no-op replaced none of this model's weights, which stay in "
+        "down_proj (Linear) 23%, gate_proj (Linear) 23%, up_proj (Linear) 23%, 9 more 32%")
+
+
+def test_a_library_limit_is_unsupported_and_keeps_its_traceback(demo_model):
+    def no_kernel(source, options, device):
+        raise NotImplementedError("Int8Tensor dispatch: attempting to run aten.numpy_T")
+
+    job = jobs_for(demo_model)["nf4"]
+    record = run_job(job, Backend("limited", no_kernel))
+    assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
+    assert record["error_class"] == "NotImplementedError"
+    assert record["error_message"] == "Int8Tensor dispatch: attempting to run aten.numpy_T"
+    assert "no_kernel" in record["traceback"] and "not implemented by the library" in record["log"]
+
+
+def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model):
+    bnb = get_backend("bitsandbytes")
+
+    def dequantize_but_q_proj(module):
+        weight = bnb.dequantize_layer(module)
+        if weight is not None and weight.shape[0] == weight.shape[1]:  # q_proj and o_proj
+            return weight[:, :-1]  # a shape that matches no checkpoint weight
+        return weight
+
+    job = jobs_for(demo_model)["nf4"]
+    record = run_job(job, Backend("odd-stats", bnb.quantize, options=bnb.options,
+                                  complete=bnb.complete, dequantize_layer=dequantize_but_q_proj))
+    assert record["status"] == "done" and math.isfinite(record["perplexity"])
+    assert record["layers_unmeasured"] == 8  # q_proj and o_proj in each of the 4 layers
+    measured = [row["layer"] for row in record["layers"]]
+    assert len(measured) == 20 and not [m for m in measured if m.endswith(("q_proj", "o_proj"))]
+    assert "per-layer stats skip model.layers.0.self_attn.q_proj: ValueError: dequantized " \
+           "weight (128, 127) does not match the checkpoint's (128, 128)" in record["log"]
+
+
 def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, records):
     # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
     # the recorded errors must be those of the quantized weights, not of a repacked layout.
@@ -162,8 +228,9 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, re
     job = jobs_for(demo_model)["nf4"]
     backend = get_backend(job.backend)
     source, _ = cached_model_source(job.model)
-    fresh = weight_errors(backend.quantize(source, job.options, "cpu"), backend.dequantize_layer,
-                          source.state_dict)
+    fresh, unmeasured = weight_errors(backend.quantize(source, job.options, "cpu"),
+                                      backend.dequantize_layer, source.state_dict)
+    assert unmeasured == {}
     recorded = records["nf4"]["layers"]
     assert [r["layer"] for r in fresh] == [r["layer"] for r in recorded]
     for mine, theirs in zip(fresh, recorded):

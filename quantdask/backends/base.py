@@ -81,7 +81,8 @@ class Backend:
     cannot run here (a missing library, a shape it cannot take), or None; the worker still
     decides (raising :class:`UnsupportedHere`). ``weight_bits(options, loaded_bits)`` is what a
     weight takes on the device at the job's peak, scales included, given the bits it is loaded
-    at (the device-memory estimate; None: weights stay as loaded).
+    at (the device-memory estimate; None: weights stay as loaded). A job of a backend that
+    ``quantizes`` but leaves every weight in full precision is skipped as unsupported.
     """
 
     name: str
@@ -93,6 +94,7 @@ class Backend:
     check: Callable[[dict, ModelFacts], str | None] | None = None
     weight_bits: Callable[[dict, int], float] | None = None
     description: str = ""
+    quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
 
     def normalize(self, options: dict, where: str) -> dict:
         """Validate ``options`` and fill defaults; the result is the canonical option set."""

@@ -15,5 +15,6 @@ baseline_backend = Backend(
     name=BASELINE,
     quantize=load_unquantized,
     label=lambda options: "baseline",
+    quantizes=False,
     description="The model as loaded, unquantized.",
 )

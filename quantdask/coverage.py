@@ -1,0 +1,96 @@
+"""What a backend really quantized: the share of a model's weights it holds in quantized form,
+and what it left in full precision, by module.
+
+A backend may quantize all of a model, part of it (a mixture-of-experts model whose experts are
+fused 3-D parameters that bitsandbytes does not replace) or none of it (a model whose layers are
+a class the backend does not recognize). A result must say which: ``quantized_share`` is the
+same measure on every model, and a quantized config that quantized nothing is not ``done``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def quantized_weights(param: torch.Tensor) -> int:
+    """How many weights ``param`` holds in quantized form (its logical element count), or 0.
+
+    Recognized forms: a bitsandbytes 4-bit parameter (packed bytes plus a ``quant_state`` that
+    knows the original shape), a tensor subclass wrapping quantized data (torchao), and integer
+    or sub-16-bit storage (bitsandbytes LLM.int8 rows, float8 weights).
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    state = getattr(param, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return math.prod(state.shape)
+    if is_traceable_wrapper_subclass(param):
+        return param.numel()
+    if not param.dtype.is_floating_point or param.element_size() < 2:
+        return param.numel()
+    return 0
+
+
+def module_role(name: str, module: torch.nn.Module) -> str:
+    """A module's role across layers: its last non-numeric name and its class, e.g.
+    ``experts (MixtralExperts)`` for every ``model.layers.N.mlp.experts``."""
+    parts = [p for p in name.split(".") if p and not re.fullmatch(r"\d+", p)]
+    return f"{parts[-1] if parts else 'model'} ({type(module).__name__})"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Weights held quantized and weights left in full precision (by module role)."""
+
+    quantized_params: int
+    full_precision: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_params(self) -> int:
+        return self.quantized_params + sum(self.full_precision.values())
+
+    @property
+    def quantized_share(self) -> float:
+        return self.quantized_params / self.total_params if self.total_params else 0.0
+
+    def summary(self, top: int = 3) -> str:
+        """What stayed in full precision, largest first, as shares of all weights, e.g.
+        ``experts (MixtralExperts) 84%, embed_tokens (Embedding) 6%, 4 more 1%``."""
+        if not self.full_precision or not self.total_params:
+            return ""
+        ranked = sorted(self.full_precision.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = [f"{role} {_percent(n / self.total_params)}" for role, n in ranked[:top]]
+        rest = sum(n for _, n in ranked[top:])
+        if rest:
+            shown.append(f"{len(ranked) - top} more {_percent(rest / self.total_params)}")
+        return ", ".join(shown)
+
+
+def _percent(share: float) -> str:
+    return f"{share:.0%}" if share >= 0.01 or share == 0 else "<1%"
+
+
+def coverage(model: torch.nn.Module) -> Coverage:
+    """Count ``model``'s weights by whether they are held quantized; a shared (tied) parameter
+    counts once. Parameters only: buffers hold no weights in the backends quantdask knows."""
+    seen: set[int] = set()
+    quantized = 0
+    left: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            held = quantized_weights(param)
+            if held:
+                quantized += held
+            else:
+                left[module_role(name, module)] += param.numel()
+    return Coverage(quantized, dict(left))
