@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -71,6 +72,60 @@ def _fingerprint(directory: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _safetensors_problem(path: str) -> str | None:
+    """What is wrong with a safetensors file, from its header and size alone, or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"holds {size} bytes, less than a safetensors header"
+        header_bytes = struct.unpack("<Q", head)[0]
+        if 8 + header_bytes > size:
+            return (f"its header claims {header_bytes:,} bytes but the file holds {size:,} "
+                    "(incomplete metadata)")
+        try:
+            header = json.loads(f.read(header_bytes))
+            end = max((int(entry["data_offsets"][1]) for key, entry in header.items()
+                       if key != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return "its header is not a safetensors header (not the JSON it should be)"
+    if 8 + header_bytes + end > size:
+        return f"holds {size:,} bytes, but its tensors need {8 + header_bytes + end:,} (truncated)"
+    return None
+
+
+def check_model_files(directory: str) -> None:
+    """Refuse a model directory with a damaged config.json or a cut-short safetensors file,
+    reading only the config and the weight files' headers (cheap, on the driver), so that a
+    broken checkpoint stops the sweep before a cluster starts instead of failing every job."""
+    config = os.path.join(directory, "config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError as err:
+        raise SpecError("path", f"{config} is not valid JSON ({err}); restore the model's "
+                                "config.json") from None
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise SpecError("path", f"{index} is not a safetensors index (a JSON weight_map); "
+                                    "restore it") from None
+        missing = sorted(s for s in shards if not os.path.isfile(os.path.join(directory, s)))
+        if missing:
+            more = f" ({len(missing)} shards missing)" if len(missing) > 1 else ""
+            raise SpecError("path", f"{index} lists {missing[0]}, which is not in "
+                                    f"{directory}{more}; copy the whole checkpoint")
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            problem = _safetensors_problem(os.path.join(directory, name))
+            if problem:
+                raise SpecError("path", f"{os.path.join(directory, name)} {problem}; the file is "
+                                        "damaged or incomplete: copy or download it again")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model to quantize: a local directory (``path``) or a Hugging Face hub id (``hub``).
@@ -96,6 +151,7 @@ class ModelSpec:
             if not os.path.isfile(os.path.join(self.location, "config.json")):
                 raise SpecError("path", f"no model directory at {self.location} (a directory with "
                                         "config.json); fix the path, or use `hub:` for a hub id")
+            check_model_files(self.location)
         else:
             _require("hub", self.hub, str, "a hub id such as org/name")
             if not _HUB_ID.match(self.hub):
@@ -246,6 +302,13 @@ class Sweep:
             if labels.index(label) != i:
                 raise SpecError(f"models[{i}].name", f"two models are named {label!r}; "
                                                      "give each a distinct `name`")
+        identities = [json.dumps(m.identity(), sort_keys=True) for m in self.models]
+        for i, identity in enumerate(identities):
+            first = identities.index(identity)
+            if first != i:  # same files, dtype and code: the same jobs, which would run once
+                raise SpecError(f"models[{i}]", f"is the same model as models[{first}] "
+                                                f"({labels[first]!r}: the same files and dtype), "
+                                                "so its jobs would run only once; remove one")
         _require("eval", self.eval, EvalSettings, "the eval settings")
         _require("seed", self.seed, int, "an integer")
         if not 0 <= self.seed < 2**63:

@@ -126,3 +126,86 @@ def test_real_command_exit_code_and_single_line(write_sweep, tmp_path):
     assert proc.stderr.strip() == (
         "quantdask: error: backends[0].grid.bits: must be 4 or 8, got 3")
     assert proc.stdout == ""
+
+
+def damaged_copy(tmp_path, damage) -> str:
+    """A copy of the demo model with ``damage(directory)`` done to it."""
+    import shutil
+
+    from quantdask.demo_model import DEMO_MODEL_DIR
+
+    copy = tmp_path / "damaged-model"
+    shutil.copytree(DEMO_MODEL_DIR, copy)
+    damage(copy)
+    return str(copy)
+
+
+def truncate_weights(directory) -> None:
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+
+
+def cut_header(directory) -> None:
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+
+
+def break_config(directory) -> None:
+    (directory / "config.json").write_text('{"model_type": "llama", ')
+
+
+def lose_a_shard(directory) -> None:
+    (directory / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}')
+
+
+BROKEN_MODELS = {
+    "truncated weights": (truncate_weights, r"model\.safetensors holds 100,000 bytes, but its "
+                                            r"tensors need [\d,]+ \(truncated\); the file is "
+                                            r"damaged or incomplete: copy or download it again"),
+    "cut header": (cut_header, r"model\.safetensors its header claims [\d,]+ bytes but the file "
+                               r"holds 40 \(incomplete metadata\)"),
+    "config not json": (break_config, r"config\.json is not valid JSON \(.*\); restore the "
+                                      r"model's config\.json"),
+    "missing shard": (lose_a_shard, r"model\.safetensors\.index\.json lists "
+                                    r"model-00002-of-00002\.safetensors, which is not in .*; copy "
+                                    r"the whole checkpoint"),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+@pytest.mark.parametrize("case", list(BROKEN_MODELS), ids=list(BROKEN_MODELS))
+def test_a_broken_model_is_refused_before_anything_runs(case, command, tmp_path, capsys,
+                                                        monkeypatch):
+    import re
+
+    import yaml
+
+    damage, message = BROKEN_MODELS[case]
+    model = damaged_copy(tmp_path, damage)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep_dict(models=[{"name": "broken", "path": model}])))
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "out"
+    assert main([command, str(path), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("quantdask: error: models[0].path: "), lines[0]
+    assert re.search(message, lines[0]), lines[0]
+    assert not run_dir.exists()
+
+
+def test_the_same_model_under_two_names_is_refused(tmp_path, capsys, monkeypatch):
+    """Its jobs would have the same ids and run once: say so instead of dropping one quietly."""
+    import yaml
+
+    demo = sweep_dict()["models"][0]["path"]
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep_dict(models=[{"name": "a", "path": demo},
+                                                      {"name": "b", "path": demo}])))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "quantdask: error: models[1]: is the same model as models[0] ('a': the same files and "
+        "dtype), so its jobs would run only once; remove one")
