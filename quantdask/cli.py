@@ -107,9 +107,11 @@ def cmd_plan(args) -> int:
                          indent=1))
         return 0
     rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
-             "est_time": format_duration(row["est_duration_s"])} for row in plan.to_dicts()]
+             "est_time": format_duration(row["est_duration_s"]),
+             "quantized": "-" if row["quantized_share"] is None or row["backend"] == "none"
+             else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
     print(_table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
-                        "est_memory", "memory_from", "est_time"]))
+                        "quantized", "est_memory", "memory_from", "est_time"]))
     for row in plan.filter(plan["state"] == "unsupported").to_dicts():
         print(f"unsupported: {row['config_label']}: {row['reason']}")
     work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "

@@ -61,12 +61,22 @@ class Coverage:
         return self.quantized_params / self.total_params if self.total_params else 0.0
 
     def summary(self, top: int = 3) -> str:
-        """What stayed in full precision, largest first, as shares of all weights, e.g.
-        ``experts (MixtralExperts) 84%, embed_tokens (Embedding) 6%, 4 more 1%``."""
-        if not self.full_precision or not self.total_params:
+        """What stayed in full precision by module role, largest first, as shares of all
+        weights, e.g. ``experts (MixtralExperts) 84%, embed_tokens (Embedding) 6%, 4 more 1%``."""
+        return self._ranked(self.full_precision, top)
+
+    def by_class(self, top: int = 3) -> str:
+        """The same by module class alone, e.g. ``FalconLinear 57%, Embedding 43%``."""
+        classes: Counter[str] = Counter()
+        for role, count in self.full_precision.items():
+            classes[role[role.rindex("(") + 1:-1]] += count
+        return self._ranked(classes, top)
+
+    def _ranked(self, counts: dict[str, int], top: int) -> str:
+        if not counts or not self.total_params:
             return ""
-        ranked = sorted(self.full_precision.items(), key=lambda kv: (-kv[1], kv[0]))
-        shown = [f"{role} {_percent(n / self.total_params)}" for role, n in ranked[:top]]
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = [f"{what} {_percent(n / self.total_params)}" for what, n in ranked[:top]]
         rest = sum(n for _, n in ranked[top:])
         if rest:
             shown.append(f"{len(ranked) - top} more {_percent(rest / self.total_params)}")

@@ -21,11 +21,22 @@ def _sqnr_db(signal: float, noise: float) -> float:
     return -math.inf if signal == 0 else 10.0 * math.log10(signal / noise)
 
 
-def _oriented(original: torch.Tensor, weight_q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def _stored_transposed(module: torch.nn.Module) -> bool:
+    """Whether the checkpoint holds this layer's weight as (in, out): GPT-2's ``Conv1D``, kept
+    by transformers as the replaced module's ``source_cls`` (bitsandbytes stores (out, in))."""
+    from transformers.pytorch_utils import Conv1D
+
+    return issubclass(getattr(module, "source_cls", type(module)), Conv1D)
+
+
+def _oriented(original: torch.Tensor, weight_q: torch.Tensor,
+              transposed: bool) -> tuple[torch.Tensor, bool]:
     """The original weight as (out_features, in_features), like the dequantized one, and whether
-    the checkpoint stores it transposed (GPT-2's ``Conv1D`` keeps (in, out)).
+    the checkpoint stores it transposed (``transposed``, or a shape only the transpose fits).
 
     Raises ValueError when the two shapes do not correspond (a fused or reshaped layer)."""
+    if original.dim() == 2 and transposed and tuple(weight_q.shape) == tuple(original.t().shape):
+        return original.t(), True
     if tuple(weight_q.shape) == tuple(original.shape):
         return original, False
     if original.dim() == 2 and tuple(weight_q.shape) == tuple(original.t().shape):
@@ -55,7 +66,8 @@ def weight_errors(
             weight_q = dequantize_layer(module)
             if weight_q is None:  # not a layer this backend quantized (e.g. the output head)
                 continue
-            original, transposed = _oriented(original.float(), weight_q)
+            original, transposed = _oriented(original.float(), weight_q,
+                                             _stored_transposed(module))
             noise = (weight_q.float().cpu() - original).pow(2).sum().item()
         except Exception as err:  # noqa: BLE001 - recorded as unmeasured, with the reason
             unmeasured[name] = f"{type(err).__name__}: {err}"

@@ -29,8 +29,19 @@ from quantdask.spec import Job, Sweep, expand_grid
 log = logging.getLogger("quantdask.planning")
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
-                "reason", "est_device_mem_bytes", "memory_from", "est_duration_s",
-                "duration_from"]
+                "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
+                "est_duration_s", "duration_from"]
+
+
+def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
+    """Why a config will quantize nothing: the classes that hold the model's weights."""
+    by_class: dict[str, int] = {}
+    for _, cls, count in facts.weight_modules:
+        by_class[cls.__name__] = by_class.get(cls.__name__, 0) + count
+    held = sorted(by_class, key=lambda c: -by_class[c])[:2]
+    shares = ", ".join(f"{c} {by_class[c] / facts.param_count:.0%}" for c in held)
+    return (f"would quantize no layer: {backend} replaces none of this model's layers (its "
+            f"weights are in {shares})")
 
 
 def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
@@ -78,8 +89,11 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job)
         model = facts[job.model.label]
-        check = get_backend(job.backend).check
-        reason = check(job.options, model) if check is not None else None
+        backend = get_backend(job.backend)
+        reason = backend.check(job.options, model) if backend.check is not None else None
+        share = backend.predicted_share(job.options, model)
+        if reason is None and share == 0 and backend.quantizes:
+            reason = _nothing_quantized(job.backend, model)
         state = ("finished" if job.id in finished else "unsupported" if reason else "to run")
         if reason is None and job.id in skipped:
             # A rerun tries it again (it may run on other machines): to run, with the note.
@@ -89,12 +103,14 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         rows.append({"order": order, "job_id": job.id, "model": job.model.label,
                      "backend": job.backend, "config_label": job.config_label,
                      "priority": job.priority, "state": state, "reason": reason,
+                     "quantized_share": share,
                      "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
                      "est_duration_s": duration, "duration_from": duration_basis})
     return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
                                       "model": pl.String, "backend": pl.String,
                                       "config_label": pl.String, "priority": pl.Int64,
                                       "state": pl.String, "reason": pl.String,
+                                      "quantized_share": pl.Float64,
                                       "est_device_mem_bytes": pl.Int64,
                                       "memory_from": pl.String,
                                       "est_duration_s": pl.Float64,

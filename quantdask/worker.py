@@ -189,7 +189,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             if backend.quantizes and not covered.quantized_params:
                 raise UnsupportedHere(
                     f"no layer was quantized: {backend.name} replaced none of this model's "
-                    f"weights, which stay in {covered.summary()}")
+                    f"weights, which stay in {covered.by_class()}")
             size = model_size_bytes(model)
             layers, unmeasured = [], {}
             if backend.dequantize_layer is not None:  # before any forward pass (see layers)

@@ -76,9 +76,12 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     assert main(["plan", DEMO_SWEEP]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
-                              "est_memory", "memory_from", "est_time"]
+                              "quantized", "est_memory", "memory_from", "est_time"]
     assert out[1].split()[:2] == ["1", "none-c52a747a1b04d31c"]  # the baseline goes first
     assert "baseline" in out[1] and len(out) == 1 + 7 + 1
+    # Every config quantizes the demo model's linear layers but the output head: 90% of it.
+    at = out[0].index("quantized")
+    assert [line[at:].split()[0] for line in out[1:8]] == ["-"] + ["90%"] * 6
     assert out[-1] == "7 jobs: 7 to run, 0 finished, 0 unsupported here"
     assert not (tmp_path / "runs").exists()
 

@@ -46,6 +46,12 @@ class Option:
         return value
 
 
+def named_in(name: str, names: list[str]) -> bool:
+    """Whether module ``name`` is one of ``names``: the same, inside one, or ending in one
+    (``lm_head`` matches ``lm_head`` and ``model.lm_head``)."""
+    return any(name == n or name.startswith(f"{n}.") or name.endswith(f".{n}") for n in names)
+
+
 def _kind_names(kinds: tuple[type, ...]) -> str:
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
              list: "a list", tuple: "a list"}
@@ -63,6 +69,10 @@ class ModelFacts:
     linear_in_features: dict[str, int]  # 2-D weight name (without .weight) -> input width
     weight_bytes: int  # the checkpoint's size on disk
     cuda: bool  # whether this machine has a CUDA GPU (where the plan assumes jobs run)
+    # Every module holding a ``weight`` parameter: (name, class, weights in it), from the model
+    # built on the meta device; and all the model's weights (tied ones once). Empty: unknown.
+    weight_modules: tuple[tuple[str, type, int], ...] = ()
+    param_count: int = 0
     checkpoint_bits: int = 16  # bits per weight as stored (float32: 32)
     loaded_bits: int = 16  # bits per weight once loaded (the model spec's dtype, else stored)
     vocab_size: int = 0  # the eval's logits are (batch, seq_len, vocab_size)
@@ -83,6 +93,8 @@ class Backend:
     weight takes on the device at the job's peak, scales included, given the bits it is loaded
     at (the device-memory estimate; None: weights stay as loaded). A job of a backend that
     ``quantizes`` but leaves every weight in full precision is skipped as unsupported.
+    ``selects(name, module_class, options)`` says whether the backend quantizes a module of
+    that name and class, which lets ``quantdask plan`` predict the quantized share.
     """
 
     name: str
@@ -95,6 +107,18 @@ class Backend:
     weight_bits: Callable[[dict, int], float] | None = None
     description: str = ""
     quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
+    selects: Callable[[str, type, dict], bool] | None = None
+
+    def predicted_share(self, options: dict, facts: ModelFacts) -> float | None:
+        """The share of the model's weights this config will quantize, from the modules
+        ``selects(name, module_class, options)`` picks (None: unknown)."""
+        if not self.quantizes:
+            return 0.0
+        if self.selects is None or not facts.weight_modules or not facts.param_count:
+            return None
+        picked = sum(n for name, cls, n in facts.weight_modules
+                     if self.selects(name, cls, options))
+        return picked / facts.param_count
 
     def normalize(self, options: dict, where: str) -> dict:
         """Validate ``options`` and fill defaults; the result is the canonical option set."""

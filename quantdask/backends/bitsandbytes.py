@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend, Option
+from quantdask.backends.base import Backend, Option, named_in
 from quantdask.errors import SpecError, UnsupportedHere
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
@@ -101,6 +101,17 @@ def weight_bits(options: dict, loaded_bits: int) -> float:
     return 4.0 + (8.0 if options.get("double_quant") else 32.0) / 64
 
 
+def selects(name: str, module_class: type, options: dict) -> bool:
+    """What transformers replaces with bitsandbytes layers: exactly ``nn.Linear`` (not a
+    subclass, such as Falcon's own linear class) and GPT-2's ``Conv1D``, but the skipped
+    modules (by default the output head)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    replaced = module_class is torch.nn.Linear or issubclass(module_class, Conv1D)
+    return replaced and not named_in(name, options.get("skip_modules") or ["lm_head"])
+
+
 def dequantize_layer(module):
     """A bitsandbytes linear layer's weight dequantized to float32; None for any other module."""
     import bitsandbytes as bnb
@@ -125,5 +136,6 @@ bitsandbytes_backend = Backend(
     dequantize_layer=dequantize_layer,
     check=check_bitsandbytes,
     weight_bits=weight_bits,
+    selects=selects,
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )

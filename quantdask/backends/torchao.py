@@ -6,7 +6,7 @@ Install with ``pip install 'quantdask[torchao]'``. On a CPU, int4 uses torchao's
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend, Option
+from quantdask.backends.base import Backend, Option, named_in
 from quantdask.errors import SpecError, UnsupportedHere
 
 OPTIONS = {
@@ -50,15 +50,11 @@ def _import_torchao():
     return quantization
 
 
-def _skipped(name: str, skip: list[str]) -> bool:
-    return any(name == s or name.startswith(f"{s}.") or name.endswith(f".{s}") for s in skip)
-
-
 def _targets(model, skip: list[str]) -> dict:
     import torch
 
     return {name: module for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and not _skipped(name, skip)}
+            if isinstance(module, torch.nn.Linear) and not named_in(name, skip)}
 
 
 def int4_unsupported(group: int, widths: dict[str, int], cuda: bool) -> str | None:
@@ -85,7 +81,7 @@ def check_torchao(options: dict, facts) -> str | None:
         return str(err)
     if options["mode"] == "int4_weight_only" and facts.linear_in_features:
         widths = {name: width for name, width in facts.linear_in_features.items()
-                  if not _skipped(name, options["skip_modules"])}
+                  if not named_in(name, options["skip_modules"])}
         return int4_unsupported(options["group_size"], widths, facts.cuda)
     return None
 
@@ -115,6 +111,14 @@ def quantize_torchao(source, options: dict, device: str):
     wanted = set(targets.values())
     quantization.quantize_(model, config, filter_fn=lambda module, fqn: module in wanted)
     return model
+
+
+def selects(name: str, module_class: type, options: dict) -> bool:
+    """torchao quantizes every ``nn.Linear`` (subclasses too) but the skipped modules."""
+    import torch
+
+    return (issubclass(module_class, torch.nn.Linear)
+            and not named_in(name, options["skip_modules"]))
 
 
 def weight_bits(options: dict, loaded_bits: int) -> float:
@@ -148,5 +152,6 @@ torchao_backend = Backend(
     dequantize_layer=dequantize_layer,
     check=check_torchao,
     weight_bits=weight_bits,
+    selects=selects,
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

@@ -1,0 +1,73 @@
+"""Tiny random decoder models of several transformers families, built here (nothing downloaded).
+
+``build_tiny(family, directory)`` builds one family's model from its config class alone,
+deterministically, saves it as safetensors with the demo model's tokenizer (its 320 tokens fit
+every family's vocabulary), and returns the directory. Each family stands for a way a model can
+differ from Llama in what a quantizer sees:
+
+- ``gpt2``: GPT-2's ``Conv1D`` projections, weights stored (in, out);
+- ``falcon``: ``FalconLinear``, a subclass of ``nn.Linear`` (bitsandbytes replaces exact
+  ``nn.Linear`` only; torchao replaces it, then its forward hits an op torchao lacks);
+- ``mixtral``: mixture of experts, the experts fused 3-D parameters no backend quantizes;
+- ``phi3``: fused ``qkv_proj`` and ``gate_up_proj``;
+- ``gemma``: tied input and output embeddings (a scaled embedding class);
+- ``qwen2_151k``: Qwen2's real 151,936-token vocabulary on a tiny body;
+- ``gpt_neox``: fused ``query_key_value``;
+- ``llama``: the reference shape.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from quantdask.demo_model import DEMO_MODEL_DIR
+
+SMALL_VOCAB = 1024
+_LLAMA_LIKE = dict(vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES = ("llama", "gpt2", "falcon", "mixtral", "phi3", "gemma", "qwen2_151k", "gpt_neox")
+
+
+def tiny_config(family: str):
+    """The tiny ``transformers`` config of ``family``."""
+    import transformers as t
+
+    if family == "llama":
+        return t.LlamaConfig(**_LLAMA_LIKE)
+    if family == "gpt2":
+        return t.GPT2Config(vocab_size=SMALL_VOCAB, n_embd=64, n_layer=2, n_head=4,
+                            n_positions=128, bos_token_id=1, eos_token_id=2)
+    if family == "falcon":
+        return t.FalconConfig(vocab_size=SMALL_VOCAB, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, bos_token_id=1, eos_token_id=2)
+    if family == "mixtral":
+        return t.MixtralConfig(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=None)
+    if family == "phi3":
+        return t.Phi3Config(**_LLAMA_LIKE)
+    if family == "gemma":
+        return t.GemmaConfig(**_LLAMA_LIKE, head_dim=16)
+    if family == "qwen2_151k":
+        return t.Qwen2Config(**{**_LLAMA_LIKE, "vocab_size": 151_936})
+    if family == "gpt_neox":
+        return t.GPTNeoXConfig(vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def build_tiny(family: str, directory: Path) -> Path:
+    """Build, save and return ``directory`` holding ``family``'s tiny float32 model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEMO_MODEL_DIR) / name, directory / name)
+    return directory
