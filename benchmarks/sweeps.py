@@ -42,9 +42,10 @@ def register_synthetic_backends() -> None:
     """``sleep`` (jobs of known length) and ``noop`` (jobs that do nothing of their own)."""
     register_backend(Backend("sleep", _sleep_then_keep,
                              options={"seconds": Option(float), "n": Option(int)},
-                             label=lambda o: f"sleep {o['seconds']:g}s #{o['n']}"))
+                             label=lambda o: f"sleep {o['seconds']:g}s #{o['n']}",
+                             quantizes=False))
     register_backend(Backend("noop", _no_op, options={"n": Option(int)},
-                             label=lambda o: f"noop #{o['n']}"))
+                             label=lambda o: f"noop #{o['n']}", quantizes=False))
 
 
 TINY_EVAL = {"text": DEMO_EVAL_TEXT, "seq_len": 8, "samples": 1, "batch_size": 1}

@@ -87,18 +87,34 @@ def _percent(share: float) -> str:
     return f"{share:.0%}" if share >= 0.01 or share == 0 else "<1%"
 
 
-def coverage(model: torch.nn.Module) -> Coverage:
+def _changed(param: torch.Tensor, original: torch.Tensor | None) -> bool:
+    """Whether a float parameter differs from the checkpoint's: simulated quantization
+    (quantized and dequantized back to float in place) changes the values, not the dtype."""
+    import torch
+
+    if original is None or tuple(original.shape) != tuple(param.shape):
+        return False
+    return not torch.equal(param.detach().to("cpu", original.dtype), original)
+
+
+def coverage(model: torch.nn.Module,
+             originals: dict[str, torch.Tensor] | None = None) -> Coverage:
     """Count ``model``'s weights by whether they are held quantized; a shared (tied) parameter
-    counts once. Parameters only: buffers hold no weights in the backends quantdask knows."""
+    counts once. With ``originals`` (the checkpoint's state dict), a float parameter whose
+    values differ from the checkpoint's counts as quantized too (simulated quantization).
+    Parameters only: buffers hold no weights in the backends quantdask knows."""
     seen: set[int] = set()
     quantized = 0
     left: Counter[str] = Counter()
     for name, module in model.named_modules():
-        for param in module.parameters(recurse=False):
+        for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
             held = quantized_weights(param)
+            if not held and originals is not None and _changed(
+                    param, originals.get(f"{name}.{pname}" if name else pname)):
+                held = param.numel()
             if held:
                 quantized += held
             else:

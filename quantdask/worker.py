@@ -185,7 +185,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 source, cached = cached_model_source(job.model)
             with watch("quantize"):
                 model = backend.quantize(source, job.options, device)
-            covered = coverage(model)
+            covered = coverage(model, source.state_dict)
             if backend.quantizes and not covered.quantized_params:
                 raise UnsupportedHere(
                     f"no layer was quantized: {backend.name} replaced none of this model's "

@@ -320,7 +320,7 @@ def failing_on_worker_1(source, options, device):
 def test_a_device_failing_different_jobs_is_taken_out_of_rotation(fault_cluster, tmp_path,
                                                                    monkeypatch):
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fragile",
-                        Backend("fragile", failing_on_worker_1,
+                        Backend("fragile", failing_on_worker_1, quantizes=False,
                                 options={"n": quantdask.backends.Option(int)}))
     data = sweep_dict(backends=[{"backend": "fragile", "grid": {"n": list(range(16))}}],
                       retries=4, exclude_device_after=2)

@@ -306,7 +306,7 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
         assert heading in page.text
     # The jobs table holds every job (4 rows), not a truncated listing.
     every_job = page.text.split("Every job", 1)[1].split("Failed and skipped jobs", 1)[0]
-    assert "shape: (4, 14)" in every_job and "…" not in every_job
+    assert "shape: (4, 16)" in every_job and "…" not in every_job
     for label in ("baseline", "nf4", "int8 t=6", "ao int4wo"):
         assert label in every_job
     print(f"screenshot: {screenshot}")

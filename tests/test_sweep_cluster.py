@@ -196,7 +196,8 @@ def test_a_failed_attempt_is_retried_under_a_new_key(cluster, tmp_path, monkeypa
             raise RuntimeError("transient failure")
         return source.build(device)
 
-    monkeypatch.setitem(quantdask.backends._REGISTRY, "flaky", Backend("flaky", flaky))
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "flaky",
+                        Backend("flaky", flaky, quantizes=False))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "flaky", "configs": [{}]}],
                                        retries=1))
     results = run_sweep(sweep, tmp_path / "run", cluster.client)
@@ -211,7 +212,8 @@ def test_a_job_failing_every_attempt_is_recorded_failed_once(cluster, tmp_path, 
     def broken(source, options, device):
         raise RuntimeError(f"broken backend, options {options}")
 
-    monkeypatch.setitem(quantdask.backends._REGISTRY, "broken", Backend("broken", broken))
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "broken",
+                        Backend("broken", broken, quantizes=False))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "broken", "configs": [{}]}],
                                        retries=2))
     results = run_sweep(sweep, tmp_path / "run", cluster.client)
@@ -259,7 +261,8 @@ def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
     from quantdask.cluster import start_cluster
 
     monkeypatch.setitem(quantdask.backends._REGISTRY, "sleepy", Backend(
-        "sleepy", sleeps_then_builds, options={"n": quantdask.backends.Option(int)}))
+        "sleepy", sleeps_then_builds, options={"n": quantdask.backends.Option(int)},
+        quantizes=False))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "sleepy", "grid": {"n": [1, 2]}}],
                                        jobs_per_gpu=2))
     with start_cluster(workers=1, jobs_per_worker=2) as cluster:

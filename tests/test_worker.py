@@ -173,6 +173,27 @@ def test_the_quantized_share_counts_the_weights_each_backend_replaced(demo_model
             records["baseline"]["full_precision"]) == (0, 0.0, None)
 
 
+def test_simulated_quantization_counts_the_weights_it_changed(demo_model):
+    """Quantized and dequantized back to float in place (a research backend): the weights it
+    changed are its quantized share, though their dtype stays float."""
+    import torch
+
+    def fake_int8_mlp(source, options, device):
+        model = source.build(device)
+        for name, module in model.named_modules():
+            if name.endswith("mlp.down_proj"):
+                w = module.weight.detach()
+                scale = w.abs().amax(dim=1, keepdim=True) / 127
+                module.weight = torch.nn.Parameter((w / scale).round() * scale)
+        return model
+
+    job = jobs_for(demo_model)["nf4"]
+    record = run_job(job, Backend("fake-int8", fake_int8_mlp))
+    assert record["status"] == "done"
+    assert record["quantized_params"] == 4 * 128 * 384  # down_proj in each of the 4 layers
+    assert record["full_precision"].startswith("gate_proj (Linear) 23%, up_proj (Linear) 23%")
+
+
 def test_a_config_that_quantized_nothing_is_skipped_not_done(demo_model):
     """A backend that hands the model back in full precision (a layer class it does not
     recognize, say) has measured nothing about quantization."""

@@ -69,13 +69,13 @@ class ModelFacts:
     linear_in_features: dict[str, int]  # 2-D weight name (without .weight) -> input width
     weight_bytes: int  # the checkpoint's size on disk
     cuda: bool  # whether this machine has a CUDA GPU (where the plan assumes jobs run)
+    checkpoint_bits: int = 16  # bits per weight as stored (float32: 32)
+    loaded_bits: int = 16  # bits per weight once loaded (the model spec's dtype, else stored)
+    vocab_size: int = 0  # the eval's logits are (batch, seq_len, vocab_size)
     # Every module holding a ``weight`` parameter: (name, class, weights in it), from the model
     # built on the meta device; and all the model's weights (tied ones once). Empty: unknown.
     weight_modules: tuple[tuple[str, type, int], ...] = ()
     param_count: int = 0
-    checkpoint_bits: int = 16  # bits per weight as stored (float32: 32)
-    loaded_bits: int = 16  # bits per weight once loaded (the model spec's dtype, else stored)
-    vocab_size: int = 0  # the eval's logits are (batch, seq_len, vocab_size)
 
 
 @dataclass(frozen=True)
