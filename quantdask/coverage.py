@@ -38,11 +38,11 @@ def quantized_weights(param: torch.Tensor) -> int:
     return 0
 
 
-def module_role(name: str, module: torch.nn.Module) -> str:
+def module_role(name: str, module_class: type) -> str:
     """A module's role across layers: its last non-numeric name and its class, e.g.
     ``experts (MixtralExperts)`` for every ``model.layers.N.mlp.experts``."""
     parts = [p for p in name.split(".") if p and not re.fullmatch(r"\d+", p)]
-    return f"{parts[-1] if parts else 'model'} ({type(module).__name__})"
+    return f"{parts[-1] if parts else 'model'} ({module_class.__name__})"
 
 
 @dataclass(frozen=True)
@@ -118,5 +118,5 @@ def coverage(model: torch.nn.Module,
             if held:
                 quantized += held
             else:
-                left[module_role(name, module)] += param.numel()
+                left[module_role(name, type(module))] += param.numel()
     return Coverage(quantized, dict(left))

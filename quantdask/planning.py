@@ -22,6 +22,7 @@ import polars as pl
 
 from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
+from quantdask.coverage import Coverage, module_role
 from quantdask.model_facts import model_facts
 from quantdask.placement import estimate_device_memory
 from quantdask.spec import Job, Sweep, expand_grid
@@ -35,13 +36,12 @@ PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority
 
 def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
     """Why a config will quantize nothing: the classes that hold the model's weights."""
-    by_class: dict[str, int] = {}
-    for _, cls, count in facts.weight_modules:
-        by_class[cls.__name__] = by_class.get(cls.__name__, 0) + count
-    held = sorted(by_class, key=lambda c: -by_class[c])[:2]
-    shares = ", ".join(f"{c} {by_class[c] / facts.param_count:.0%}" for c in held)
+    held: dict[str, int] = {}
+    for name, cls, count in facts.weight_modules:
+        role = module_role(name, cls)
+        held[role] = held.get(role, 0) + count
     return (f"would quantize no layer: {backend} replaces none of this model's layers (its "
-            f"weights are in {shares})")
+            f"weights are in {Coverage(0, held).by_class()})")
 
 
 def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:

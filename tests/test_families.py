@@ -171,4 +171,4 @@ def test_the_plan_predicts_the_share_and_the_configs_that_quantize_nothing(run):
     assert set(unsupported) == {("falcon", "nf4"), ("falcon", "int8 t=6"), ("gpt2", "ao int8wo")}
     assert unsupported[("falcon", "nf4")] == (
         "would quantize no layer: bitsandbytes replaces none of this model's layers (its "
-        "weights are in FalconLinear 57%, Embedding 43%)")
+        "weights are in FalconLinear 57%, Embedding 43%, LayerNorm <1%)")
