@@ -197,16 +197,34 @@ def test_with_every_worker_gone_the_rest_fail_after_the_grace(solo_node, tmp_pat
 # -- placement by device memory ----------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def placement_nodes(tmp_path_factory):
+    """A scheduler and two small `dask worker` nodes (3 MB of device memory each), shared by
+    the placement tests below, in order: the first adds a large node (``add_large()``), the
+    last takes it away."""
+    nodes = DaskProcesses(tmp_path_factory.mktemp("placement"))
+    try:
+        address = nodes.start_scheduler()
+        # The demo model's baseline needs ~5.4 MB by its estimate, its 4-bit configs ~1.8 MB:
+        # the small workers can take a 4-bit job but never the baseline.
+        for name in ("small-1", "small-2"):
+            nodes.start_worker(name, resources=f"GPU=1,{DEVICE_MEMORY}=3e6")
+        wait_for_workers(address, {"small-1", "small-2"})
+
+        def add_large() -> None:
+            if "large" not in nodes.processes:
+                nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
+            wait_for_workers(address, {"small-1", "small-2", "large"})
+
+        yield nodes, address, add_large
+    finally:
+        nodes.close()
+
+
 @pytest.mark.timeout(360)
-def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(dask_processes,
+def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(placement_nodes,
                                                                          tmp_path):
-    nodes = dask_processes()
-    address = nodes.start_scheduler()
-    # The demo model's baseline needs ~5.4 MB by its estimate, its 4-bit configs ~1.8 MB:
-    # the small workers can take a 4-bit job but never the baseline.
-    for name in ("small-1", "small-2"):
-        nodes.start_worker(name, resources=f"GPU=1,{DEVICE_MEMORY}=3e6")
-    wait_for_workers(address, {"small-1", "small-2"})
+    nodes, address, add_large = placement_nodes
     data = sweep_dict(name="placed", backends=[FOUR_BIT])
     sweep = sweep_from_dict(data)
     run_dir = tmp_path / "run"
@@ -220,8 +238,7 @@ def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(dask_pro
     assert "(checkpoint size and config)" in message and "fix: add a worker" in message
     assert not run_dir.exists()  # refused before anything was written
 
-    nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
-    wait_for_workers(address, {"small-1", "small-2", "large"})
+    add_large()
     with start_cluster(address=address) as cluster:
         results = run_sweep(sweep, run_dir, cluster.client)
     assert results.height == 5 and results["status"].to_list() == ["done"] * 5
@@ -231,80 +248,60 @@ def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(dask_pro
     assert {"small-1", "small-2"} & set(where.values()), where
 
 
-@pytest.mark.timeout(240)
-def test_jobs_that_no_live_worker_can_hold_fail_after_the_grace(dask_processes, tmp_path,
-                                                                 monkeypatch):
+@pytest.mark.timeout(300)
+def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_nodes, tmp_path,
+                                                                      monkeypatch):
+    """The large node leaves after placement, before anything is submitted. The demo model's
+    reference fits only there: all its jobs, parked on it, fail once each with the numbers.
+    A tiny model's reference and 4-bit job fit the small nodes and are done; its one large job
+    (a backend estimated at 400 bits a weight) fails alone. None waits forever."""
+    import dataclasses
+
+    from tiny_families import build_tiny
+
+    import quantdask.backends
     import quantdask.scheduler
+    from quantdask.demo_model import DEMO_MODEL_DIR
     from quantdask.placement import advertised_memory
 
+    nodes, address, add_large = placement_nodes
+    add_large()  # there already when the test above ran first
     monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
-    nodes = dask_processes()
-    address = nodes.start_scheduler()
-    nodes.start_worker("small-1", resources=f"GPU=1,{DEVICE_MEMORY}=3e6")
-    nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
-    wait_for_workers(address, {"small-1", "large"})
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
+        quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
+    tiny = build_tiny("llama", tmp_path / "tiny")
+    data = sweep_dict(name="unfit", models=[{"name": "demo", "path": DEMO_MODEL_DIR},
+                                            {"name": "tiny", "path": str(tiny)}], backends=[
+        {"backend": BNB, "grid": {"bits": [4]}}, {"backend": "fat", "grid": {"bits": [8]}}])
+    data["eval"]["batch_size"] = 2  # the tiny model's logits (1,024 tokens) fit a small node
     with start_cluster(address=address) as cluster:
         def lose_the_large_node(progress) -> None:
             # The first progress update comes after placement, before anything is submitted.
             if nodes.processes["large"].poll() is None:
                 nodes.kill("large")
-                wait_until(lambda: set(advertised_memory(cluster.client)) == {"small-1"}, 60,
-                           "the scheduler to see the large worker gone")
+                wait_until(lambda: set(advertised_memory(cluster.client)) == {
+                    "small-1", "small-2"}, 60, "the scheduler to see the large worker gone")
 
         started = time.monotonic()
-        results = run_sweep(sweep_from_dict(sweep_dict(name="unfit")), tmp_path / "run",
-                            cluster.client, on_progress=lose_the_large_node)
-        took = time.monotonic() - started
-    # The reference (baseline-sized) fits only the lost worker: both jobs, parked on it, fail
-    # once each with the numbers instead of waiting forever.
-    assert results.height == 2 and results["status"].to_list() == ["failed"] * 2
-    assert results["failure_class"].to_list() == ["worker_lost"] * 2
-    assert results["error_class"].to_list() == ["NoWorkerFits"] * 2
-    assert results["error_message"].to_list() == [
-        "its model's reference needs 5,358,201 bytes of device memory; no worker has had that "
-        "much for 3s (the most now: 3,000,000)"] * 2
-    assert took < 60
-
-
-@pytest.mark.timeout(240)
-def test_a_waiting_job_that_no_live_worker_fits_fails_after_the_grace(dask_processes, tmp_path,
-                                                                       monkeypatch):
-    """The reference and the small jobs fit the small node; one job fits only the large node,
-    which leaves after placement: that job alone fails (worker_lost, NoWorkerFits) once the
-    grace is over, instead of waiting forever."""
-    import dataclasses
-
-    import quantdask.backends
-    import quantdask.scheduler
-    from quantdask.placement import advertised_memory
-
-    monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
-    # bitsandbytes, but estimated at 400 bits a weight (~12x the float32 model): a large job.
-    monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
-        quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
-    nodes = dask_processes()
-    address = nodes.start_scheduler()
-    nodes.start_worker("small", resources=f"GPU=1,{DEVICE_MEMORY}=20e6")
-    nodes.start_worker("large", resources=f"GPU=1,{DEVICE_MEMORY}=1e9")
-    wait_for_workers(address, {"small", "large"})
-    data = sweep_dict(name="unfit-job", backends=[
-        {"backend": BNB, "grid": {"bits": [4]}}, {"backend": "fat", "grid": {"bits": [8]}}])
-    with start_cluster(address=address) as cluster:
-        def lose_the_large_node(progress) -> None:
-            if nodes.processes["large"].poll() is None:  # after placement, before submission
-                nodes.kill("large")
-                wait_until(lambda: set(advertised_memory(cluster.client)) == {"small"}, 60,
-                           "the scheduler to see the large worker gone")
-
         results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client,
                             on_progress=lose_the_large_node)
-    rows = {r["backend"]: r for r in results.to_dicts()}
-    assert rows["none"]["status"] == rows["bitsandbytes"]["status"] == "done"
-    fat = rows["fat"]
+        took = time.monotonic() - started
+    rows = {(r["model"], r["backend"]): r for r in results.to_dicts()}
+    assert len(rows) == results.height == 6
+    demo = [rows["demo", backend] for backend in ("none", BNB, "fat")]
+    assert [(r["status"], r["failure_class"], r["error_class"], r["attempts"]) for r in demo] == [
+        ("failed", "worker_lost", "NoWorkerFits", 1)] * 3
+    (message,) = {r["error_message"] for r in demo}
+    need = re.fullmatch(r"its model's reference needs ([\d,]+) bytes of device memory; no worker "
+                        r"has had that much for 3s \(the most now: 3,000,000\)", message)
+    assert need and int(need[1].replace(",", "")) > 3_000_000, message
+    assert rows["tiny", "none"]["status"] == rows["tiny", BNB]["status"] == "done"
+    fat = rows["tiny", "fat"]
     assert (fat["status"], fat["failure_class"], fat["error_class"], fat["attempts"]) == (
         "failed", "worker_lost", "NoWorkerFits", 1)
     assert re.fullmatch(r"needs [\d,]+ bytes of device memory; no worker has had that much "
-                        r"for 3s \(the most now: 20,000,000\)", fat["error_message"])
+                        r"for 3s \(the most now: 3,000,000\)", fat["error_message"])
+    assert took < 90
 
 
 # -- adaptive scaling --------------------------------------------------------------------------
