@@ -169,4 +169,5 @@ def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_p
     assert f"report: {report.resolve()}" in demo.stdout
     assert report.stat().st_size > 500_000  # the charts' JavaScript inlined
     assert "quantdask report: run" in report.read_text(encoding="utf-8")
+    assert "WARNING" not in demo.stderr  # notebook and kernel clean-up stay quiet
     assert _snapshot(site / "quantdask") == installed  # the demo wrote nothing into the install

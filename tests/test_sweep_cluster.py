@@ -10,10 +10,11 @@ from pathlib import Path
 import polars as pl
 import psutil
 import pytest
+import yaml
 
 import quantdask.backends
 from quantdask.backends import Backend
-from quantdask.demo_model import DEMO_SWEEP
+from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP
 from quantdask.reference import REFERENCE_TOPIC, reference_key
 from quantdask.scheduler import run_sweep
 from quantdask.store import read_device_samples, read_layers, read_results
@@ -109,9 +110,18 @@ def test_one_layer_row_per_quantized_linear_per_job(demo_run):
 
 def test_a_fresh_run_reproduces_the_metrics(demo_run, cluster, tmp_path):
     _, results, _ = demo_run
-    again = run_sweep(load_sweep(DEMO_SWEEP), tmp_path / "again", cluster.client)
+    # Three of the demo's jobs, one of each kind (the same job ids), in a new run directory.
+    data = yaml.safe_load(Path(DEMO_SWEEP).read_text())
+    data["models"][0]["path"] = DEMO_MODEL_DIR
+    data["eval"]["text"] = DEMO_EVAL_TEXT
+    data["backends"] = [{"backend": "bitsandbytes", "configs": [
+        {"bits": 4, "quant_type": "nf4", "double_quant": True},
+        {"bits": 8, "int8_threshold": 0.0}]}]
+    again = run_sweep(sweep_from_dict(data), tmp_path / "again", cluster.client)
     metrics = ["job_id", "perplexity", "kl_divergence", "top1_agreement", "size_bytes"]
-    assert again.select(metrics).sort("job_id").equals(results.select(metrics).sort("job_id"))
+    assert again.height == 3 and set(again["job_id"]) < set(results["job_id"])
+    assert again.select(metrics).sort("job_id").equals(
+        results.select(metrics).join(again.select("job_id"), on="job_id").sort("job_id"))
 
 
 def test_device_samples_and_per_device_summary(demo_run):
