@@ -12,6 +12,21 @@ from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The files that take longest, longest first (measured serially on 2 cores). `make test` runs
+# two pytest processes that take whole files in collection order (--no-loadscope-reorder):
+# starting with the long files, the last file to finish is a short one, not test_multinode.
+LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_install.py",
+                 "test_benchmarks.py", "test_cli.py", "test_backends.py",
+                 "test_sweep_cluster.py", "test_families.py", "test_operator.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:

@@ -50,25 +50,31 @@ def dask_processes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def solo_node(tmp_path_factory):
-    """One `dask worker` node ("solo", nanny and all) and its scheduler, shared by the tests
-    below that need a single node; the last of them takes the node away for good."""
-    nodes = DaskProcesses(tmp_path_factory.mktemp("solo"))
+def two_nodes(tmp_path_factory):
+    """Two `dask worker` nodes ("node-1", "node-2": nanny and all) and their scheduler, shared
+    by the tests below in order: the first kills node-2 mid-sweep, the next runs on node-1
+    alone, the last takes node-1 away for good."""
+    nodes = DaskProcesses(tmp_path_factory.mktemp("nodes"))
     try:
         address = nodes.start_scheduler()
-        nodes.start_worker("solo")  # one thread: Dask queues a second task on it while one runs
-        wait_for_workers(address, {"solo"})
+        for name in ("node-1", "node-2"):
+            # One thread each: Dask queues a second task on a node while one runs.
+            nodes.start_worker(name)
+        wait_for_workers(address, {"node-1", "node-2"})
         yield nodes, address
     finally:
         nodes.close()
 
 
 def wait_for_workers(address: str, names: set[str], security=None, timeout_s: float = 90):
+    """Wait until the scheduler's workers are exactly ``names``; return their resources."""
     with Client(address, security=security) as client:
-        client.wait_for_workers(len(names), timeout=timeout_s)
-        info = client.scheduler_info(n_workers=-1)["workers"].values()
-        assert {str(w["name"]) for w in info} == names
-        return {str(w["name"]): w["resources"] for w in info}
+        def workers() -> dict:
+            return {str(w["name"]): w["resources"]
+                    for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+
+        wait_until(lambda: set(workers()) == names, timeout_s, f"workers {sorted(names)}")
+        return workers()
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -82,11 +88,8 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_processes, tmp_path):
-    nodes = dask_processes()
-    address = nodes.start_scheduler()
-    for name in ("node-1", "node-2"):
-        nodes.start_worker(name)
+def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, tmp_path):
+    nodes, address = two_nodes  # node-2 is killed here; the tests after it use node-1 alone
     resources = wait_for_workers(address, {"node-1", "node-2"})
     # Each worker advertises its device memory (here a CPU slot: its memory limit).
     with Client(address) as client:
@@ -133,11 +136,11 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(dask_process
 
 @pytest.mark.timeout(300)
 def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_never_retired(
-        solo_node, tmp_path, caplog):
+        two_nodes, tmp_path, caplog):
     from quantdask.cluster import retire_worker
 
-    nodes, address = solo_node
-    wait_for_workers(address, {"solo"})
+    nodes, address = two_nodes
+    wait_for_workers(address, {"node-1"})  # node-2 was killed by the test above
     # nf4 goes first (the highest priority) and kills its worker; the others wait on that
     # worker meanwhile (Dask sends resource-restricted tasks to it at once).
     data = sweep_dict(name="requeue", retries=1,
@@ -151,9 +154,9 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
     with start_cluster(address=address) as cluster:
         results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
         # The last worker is kept however it fails: a sweep without workers gets nowhere.
-        assert retire_worker(cluster.client, "solo") is False
+        assert retire_worker(cluster.client, "node-1") is False
         assert {str(w["name"]) for w in
-                cluster.client.scheduler_info(n_workers=-1)["workers"].values()} == {"solo"}
+                cluster.client.scheduler_info(n_workers=-1)["workers"].values()} == {"node-1"}
     attempts = dict(zip(results["config_label"], results["attempts"]))
     assert results["status"].to_list() == ["done"] * 5
     assert attempts.pop("nf4") == 2 and set(attempts.values()) == {1}
@@ -165,20 +168,20 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
 
 
 @pytest.mark.timeout(240)
-def test_with_every_worker_gone_the_rest_fail_after_the_grace(solo_node, tmp_path,
+def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_path,
                                                                monkeypatch):
     import quantdask.scheduler
 
     monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
-    nodes, address = solo_node  # taken away below: this test comes after the other solo one
-    wait_for_workers(address, {"solo"})
+    nodes, address = two_nodes  # node-1, taken away below: this test comes last of the three
+    wait_for_workers(address, {"node-1"})
     data = sweep_dict(name="gone", retries=1, backends=[
         {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}])
     data["eval"].update(seq_len=128, samples=48)  # about a second a job
 
     def lose_the_only_node(record) -> None:
-        if nodes.processes["solo"].poll() is None:
-            nodes.kill("solo")
+        if nodes.processes["node-1"].poll() is None:
+            nodes.kill("node-1")
 
     with start_cluster(address=address) as cluster:
         started = time.monotonic()
