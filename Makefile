@@ -37,10 +37,10 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 219 s on 2 cores, where the suite is
+# process), the longest files first (tests/conftest.py): about 220 s on 2 cores, where the suite is
 # CPU-bound.
 test: $(VENV)/.installed browser
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts

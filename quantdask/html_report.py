@@ -117,6 +117,24 @@ def _inject_parameters(nb, parameters: dict[str, Any]) -> None:
     nb.cells.insert(tagged[0] + 1 if tagged else 0, cell)
 
 
+def _report_kernel_manager():
+    """jupyter_client's KernelManager, starting :mod:`quantdask.report_kernel` with this
+    Python instead of the ``python3`` kernel spec's command."""
+    import sys
+
+    from jupyter_client.kernelspec import KernelSpec
+    from jupyter_client.manager import KernelManager
+
+    class ReportKernelManager(KernelManager):
+        @property
+        def kernel_spec(self) -> KernelSpec:
+            return KernelSpec(argv=[sys.executable, "-m", "quantdask.report_kernel", "-f",
+                                    "{connection_file}"],
+                              display_name="quantdask report", language="python")
+
+    return ReportKernelManager
+
+
 def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | None = None,
                      output: str | os.PathLike | None = None, cwd: str | os.PathLike = ".",
                      timeout_s: int = CELL_TIMEOUT_S):
@@ -124,7 +142,6 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
     executed notebook (also saved to ``output``). Raises :class:`ReportError` naming the cell
     that failed."""
     import nbformat
-    from jupyter_client.manager import KernelManager
 
     # jupyter_client warns about its own clean-up races at shutdown; nothing to act on.
     logging.getLogger("traitlets").setLevel(logging.ERROR)
@@ -140,8 +157,8 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
     # is shown only when something failed.
     with tempfile.TemporaryDirectory(prefix="quantdask-kernel-") as scratch, \
             open(os.path.join(scratch, "stderr.log"), "w+") as kernel_stderr:
-        kernel = KernelManager(kernel_name="python3", transport="ipc",
-                               ip=os.path.join(scratch, "kernel"))
+        kernel = _report_kernel_manager()(kernel_name="python3", transport="ipc",
+                                          ip=os.path.join(scratch, "kernel"))
         client = NotebookClient(nb, km=kernel, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": str(cwd)}})
         try:

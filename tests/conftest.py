@@ -12,6 +12,11 @@ from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Two pytest processes share 2 cores (`make test`): each computes on one thread, as each CPU
+# slot does, instead of two OpenMP threads apiece spinning against the other process. (Before
+# torch is imported; the commands the tests start inherit it.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The files that take longest, longest first (measured serially on 2 cores). `make test` runs
 # two pytest processes that take whole files in collection order (--no-loadscope-reorder):
 # starting with the long files, the last file to finish is a short one, not test_multinode.
