@@ -105,6 +105,20 @@ def build_tokenizer(text: str, vocab_size: int = 320):
 def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_TEXT,
                      steps: int = 600, seed: int = 0, log=print) -> str:
     """Train the demo model and write it (safetensors + tokenizer) to ``out_dir``."""
+    train_small_llama(out_dir, steps=steps, seed=seed, log=log)
+    os.makedirs(os.path.dirname(eval_path), exist_ok=True)
+    with open(eval_path, "w", encoding="utf-8") as f:
+        f.write(generate_text(1_500, seed=seed + 1))
+    return out_dir
+
+
+def train_small_llama(out_dir: str, steps: int = 600, seed: int = 0, vocab_size: int | None = None,
+                      hidden_size: int = 128, layers: int = 4, log=print) -> str:
+    """Train a small Llama on the generated text and save it with its tokenizer to ``out_dir``.
+
+    ``vocab_size`` widens the output layer past the tokenizer's 320 tokens (the extra ids never
+    occur, so training pushes their probability down, as for a real model's rare tokens); the
+    demo model keeps the tokenizer's size."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,10 +126,11 @@ def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_T
     train_text = generate_text(40_000, seed=seed)
     tokenizer = build_tokenizer(train_text)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(config)
     ids = torch.tensor(tokenizer(train_text)["input_ids"])
@@ -140,9 +155,6 @@ def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_T
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    os.makedirs(os.path.dirname(eval_path), exist_ok=True)
-    with open(eval_path, "w", encoding="utf-8") as f:
-        f.write(generate_text(1_500, seed=seed + 1))
     return out_dir
 
 

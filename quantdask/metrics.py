@@ -149,45 +149,99 @@ def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tens
     return torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, seq_len)
 
 
-def forward_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
-                      device: str):
-    """Yield, batch by batch, float32 CPU log-probs of the next token at each position but the
-    last: (batch, seq_len - 1, vocab)."""
+def reference_slice(log_probs: torch.Tensor, k: int | None) -> dict[str, torch.Tensor]:
+    """The reference's compact form of one slice of log-probs (batch x positions x vocab): the
+    ``k`` most likely tokens' ids (int32) and log-probs (float32), most likely first, and the
+    log of the probability mass outside them (``rest``; -inf when there is none). ``k`` None
+    keeps every log-prob (exact KL)."""
     import torch
 
-    with torch.inference_mode():
-        for batch in windows.split(batch_size):
-            logits = model(input_ids=batch.to(device)).logits[:, :-1].float()
-            yield torch.log_softmax(logits, dim=-1).cpu()
+    if k is None or k >= log_probs.size(-1):
+        return {"log_probs": log_probs.float().cpu()}
+    top, ids = log_probs.topk(k, dim=-1, sorted=True)
+    return {"log_probs": top.float().cpu(), "ids": ids.to(torch.int32).cpu(),
+            "rest": _log_rest(top).float().cpu()}
 
 
-def quality(model: torch.nn.Module, windows: torch.Tensor, reference_log_probs: torch.Tensor,
-            batch_size: int, device: str) -> dict[str, float]:
-    """Perplexity on ``windows``, and KL divergence and top-1 agreement against the reference.
+def _log_rest(top_log_probs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(top))), in float64; -inf where the top entries hold all the mass."""
+    import torch
 
-    KL is KL(reference || model) per predicted token, averaged over tokens (nats); top-1
-    agreement is the share of positions where both pick the same most likely next token.
+    covered = torch.logsumexp(top_log_probs.double(), dim=-1).clamp(max=0.0)
+    return torch.log(-torch.expm1(covered))
+
+
+SCORES = ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens")
+"""What :meth:`QualityMeter.scores` returns."""
+
+
+class QualityMeter:
+    """Perplexity, KL divergence and top-1 agreement against a reference, accumulated slice by
+    slice (see :mod:`quantdask.logits`).
+
+    KL is KL(reference || model) per predicted token, averaged over tokens (nats). With a top-k
+    reference it is taken over the reference's k most likely tokens plus one bucket for the
+    rest of the vocabulary: merging outcomes never increases a KL divergence (the log-sum
+    inequality), so it is a lower bound of the exact figure, exact when the bucket is empty.
+    Top-1 agreement is the share of positions where both pick the same most likely next token.
     """
-    import torch
 
-    nll = kl = agree = 0.0
-    tokens = 0
-    for i, log_q in enumerate(forward_log_probs(model, windows, batch_size, device)):
-        rows = slice(i * batch_size, i * batch_size + log_q.size(0))
-        log_p = reference_log_probs[rows]
-        targets = windows[rows, 1:]
-        nll -= log_q.gather(-1, targets.unsqueeze(-1)).sum().item()
-        # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
-        kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q), 0.0).sum().item()
-        agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
-        tokens += targets.numel()
-    scores = {"perplexity": math.exp(nll / tokens), "kl_divergence": max(kl / tokens, 0.0),
-              "top1_agreement": agree / tokens, "eval_tokens": tokens}
-    broken = [name for name in ("perplexity", "kl_divergence") if not math.isfinite(scores[name])]
-    if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement
-        raise ArithmeticError(f"non-finite {', '.join(broken)} ({scores}); the quantized model "
-                              "produced inf/nan logits")
-    return scores
+    def __init__(self, windows: torch.Tensor, reference: dict[str, torch.Tensor] | None):
+        self.windows = windows
+        self.reference = reference
+        self.nll = self.kl = self.agree = 0.0
+        self.tokens = 0
+
+    def add(self, rows: slice, positions: slice, log_q: torch.Tensor) -> None:
+        """Fold in the model's log-probs ``log_q`` for ``rows`` x ``positions``."""
+        import torch
+
+        targets = self.windows[rows, positions.start + 1:positions.stop + 1].to(log_q.device)
+        self.nll -= log_q.gather(-1, targets.unsqueeze(-1)).double().sum().item()
+        self.tokens += targets.numel()
+        if self.reference is None:  # the reference itself: KL 0, top-1 1
+            self.agree += targets.numel()
+            return
+        ref = {name: t[rows, positions].to(log_q.device) for name, t in self.reference.items()}
+        log_p = ref["log_probs"]
+        if "ids" not in ref:  # exact: every token of the vocabulary
+            # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
+            self.kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
+                                   0.0).double().sum().item()
+            self.agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+            return
+        ids = ref["ids"].long()
+        log_p, log_q_top = log_p.double(), log_q.gather(-1, ids).double()
+        self.kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top),
+                               0.0).sum().item()
+        rest_p = ref["rest"].double()
+        rest_q = _log_rest(log_q_top).clamp(min=math.log(torch.finfo(torch.float64).tiny))
+        self.kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q),
+                               0.0).sum().item()
+        self.agree += (ids[..., 0] == log_q.argmax(-1)).sum().item()
+
+    def scores(self) -> dict[str, float]:
+        scores = {"perplexity": math.exp(self.nll / self.tokens),
+                  "kl_divergence": max(self.kl / self.tokens, 0.0),
+                  "top1_agreement": self.agree / self.tokens, "eval_tokens": self.tokens}
+        broken = [n for n in ("perplexity", "kl_divergence") if not math.isfinite(scores[n])]
+        if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement
+            raise ArithmeticError(f"non-finite {', '.join(broken)} ({scores}); the quantized "
+                                  "model produced inf/nan logits")
+        return scores
+
+
+def quality(model: torch.nn.Module, windows: torch.Tensor,
+            reference: dict[str, torch.Tensor] | None, batch_size: int,
+            device: str) -> dict[str, float]:
+    """Perplexity on ``windows``, and KL divergence and top-1 agreement against ``reference``
+    (see :class:`QualityMeter`), the logits computed a slice of positions at a time."""
+    from quantdask.logits import sliced_log_probs
+
+    meter = QualityMeter(windows, reference)
+    for piece in sliced_log_probs(model, windows, batch_size, device):
+        meter.add(piece.rows, piece.positions, piece.log_probs)
+    return meter.scores()
 
 
 def physical_gpu_id(local_index: int = 0) -> str:

@@ -24,6 +24,7 @@ from distributed import Client
 from quantdask.backends import BASELINE, get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.errors import PlacementError
+from quantdask.logits import SLICE_BUDGET_BYTES
 from quantdask.spec import DEVICE_MEMORY, EvalSettings, Job
 
 log = logging.getLogger("quantdask.placement")
@@ -46,13 +47,17 @@ class MemoryEstimate:
 
 def config_bytes(backend: str, options: dict, eval: EvalSettings, facts: ModelFacts) -> int:
     """Device memory a job needs by its config alone: the weights at the backend's bits (as
-    loaded when it does not quantize) plus the eval's logits. 0 when the checkpoint is unknown."""
+    loaded when it does not quantize) plus one slice of the eval's logits. 0 when the
+    checkpoint is unknown."""
     if not facts.weight_bytes:
         return 0
     bits = get_backend(backend).weight_bits
     weight_bits = bits(options, facts.loaded_bits) if bits is not None else facts.loaded_bits
     weights = facts.weight_bytes * weight_bits / facts.checkpoint_bits
-    logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4 * LOGIT_COPIES
+    # The eval's logits exist a slice of positions at a time (quantdask.logits).
+    batch_logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4
+    row = eval.batch_size * facts.vocab_size * 4
+    logits = min(batch_logits, max(SLICE_BUDGET_BYTES, row)) * LOGIT_COPIES
     return int(weights + logits)
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from dask.sizeof import sizeof
 
 from quantdask.errors import JobTimeout
-from quantdask.metrics import eval_windows, forward_log_probs
+from quantdask.metrics import PeakMemory, QualityMeter, eval_windows, reference_slice
 from quantdask.model_source import cached_model_source
 from quantdask.spec import DEVICE_MEMORY
 
@@ -37,16 +37,29 @@ REFERENCE_TOPIC = "quantdask-reference"
 
 @dataclass
 class Reference:
-    """Eval windows (samples x seq_len token ids) and the baseline's log-probs for each position
-    but the last (samples x seq_len-1 x vocab, float32, on the CPU)."""
+    """Eval windows (samples x seq_len token ids) and the unquantized model's next-token
+    distribution at each position but the last, in the compact form :func:`reference_slice`
+    makes: ``log_probs`` (samples x seq_len-1 x k, float32) of the tokens ``ids`` (int32), and
+    ``rest``, the log of the mass outside them; with ``eval.kl_top_k: all``, every token's
+    log-prob and no ``ids``. ``baseline``: the unquantized model's own scores on the windows."""
 
     key: str
     windows: torch.Tensor
     log_probs: torch.Tensor
+    ids: torch.Tensor | None = None
+    rest: torch.Tensor | None = None
+    baseline: dict = field(default_factory=dict)
+
+    @property
+    def distribution(self) -> dict[str, torch.Tensor]:
+        """The tensors :class:`~quantdask.metrics.QualityMeter` compares against."""
+        return {name: t for name, t in (("log_probs", self.log_probs), ("ids", self.ids),
+                                        ("rest", self.rest)) if t is not None}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.windows, self.log_probs))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.windows, *self.distribution.values()))
 
 
 @sizeof.register(Reference)
@@ -92,19 +105,35 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
 
 
 def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
-    import torch
-
+    from quantdask.logits import sliced_log_probs
     from quantdask.worker import torch_device
 
     source, _ = cached_model_source(model)
     windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
                            settings.samples)
-    device, _, _ = torch_device()
-    fp_model = source.build(device)
-    log_probs = torch.cat(list(forward_log_probs(fp_model, windows, settings.batch_size, device)))
-    del fp_model
+    device, _, cuda = torch_device()
+    meter = QualityMeter(windows, None)
+    compact: dict[str, torch.Tensor] = {}
+    with PeakMemory(cuda) as peak:
+        fp_model = source.build(device)
+        began = time.perf_counter()
+        for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
+            meter.add(piece.rows, piece.positions, piece.log_probs)
+            for name, part in reference_slice(piece.log_probs, settings.top_k).items():
+                if name not in compact:  # sized by the first slice: k, or the whole vocabulary
+                    compact[name] = part.new_empty((windows.size(0), windows.size(1) - 1,
+                                                    *part.shape[2:]))
+                compact[name][piece.rows, piece.positions] = part
+        eval_s = time.perf_counter() - began
+        del fp_model
     _announce(reference_key(model, settings))
-    return Reference(key=reference_key(model, settings), windows=windows, log_probs=log_probs)
+    # The baseline job's figures: the unquantized model, evaluated here.
+    baseline = {**meter.scores(), "eval_s": eval_s,
+                "peak_device_mem_bytes": peak.peak_device_bytes,
+                "peak_device_reserved_bytes": peak.peak_reserved_bytes,
+                "peak_host_rss_bytes": peak.peak_rss_bytes}
+    return Reference(key=reference_key(model, settings), windows=windows, baseline=baseline,
+                     **compact)
 
 
 def _announce(key: str) -> None:

@@ -28,6 +28,9 @@ from quantdask.errors import SpecError
 from quantdask.model_source import DTYPES
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang")
+DEFAULT_KL_TOP_K = 64
+"""The reference's tokens per position for KL (eval.kl_top_k), chosen by measurement: see
+benchmarks/kl_top_k.py and its figures in benchmarks/RESULTS.md."""
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
 the worker process killed (SIGKILL), or a hang past any deadline."""
 
@@ -46,10 +49,10 @@ def _require(field_name: str, value: Any, kind: type | tuple, what: str) -> Any:
     return value
 
 
-def _positive_int(field_name: str, value: Any) -> int:
-    _require(field_name, value, int, "a positive integer")
+def _positive_int(field_name: str, value: Any, what: str = "a positive integer") -> int:
+    _require(field_name, value, int, what)
     if value < 1:
-        raise SpecError(field_name, f"must be a positive integer, got {value!r}")
+        raise SpecError(field_name, f"must be {what}, got {value!r}")
     return value
 
 
@@ -188,12 +191,18 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from a text file."""
+    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from a text file.
+
+    ``kl_top_k``: KL divergence against the reference's ``k`` most likely tokens at each
+    position plus one bucket for the rest (a lower bound; see ``QualityMeter``), or ``"all"``
+    for the exact figure over the whole vocabulary (a reference of samples x seq_len x vocab
+    floats)."""
 
     text: str
     seq_len: int = 128
     samples: int = 32
     batch_size: int = 8
+    kl_top_k: int | str = DEFAULT_KL_TOP_K
     root: str = field(default="", compare=False)
     text_sha256: str = field(default="", init=False)
 
@@ -215,14 +224,27 @@ class EvalSettings:
             raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
         _positive_int("samples", self.samples)
         _positive_int("batch_size", self.batch_size)
+        if self.kl_top_k != "all":
+            _positive_int("kl_top_k", self.kl_top_k,
+                          f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
 
     @property
     def text_path(self) -> str:
         return os.path.join(self.root, self.text)
 
+    @property
+    def top_k(self) -> int | None:
+        """The reference's tokens per position (None: every token, exact KL)."""
+        return None if self.kl_top_k == "all" else self.kl_top_k
+
     def identity(self) -> dict:
-        # batch_size only changes how the same tokens are grouped, not what is measured.
-        return {"text_sha256": self.text_sha256, "seq_len": self.seq_len, "samples": self.samples}
+        # batch_size only changes how the same tokens are grouped, not what is measured. The
+        # exact KL (all) is what every run measured before kl_top_k: its jobs keep their ids.
+        identity = {"text_sha256": self.text_sha256, "seq_len": self.seq_len,
+                    "samples": self.samples}
+        if self.top_k is not None:
+            identity["kl_top_k"] = self.top_k
+        return identity
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from quantdask.backends.baseline import BASELINE
 from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.layers import add_output_errors, weight_errors
-from quantdask.metrics import PeakMemory, Stopwatch, model_size_bytes, physical_gpu_id, quality
+from quantdask.metrics import (
+    SCORES,
+    PeakMemory,
+    Stopwatch,
+    model_size_bytes,
+    physical_gpu_id,
+    quality,
+)
 from quantdask.model_source import cached_model_source
 
 if TYPE_CHECKING:
@@ -197,19 +205,29 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                                                    source.state_dict)
             for name, reason in unmeasured.items():
                 log.warning("per-layer stats skip %s: %s", name, reason)
-            with watch("eval"):
-                scores = quality(model, reference.windows, reference.log_probs,
-                                 job.eval.batch_size, device)
+            if job.backend == BASELINE:
+                # The reference evaluated this very model on these windows: its scores and
+                # peak are the baseline's (the unquantized model is not evaluated twice; the
+                # time it took is the reference task's, not this job's).
+                scores = {k: reference.baseline[k] for k in SCORES}
+                watch.seconds["eval"] = 0.0
+            else:
+                with watch("eval"):
+                    scores = quality(model, reference.windows, reference.distribution,
+                                     job.eval.batch_size, device)
             if layers:
                 record["layers"] = add_output_errors(model, layers, source.state_dict,
                                                      reference.windows[:PROBE_WINDOWS], device)
             del model
+        peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
+                 "peak_device_reserved_bytes": peak.peak_reserved_bytes,
+                 "peak_host_rss_bytes": peak.peak_rss_bytes}
+        if job.backend == BASELINE:
+            peaks = {k: max(v, reference.baseline[k]) for k, v in peaks.items()}
         record.update(
-            status="done", wall_s=watch.seconds["wall"], load_s=watch.seconds["load"],
+            status="done", wall_s=watch.seconds["wall"], **peaks, load_s=watch.seconds["load"],
             quantize_s=watch.seconds["quantize"], eval_s=watch.seconds["eval"],
-            source_cached=cached, peak_device_mem_bytes=peak.peak_device_bytes,
-            peak_device_reserved_bytes=peak.peak_reserved_bytes,
-            peak_host_rss_bytes=peak.peak_rss_bytes, param_count=source.param_count,
+            source_cached=cached, param_count=source.param_count,
             size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
             quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
             full_precision=covered.summary() if backend.quantizes else None,

@@ -77,7 +77,7 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
                               "quantized", "est_memory", "memory_from", "est_time"]
-    assert out[1].split()[:2] == ["1", "none-c52a747a1b04d31c"]  # the baseline goes first
+    assert out[1].split()[:2] == ["1", "none-650a1d1e8ad89e29"]  # the baseline goes first
     assert "baseline" in out[1] and len(out) == 1 + 7 + 1
     # Every config quantizes the demo model's linear layers but the output head: 90% of it.
     at = out[0].index("quantized")

@@ -22,7 +22,14 @@ import pytest
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.retry import with_more_room
-from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.spec import (
+    DEFAULT_KL_TOP_K,
+    BackendBlock,
+    EvalSettings,
+    ModelSpec,
+    Sweep,
+    expand_grid,
+)
 from quantdask.worker import run_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,11 +41,11 @@ OPTIONS = {"bits": 4, "quant_type": "fp4"}
 REL = 1e-4  # float32 logits (quantdask) against float64 sums (here), and summation order
 
 
-def jobs(batch_size: int = 8) -> dict:
+def jobs(batch_size: int = 8, kl_top_k: int | str = "all") -> dict:
     sweep = Sweep(name="q", models=[ModelSpec(path=DEMO_MODEL_DIR)],
                   backends=[BackendBlock("bitsandbytes", configs=[OPTIONS])],
                   eval=EvalSettings(text=DEMO_EVAL_TEXT, seq_len=SEQ_LEN, samples=SAMPLES,
-                                    batch_size=batch_size))
+                                    batch_size=batch_size, kl_top_k=kl_top_k))
     return {job.config_label: job for job in expand_grid(sweep)}
 
 
@@ -69,6 +76,16 @@ def independent():
         log_p = torch.log_softmax(fp(input_ids=windows).logits[:, :-1].double(), dim=-1)
         log_q = torch.log_softmax(quantized(input_ids=windows).logits[:, :-1].double(), dim=-1)
     return {"windows": windows, "log_p": log_p, "log_q": log_q}
+
+
+def top_k_kl(log_model, log_ref, k: int) -> float:
+    """The README's top-k KL: over the reference's k most likely tokens, plus one bucket for
+    the rest of the vocabulary (its mass under each model)."""
+    top, ids = log_ref.topk(k, dim=-1)
+    top_q = log_model.gather(-1, ids)
+    rest_p, rest_q = 1 - top.exp().sum(-1), 1 - top_q.exp().sum(-1)
+    kl = (top.exp() * (top - top_q)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
+    return kl.mean().item()
 
 
 def scores(log_model, log_ref, windows) -> dict[str, float]:
@@ -154,3 +171,28 @@ def test_metrics_do_not_depend_on_the_eval_batch_size(records):
     record = run_job(odd, backend, reference=odd_reference)
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens"):
         assert record[metric] == pytest.approx(first[metric], rel=1e-5), (metric, 3)
+
+
+@pytest.mark.parametrize("k", [DEFAULT_KL_TOP_K, 8])
+def test_the_top_k_kl_is_the_readmes_formula_a_lower_bound_and_within_1pct_at_the_default(
+        independent, records, k):
+    """With a top-k reference (the default), KL is the README's top-k + rest formula: at most
+    the exact KL, within 1% of it at the default k; perplexity and top-1 stay exact."""
+    from quantdask.reference import compute_reference
+
+    exact, _ = records
+    job = jobs(kl_top_k=k)["fp4"]
+    with open(job.eval.text_path, encoding="utf-8") as f:
+        reference = compute_reference(job.model, job.eval, f.read())
+    assert reference.ids.shape == (SAMPLES, SEQ_LEN - 1, k)
+    record = run_job(job, get_backend(job.backend), reference=reference)
+    log_p, log_q = independent["log_p"], independent["log_q"]
+    expected = top_k_kl(log_q, log_p, k)
+    exact_kl = scores(log_q, log_p, independent["windows"])["kl_divergence"]
+    assert record["kl_divergence"] == pytest.approx(expected, rel=10 * REL)
+    assert record["kl_divergence"] <= exact["fp4"]["kl_divergence"] * (1 + REL)
+    assert expected <= exact_kl
+    if k == DEFAULT_KL_TOP_K:
+        assert record["kl_divergence"] >= 0.99 * exact_kl
+    for metric in ("perplexity", "top1_agreement", "eval_tokens"):
+        assert record[metric] == pytest.approx(exact["fp4"][metric], rel=1e-6), metric

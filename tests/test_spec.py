@@ -12,7 +12,14 @@ import pytest
 
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
-from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.spec import (
+    DEFAULT_KL_TOP_K,
+    BackendBlock,
+    EvalSettings,
+    ModelSpec,
+    Sweep,
+    expand_grid,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,32 +86,40 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    sweep = Sweep(name="s", models=[ModelSpec(path="m", root=str(tmp_path))],
-                  backends=[BackendBlock("bitsandbytes", grid={"bits": [8]})],
-                  eval=EvalSettings(text="eval.txt", seq_len=16, samples=2, root=str(tmp_path)))
+    def sweep(**eval_options) -> Sweep:
+        return Sweep(name="s", models=[ModelSpec(path="m", root=str(tmp_path))],
+                     backends=[BackendBlock("bitsandbytes", grid={"bits": [8]})],
+                     eval=EvalSettings(text="eval.txt", seq_len=16, samples=2,
+                                       root=str(tmp_path), **eval_options))
+
     # The documented rule, worked out here: the id is "<backend>-" + the first 16 hex digits
     # of the sha256 of the canonical job spec as JSON (keys sorted, no spaces, ASCII). The spec:
     # the model (its directory's name, and a fingerprint: the sha256 of config.json's bytes
     # then "<name>:<size>" of each weight file, none here), the backend, its canonical options
-    # (defaults filled in), the eval (the text's sha256, seq_len, samples) and the seed.
-    def expected_id(backend: str, options: dict) -> str:
+    # (defaults filled in), the eval (the text's sha256, seq_len, samples, and kl_top_k unless
+    # it is "all") and the seed.
+    def expected_id(backend: str, options: dict, **eval_identity) -> str:
         spec = {
             "model": {"path": "m", "fingerprint": hashlib.sha256(b"{}").hexdigest()[:16],
                       "dtype": "auto", "trust_remote_code": False},
             "backend": backend,
             "options": options,
             "eval": {"text_sha256": hashlib.sha256(b"some eval text\n").hexdigest(),
-                     "seq_len": 16, "samples": 2},
+                     "seq_len": 16, "samples": 2, **eval_identity},
             "seed": 0,
         }
         canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return f"{backend}-{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
-    ids = [j.id for j in expand_grid(sweep)]
-    assert ids == [expected_id("none", {}),
-                   expected_id("bitsandbytes", {"bits": 8, "int8_threshold": 6.0})]
-    # And the values themselves, so ids cannot drift between versions or machines unnoticed.
-    assert ids == ["none-0505861aaaa71935", "bitsandbytes-01caf1c14bcc1d81"]
+    int8 = {"bits": 8, "int8_threshold": 6.0}
+    ids = [j.id for j in expand_grid(sweep())]
+    assert ids == [expected_id("none", {}, kl_top_k=DEFAULT_KL_TOP_K),
+                   expected_id("bitsandbytes", int8, kl_top_k=DEFAULT_KL_TOP_K)]
+    exact = [j.id for j in expand_grid(sweep(kl_top_k="all"))]
+    assert exact == [expected_id("none", {}), expected_id("bitsandbytes", int8)]
+    # And the values themselves, so ids cannot drift between versions or machines unnoticed;
+    # the exact KL keeps the ids every run had before kl_top_k existed.
+    assert exact == ["none-0505861aaaa71935", "bitsandbytes-01caf1c14bcc1d81"]
 
 
 @pytest.mark.parametrize("change", [
@@ -112,7 +127,9 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     lambda s: dataclasses.replace(s, eval=EvalSettings(text=DEMO_EVAL_TEXT, seq_len=33, samples=4)),
     lambda s: dataclasses.replace(s, eval=EvalSettings(text=DEMO_EVAL_TEXT, seq_len=32, samples=5)),
     lambda s: dataclasses.replace(s, models=[ModelSpec(path=DEMO_MODEL_DIR, dtype="bfloat16")]),
-], ids=["seed", "seq_len", "samples", "dtype"])
+    lambda s: dataclasses.replace(s, eval=dataclasses.replace(s.eval, kl_top_k=8)),
+    lambda s: dataclasses.replace(s, eval=dataclasses.replace(s.eval, kl_top_k="all")),
+], ids=["seed", "seq_len", "samples", "dtype", "kl_top_k", "exact kl"])
 def test_any_changed_field_gives_new_ids(change):
     before = {j.id for j in expand_grid(make_sweep())}
     after = {j.id for j in expand_grid(change(make_sweep()))}
