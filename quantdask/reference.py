@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quantdask.reference")
 
+TAIL_WARNING = 0.05
+"""Warn when the reference's top k leave more than this share of the probability mass out."""
 REFERENCE_TOPIC = "quantdask-reference"
 """Dask event topic: one event each time a worker computes a reference (to count them)."""
 
@@ -114,6 +116,7 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
     device, _, cuda = torch_device()
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
+    tail = 0.0  # the mass outside the top k, summed over positions
     with PeakMemory(cuda) as peak:
         fp_model = source.build(device)
         began = time.perf_counter()
@@ -124,11 +127,19 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
                     compact[name] = part.new_empty((windows.size(0), windows.size(1) - 1,
                                                     *part.shape[2:]))
                 compact[name][piece.rows, piece.positions] = part
+                if name == "rest":
+                    tail += part.double().exp().sum().item()
         eval_s = time.perf_counter() - began
         del fp_model
     _announce(reference_key(model, settings))
     # The baseline job's figures: the unquantized model, evaluated here.
-    baseline = {**meter.scores(), "eval_s": eval_s,
+    tail_mass = tail / meter.tokens
+    if tail_mass > TAIL_WARNING:
+        log.warning("%s: the top %s tokens hold only %.1f%% of the unquantized model's "
+                    "probability mass on average: KL is a loose lower bound here (its "
+                    "predictions are flat); eval.kl_top_k: all gives the exact figure",
+                    model.label, settings.kl_top_k, 100 * (1 - tail_mass))
+    baseline = {**meter.scores(), "kl_tail_mass": tail_mass, "eval_s": eval_s,
                 "peak_device_mem_bytes": peak.peak_device_bytes,
                 "peak_device_reserved_bytes": peak.peak_reserved_bytes,
                 "peak_host_rss_bytes": peak.peak_rss_bytes}

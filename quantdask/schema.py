@@ -48,6 +48,8 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "layers_unmeasured": pl.Int64(),  # quantized layers the per-layer stats could not measure
     "perplexity": pl.Float64(),
     "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
+    # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
+    "kl_tail_mass": pl.Float64(),
     "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
     "eval_tokens": pl.Int64(),
     "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
@@ -62,7 +64,7 @@ METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quanti
            "source_cached", "peak_device_mem_bytes", "peak_device_reserved_bytes",
            "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight",
            "quantized_params", "quantized_share", "perplexity", "kl_divergence",
-           "top1_agreement", "eval_tokens")
+           "kl_tail_mass", "top1_agreement", "eval_tokens")
 REQUIRED_BY_STATUS = {
     "done": ALWAYS_REQUIRED + METRICS,
     "failed": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),

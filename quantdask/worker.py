@@ -231,7 +231,8 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
             quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
             full_precision=covered.summary() if backend.quantizes else None,
-            layers_unmeasured=len(unmeasured), **scores,
+            layers_unmeasured=len(unmeasured), kl_tail_mass=reference.baseline["kl_tail_mass"],
+            **scores,
         )
         log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
                  "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],

@@ -194,5 +194,9 @@ def test_the_top_k_kl_is_the_readmes_formula_a_lower_bound_and_within_1pct_at_th
     assert expected <= exact_kl
     if k == DEFAULT_KL_TOP_K:
         assert record["kl_divergence"] >= 0.99 * exact_kl
+    # Each KL says how much of the reference's mass its top k left out (0 when exact).
+    tail = (1 - log_p.topk(k, dim=-1).values.exp().sum(-1)).mean().item()
+    assert record["kl_tail_mass"] == pytest.approx(tail, rel=1e-4, abs=1e-9)
+    assert exact["fp4"]["kl_tail_mass"] == 0
     for metric in ("perplexity", "top1_agreement", "eval_tokens"):
         assert record[metric] == pytest.approx(exact["fp4"][metric], rel=1e-6), metric

@@ -25,7 +25,7 @@ def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> d
         quantize_s=0.2, eval_s=0.3, source_cached=True, peak_device_mem_bytes=10,
         peak_device_reserved_bytes=10, peak_host_rss_bytes=10, param_count=100, size_bytes=60,
         bits_per_weight=4.8, quantized_params=90, quantized_share=0.9, perplexity=2.5,
-        kl_divergence=0.01, top1_agreement=0.95, eval_tokens=100,
+        kl_divergence=0.01, kl_tail_mass=0.001, top1_agreement=0.95, eval_tokens=100,
     )
     record.update(overrides)
     return record
