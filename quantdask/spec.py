@@ -306,6 +306,7 @@ class Sweep:
     retry_backoff_s: float = 2.0
     exclude_device_after: int = 3
     faults: list[dict] = field(default_factory=list)
+    layer_stats: bool = True  # per-layer weight and output errors (see README for the cost)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and _NAME.match(self.name)):
@@ -348,6 +349,7 @@ class Sweep:
         if self.retry_backoff_s < 0:
             raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         _positive_int("exclude_device_after", self.exclude_device_after)
+        _require("layer_stats", self.layer_stats, bool, "true or false")
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
     def _checked_faults(self):
@@ -396,6 +398,7 @@ class Job:
     # Estimated device memory it needs (0: unknown, or placement by memory is off); set by
     # ``placement.place_jobs`` for the cluster at hand, not part of the id.
     device_memory_bytes: int = 0
+    layer_stats: bool = True  # measure per-layer errors; not part of the id
 
     @property
     def is_baseline(self) -> bool:
@@ -449,6 +452,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     config_label=get_backend(backend).config_label(options), eval=sweep.eval,
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
+                    layer_stats=sweep.layer_stats,
                     faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                                  if f["config"] == get_backend(backend).config_label(options)
                                  and f.get("model", model.label) == model.label),

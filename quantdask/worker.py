@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from quantdask.backends.baseline import BASELINE
 from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import JobTimeout, UnsupportedHere
@@ -200,12 +199,12 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                     f"weights, which stay in {covered.by_class()}")
             size = model_size_bytes(model)
             layers, unmeasured = [], {}
-            if backend.dequantize_layer is not None:  # before any forward pass (see layers)
+            if job.layer_stats and backend.dequantize_layer is not None:  # before any forward
                 layers, unmeasured = weight_errors(model, backend.dequantize_layer,
                                                    source.state_dict)
             for name, reason in unmeasured.items():
                 log.warning("per-layer stats skip %s: %s", name, reason)
-            if job.backend == BASELINE:
+            if job.is_baseline:
                 # The reference evaluated this very model on these windows: its scores and
                 # peak are the baseline's (the unquantized model is not evaluated twice; the
                 # time it took is the reference task's, not this job's).
@@ -222,7 +221,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
                  "peak_device_reserved_bytes": peak.peak_reserved_bytes,
                  "peak_host_rss_bytes": peak.peak_rss_bytes}
-        if job.backend == BASELINE:
+        if job.is_baseline:
             peaks = {k: max(v, reference.baseline[k]) for k, v in peaks.items()}
         record.update(
             status="done", wall_s=watch.seconds["wall"], **peaks, load_s=watch.seconds["load"],

@@ -50,6 +50,7 @@ BAD_SWEEPS = {
     "kl_top_k a word": (sweep_dict(eval={**sweep_dict()["eval"], "kl_top_k": "most"}),
                         "eval.kl_top_k"),
     "negative retries": (sweep_dict(retries=-2), "retries"),
+    "layer_stats not a bool": (sweep_dict(layer_stats="yes"), "layer_stats"),
     "seed out of range": (sweep_dict(seed=2**64), "seed"),
     "timeout not finite": (sweep_dict(timeout_s=float("nan")), "timeout_s"),
     "fault on no job": (sweep_dict(faults=[{"config": "nf8", "kind": "raise"}]),

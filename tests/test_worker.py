@@ -117,6 +117,19 @@ def test_the_same_job_twice_gives_the_same_quality(demo_model, records, referenc
     assert again["layers"] == records["nf4"]["layers"]
 
 
+def test_without_layer_stats_a_job_measures_the_same_and_records_no_layer(demo_model, records,
+                                                                         reference):
+    import dataclasses
+
+    job = dataclasses.replace(jobs_for(demo_model)["nf4"], layer_stats=False)
+    record = run_job(job, get_backend(job.backend), reference=reference)
+    assert record["status"] == "done" and record["layers"] == []
+    assert len(records["nf4"]["layers"]) == 28
+    for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
+                   "quantized_share"):
+        assert record[metric] == records["nf4"][metric]
+
+
 def test_the_job_log_says_what_happened(records):
     log = records["nf4"]["log"]
     assert "attempt=1 start on worker local" in log and "perplexity" in log
