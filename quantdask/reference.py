@@ -119,7 +119,6 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
     tail = 0.0  # the mass outside the top k, summed over positions
     with PeakMemory(cuda) as peak:
         fp_model = source.build(device)
-        began = time.perf_counter()
         for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
             meter.add(piece.rows, piece.positions, piece.log_probs)
             for name, part in reference_slice(piece.log_probs, settings.top_k).items():
@@ -129,7 +128,6 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
                 compact[name][piece.rows, piece.positions] = part
                 if name == "rest":
                     tail += part.double().exp().sum().item()
-        eval_s = time.perf_counter() - began
         del fp_model
     _announce(reference_key(model, settings))
     # The baseline job's figures: the unquantized model, evaluated here.
@@ -139,7 +137,7 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
                     "probability mass on average: KL is a loose lower bound here (its "
                     "predictions are flat); eval.kl_top_k: all gives the exact figure",
                     model.label, settings.kl_top_k, 100 * (1 - tail_mass))
-    baseline = {**meter.scores(), "kl_tail_mass": tail_mass, "eval_s": eval_s,
+    baseline = {**meter.scores(), "kl_tail_mass": tail_mass,
                 "peak_device_mem_bytes": peak.peak_device_bytes,
                 "peak_device_reserved_bytes": peak.peak_reserved_bytes,
                 "peak_host_rss_bytes": peak.peak_rss_bytes}

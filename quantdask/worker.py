@@ -199,7 +199,8 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                     f"weights, which stay in {covered.by_class()}")
             size = model_size_bytes(model)
             layers, unmeasured = [], {}
-            if job.layer_stats and backend.dequantize_layer is not None:  # before any forward
+            # Before any forward pass (see layers).
+            if job.layer_stats and backend.dequantize_layer is not None:
                 layers, unmeasured = weight_errors(model, backend.dequantize_layer,
                                                    source.state_dict)
             for name, reason in unmeasured.items():
