@@ -175,7 +175,7 @@ class ModelReferences:
     _starts: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (t, address)
     _cut: set[str] = field(default_factory=set)
     _requests: dict[str, float] = field(default_factory=dict)  # Dask key -> DEVICE_MEMORY asked
-    _eval_texts: dict[str, str] = field(default_factory=dict)
+    _eval_texts: dict[str, str] = field(default_factory=dict)  # text_sha256 -> the text
     _submitted: int = 0
 
     def future_for(self, job: Job) -> Future:
@@ -184,10 +184,9 @@ class ModelReferences:
         key = reference_key(job.model, job.eval)
         future = self.futures.get(key)
         if future is None or future.status in ("error", "cancelled"):
-            path = job.eval.text_path
-            if path not in self._eval_texts:
-                with open(path, encoding="utf-8") as f:
-                    self._eval_texts[path] = f.read()
+            text_key = job.eval.text_sha256
+            if text_key not in self._eval_texts:
+                self._eval_texts[text_key] = job.eval.read_text()
             self._submitted += 1
             # The Dask key is this driver's own: a key is an identity across clients, and a
             # cancellation of another sweep's reference must never reach this one.
@@ -196,7 +195,7 @@ class ModelReferences:
             resources = self.resources_for(job)
             self._requests[dask_key] = resources.get(DEVICE_MEMORY, 0)
             future = self.client.submit(
-                compute_reference, job.model, job.eval, self._eval_texts[path], job.timeout_s,
+                compute_reference, job.model, job.eval, self._eval_texts[text_key], job.timeout_s,
                 key=dask_key, resources=resources, priority=job.priority + 10,
                 pure=False, retries=0)
             self.futures[key] = future

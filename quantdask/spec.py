@@ -25,6 +25,7 @@ from typing import Any
 
 from quantdask.backends import BASELINE, get_backend
 from quantdask.errors import SpecError
+from quantdask.eval_data import DatasetSource, dataset_text
 from quantdask.model_source import DTYPES
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang")
@@ -191,33 +192,38 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from a text file.
+    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from the eval text,
+    which is a UTF-8 text file (``text``) or a ``datasets`` dataset's text column
+    (``dataset``: see :class:`~quantdask.eval_data.DatasetSource`; read locally only).
 
     ``kl_top_k``: KL divergence against the reference's ``k`` most likely tokens at each
     position plus one bucket for the rest (a lower bound; see ``QualityMeter``), or ``"all"``
     for the exact figure over the whole vocabulary (a reference of samples x seq_len x vocab
     floats)."""
 
-    text: str
+    text: str | None = None
     seq_len: int = 128
     samples: int = 32
     batch_size: int = 8
     kl_top_k: int | str = DEFAULT_KL_TOP_K
+    dataset: DatasetSource | dict | None = None
     root: str = field(default="", compare=False)
     text_sha256: str = field(default="", init=False)
 
     def __post_init__(self):
-        _require("text", self.text, str, "a path to a UTF-8 text file")
         object.__setattr__(self, "root", _resolve_root(self.root))
-        try:
-            with open(self.text_path, "rb") as f:
-                content = f.read()
-            content.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise SpecError("text", f"cannot read a UTF-8 text file at {self.text_path} "
-                                    f"({type(err).__name__}); give an existing text file") from None
+        if (self.text is None) == (self.dataset is None):
+            raise SpecError("text", "give the eval text as a file (text: PATH) or as a "
+                                    "dataset (dataset: {path: ..., split: ..., column: ...}), "
+                                    "one of the two")
+        if self.text is not None:
+            _require("text", self.text, str, "a path to a UTF-8 text file")
+        else:
+            self._resolve_dataset()
+        content = self.read_text().encode("utf-8")
         if not content.strip():
-            raise SpecError("text", f"{self.text_path} is empty; give a file with eval text")
+            where = "dataset" if self.dataset is not None else "text"
+            raise SpecError(where, f"{self.source} is empty; give one with eval text")
         object.__setattr__(self, "text_sha256", hashlib.sha256(content).hexdigest())
         _positive_int("seq_len", self.seq_len)
         if self.seq_len < 2:
@@ -227,6 +233,41 @@ class EvalSettings:
         if self.kl_top_k != "all":
             _positive_int("kl_top_k", self.kl_top_k,
                           f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
+
+    def _resolve_dataset(self) -> None:
+        dataset = self.dataset
+        if isinstance(dataset, dict):
+            allowed = field_names(DatasetSource)
+            unknown = [k for k in dataset if k not in allowed]
+            if unknown:
+                raise SpecError(f"dataset.{unknown[0]}",
+                                f"unknown key; allowed: {', '.join(allowed)}")
+            if "path" not in dataset:
+                raise SpecError("dataset.path", "is required: a dataset name or a builder "
+                                                "such as parquet, json or text")
+            try:
+                dataset = DatasetSource(**dataset, root=self.root)
+            except SpecError as err:
+                raise SpecError(f"dataset.{err.field}", err.message) from None
+        _require("dataset", dataset, DatasetSource, "a mapping (path, name, split, column, "
+                                                    "data_files)")
+        object.__setattr__(self, "dataset", dataset)
+
+    @property
+    def source(self) -> str:
+        """Where the eval text comes from, for messages."""
+        return self.text_path if self.dataset is None else self.dataset.describe()
+
+    def read_text(self) -> str:
+        """The eval text: the file's content, or the dataset's rows joined."""
+        if self.dataset is not None:
+            return dataset_text(self.dataset)
+        try:
+            with open(self.text_path, "rb") as f:
+                return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise SpecError("text", f"cannot read a UTF-8 text file at {self.text_path} "
+                                    f"({type(err).__name__}); give an existing text file") from None
 
     @property
     def text_path(self) -> str:

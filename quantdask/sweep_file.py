@@ -61,8 +61,7 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
         with _under(where):
             blocks.append(BackendBlock(**_mapping("", raw, BackendBlock, required=("backend",))))
     with _under("eval"):
-        evaluation = EvalSettings(**_mapping("", data["eval"], EvalSettings, ("text",)),
-                                  root=root)
+        evaluation = EvalSettings(**_mapping("", data["eval"], EvalSettings), root=root)
     rest = {k: v for k, v in data.items() if k not in ("models", "backends", "eval")}
     with _under(""):
         return Sweep(models=models, backends=blocks, eval=evaluation, **rest)

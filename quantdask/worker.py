@@ -140,8 +140,7 @@ def failure_class_of(error: BaseException) -> str:
 def _local_reference(job: Job) -> Reference:
     from quantdask.reference import compute_reference
 
-    with open(job.eval.text_path, encoding="utf-8") as f:
-        return compute_reference(job.model, job.eval, f.read())
+    return compute_reference(job.model, job.eval, job.eval.read_text())
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
