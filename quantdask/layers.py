@@ -7,6 +7,7 @@ the same input (captured with a forward hook, so each layer is judged on its own
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -120,8 +121,12 @@ def add_output_errors(
 
     handles = [model.get_submodule(name).register_forward_hook(hook(name)) for name in sums]
     try:
+        # The output head for the last position only, where the model can: every layer sees
+        # the probe, and no probe x seq_len x vocab logits are made (gigabytes at 128k).
+        head_of_last = ({"logits_to_keep": 1} if "logits_to_keep" in
+                        inspect.signature(model.forward).parameters else {})
         with torch.inference_mode():
-            model(input_ids=probe.to(device))
+            model(input_ids=probe.to(device), **head_of_last)
     finally:
         for handle in handles:
             handle.remove()
