@@ -86,9 +86,13 @@ def test_process_probe_reads_this_process():
     time.sleep(0.3)
     idle = probe.sample()
     idle_pct = 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
-    assert busy["utilization_pct"] == pytest.approx(busy_pct, abs=10)
-    assert idle["utilization_pct"] == pytest.approx(idle_pct, abs=10)
-    assert busy_pct - idle_pct > 20  # farther apart than 2 x 10: no constant reading passes
+    # On a loaded machine the busy loop gets a smaller share of a core: the tolerance is at
+    # most half the gap between the two, so that no constant reading can pass both checks.
+    gap = busy_pct - idle_pct
+    assert gap > 5, (busy_pct, idle_pct)
+    tolerance = min(10.0, gap / 2)
+    assert busy["utilization_pct"] == pytest.approx(busy_pct, abs=tolerance)
+    assert idle["utilization_pct"] == pytest.approx(idle_pct, abs=tolerance)
     assert idle["memory_used_bytes"] == pytest.approx(psutil.Process().memory_info().rss,
                                                       rel=0.05)
     assert idle["memory_total_bytes"] == psutil.virtual_memory().total
