@@ -1,7 +1,7 @@
 """What runs on a Dask worker: load -> quantize -> evaluate -> measure, returned as a plain record.
 
-The worker process keeps the full-precision weights and tokenizer between jobs (see
-``model_source``); the eval windows and the baseline's log-probs arrive once per model as a
+The worker process keeps each model's config and tokenizer between jobs, and reads the weights
+from the checkpoint per job (see ``model_source``); the eval windows and the baseline's log-probs arrive once per model as a
 Dask dependency (see ``reference``), so a sweep of many configs pays the cold start once.
 """
 
@@ -186,12 +186,14 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         reference = reference or _local_reference(job)
         torch.manual_seed(job.seed)
         watch = Stopwatch()
-        with watch("wall"), PeakMemory(cuda) as peak:
+        with watch("wall"), PeakMemory(cuda) as peak, contextlib.ExitStack() as holding:
             with watch("load"):
                 source, cached = cached_model_source(job.model)
+                # The unquantized weights, mapped from the checkpoint for this job only.
+                originals = holding.enter_context(source.weights())
             with watch("quantize"):
                 model = backend.quantize(source, job.options, device)
-            covered = coverage(model, source.state_dict)
+            covered = coverage(model, originals)
             if backend.quantizes and not covered.quantized_params:
                 raise UnsupportedHere(
                     f"no layer was quantized: {backend.name} replaced none of this model's "
@@ -200,8 +202,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             layers, unmeasured = [], {}
             # Before any forward pass (see layers).
             if job.layer_stats and backend.dequantize_layer is not None:
-                layers, unmeasured = weight_errors(model, backend.dequantize_layer,
-                                                   source.state_dict)
+                layers, unmeasured = weight_errors(model, backend.dequantize_layer, originals)
             for name, reason in unmeasured.items():
                 log.warning("per-layer stats skip %s: %s", name, reason)
             if job.is_baseline:
@@ -215,9 +216,9 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                     scores = quality(model, reference.windows, reference.distribution,
                                      job.eval.batch_size, device)
             if layers:
-                record["layers"] = add_output_errors(model, layers, source.state_dict,
+                record["layers"] = add_output_errors(model, layers, originals,
                                                      reference.windows[:PROBE_WINDOWS], device)
-            del model
+            del model, originals
         peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
                  "peak_device_reserved_bytes": peak.peak_reserved_bytes,
                  "peak_host_rss_bytes": peak.peak_rss_bytes}
