@@ -14,9 +14,9 @@ Prints two Markdown tables:
 - per job: ``peak_host_rss_bytes`` (the worker's peak resident set while the job ran; on Linux
   that counts the checkpoint's memory-mapped pages it touched, which the OS page cache shares
   between processes) against the checkpoint's bytes;
-- per worker, idle, before and after the sweep: its resident set, how much of it is private memory that
-  no other process shares (USS), and how much is anonymous memory (RssAnon: what a copy of the
-  weights in the process's own heap would show up in).
+- per worker, idle, before and after the sweep: its resident set, how much of it is private
+  memory that no other process shares (USS), and how much is anonymous memory (RssAnon: what
+  a copy of the weights in the process's own heap would show up in).
 """
 
 from __future__ import annotations

@@ -220,6 +220,13 @@ class QualityMeter:
                                0.0).sum().item()
         self.agree += (ids[..., 0] == log_q.argmax(-1)).sum().item()
 
+    def merge(self, other: QualityMeter) -> None:
+        """Fold in the sums of a meter over other windows (a shard of the same eval)."""
+        self.nll += other.nll
+        self.kl += other.kl
+        self.agree += other.agree
+        self.tokens += other.tokens
+
     def scores(self) -> dict[str, float]:
         scores = {"perplexity": math.exp(self.nll / self.tokens),
                   "kl_divergence": max(self.kl / self.tokens, 0.0),

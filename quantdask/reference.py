@@ -1,14 +1,16 @@
 """Work every job of a model shares, done once per model: the eval windows and the unquantized
 model's next-token log-probabilities, which KL divergence and top-1 agreement compare against.
 
-On a worker, :func:`compute_reference` makes it. On the driver, :class:`ModelReferences`
-submits it once per model and hands its future to each of that model's jobs, so Dask moves the
-result to each worker once and nothing is recomputed.
+On workers, :func:`compute_reference_shard` computes it in parts and
+:func:`combine_reference` joins them (:func:`compute_reference` does both in one process). On
+the driver, :class:`ModelReferences` submits it once per model and hands its future to each of
+that model's jobs, so Dask moves the result to each worker once and nothing is recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -77,9 +79,49 @@ def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
     return f"reference-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
+def shard_rows(samples: int, batch_size: int, slots: int) -> list[tuple[int, int]]:
+    """How a reference of ``samples`` windows splits over ``slots`` workers: contiguous ranges
+    of windows (start, stop), at most one per slot and none smaller than a batch, so that every
+    slot computes a part at once and none computes a part too small to be worth its start."""
+    parts = max(1, min(slots, samples // max(1, batch_size)))
+    bounds = [round(i * samples / parts) for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+@dataclass
+class ReferenceShard:
+    """One worker's part of a reference: the windows ``rows`` (start, stop) of the eval, their
+    compact log-probs (as in :class:`Reference`), and what the baseline's scores and peaks are
+    summed or maxed from."""
+
+    rows: tuple[int, int]
+    windows: torch.Tensor
+    compact: dict[str, torch.Tensor]
+    meter: QualityMeter
+    tail: float  # the mass outside the top k, summed over positions
+    peaks: dict[str, int]
+
+
+@sizeof.register(ReferenceShard)
+def _shard_size(shard: ReferenceShard) -> int:
+    return sum(t.numel() * t.element_size() for t in (shard.windows, *shard.compact.values()))
+
+
 def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
                       timeout_s: float = float("inf")) -> Reference:
-    """Tokenize ``text`` into eval windows and run the unquantized model over them.
+    """The whole reference of ``model`` on ``settings``' windows, computed here in one go (the
+    driver splits it over workers: :func:`compute_reference_shard`, :func:`combine_reference`).
+
+    Raises :class:`JobTimeout` when that took longer than ``timeout_s``."""
+    shard = compute_reference_shard(model, settings, text, (0, settings.samples), timeout_s)
+    return combine_reference(model, settings, shard)
+
+
+def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
+                            rows: tuple[int, int],
+                            timeout_s: float = float("inf")) -> ReferenceShard:
+    """Tokenize ``text`` into the eval windows and run the unquantized model over windows
+    ``rows`` (start, stop).
 
     Raises :class:`JobTimeout` when that took longer than ``timeout_s`` (the jobs waiting on it
     then fail as ``timeout``, as they do when the driver cuts a hung one)."""
@@ -94,7 +136,7 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
         sampler.current_job = reference_key(model, settings)
         sampler.sample_now()
     try:
-        reference = _compute_reference(model, settings, text)
+        shard = _compute_shard(model, settings, text, rows)
     finally:
         if sampler is not None:
             sampler.sample_now()
@@ -103,20 +145,21 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
     if elapsed > timeout_s:
         raise JobTimeout("its model's reference (eval windows and baseline log-probs)", elapsed,
                          timeout_s)
-    return reference
+    return shard
 
 
-def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
+def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
+                   rows: tuple[int, int]) -> ReferenceShard:
     from quantdask.logits import sliced_log_probs
     from quantdask.worker import torch_device
 
     source, _ = cached_model_source(model)
     windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
-                           settings.samples)
+                           settings.samples)[rows[0]:rows[1]]
     device, _, cuda = torch_device()
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
-    tail = 0.0  # the mass outside the top k, summed over positions
+    tail = 0.0
     with PeakMemory(cuda) as peak:
         fp_model = source.build(device)
         for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
@@ -129,20 +172,43 @@ def _compute_reference(model: ModelSpec, settings: EvalSettings, text: str) -> R
                 if name == "rest":
                     tail += part.double().exp().sum().item()
         del fp_model
-    _announce(reference_key(model, settings))
-    # The baseline job's figures: the unquantized model, evaluated here.
-    tail_mass = tail / meter.tokens
+    peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
+             "peak_device_reserved_bytes": peak.peak_reserved_bytes,
+             "peak_host_rss_bytes": peak.peak_rss_bytes}
+    return ReferenceShard(rows, windows, compact, meter, tail, peaks)
+
+
+def combine_reference(model: ModelSpec, settings: EvalSettings,
+                      *shards: ReferenceShard) -> Reference:
+    """The reference from its shards (in any order; together they cover every window once),
+    with the baseline's figures: the unquantized model's scores over all of them, and the
+    largest peak any shard needed."""
+    import torch
+
+    shards = tuple(sorted(shards, key=lambda shard: shard.rows))
+    covered = [row for shard in shards for row in range(*shard.rows)]
+    if covered != list(range(settings.samples)):
+        raise ValueError(f"reference shards cover windows {[s.rows for s in shards]}, not "
+                         f"0..{settings.samples}")
+    windows = torch.cat([shard.windows for shard in shards])
+    meter = QualityMeter(windows, None)
+    for shard in shards:
+        meter.merge(shard.meter)
+    compact = {name: torch.cat([shard.compact[name] for shard in shards])
+               for name in shards[0].compact}
+    key = reference_key(model, settings)
+    _announce(key)
+    tail_mass = sum(shard.tail for shard in shards) / meter.tokens
     if tail_mass > TAIL_WARNING:
         log.warning("%s: the top %s tokens hold only %.1f%% of the unquantized model's "
                     "probability mass on average: KL is a loose lower bound here (its "
                     "predictions are flat); eval.kl_top_k: all gives the exact figure",
                     model.label, settings.kl_top_k, 100 * (1 - tail_mass))
+    # The baseline job's figures: the unquantized model, evaluated here.
     baseline = {**meter.scores(), "kl_tail_mass": tail_mass,
-                "peak_device_mem_bytes": peak.peak_device_bytes,
-                "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-                "peak_host_rss_bytes": peak.peak_rss_bytes}
-    return Reference(key=reference_key(model, settings), windows=windows, baseline=baseline,
-                     **compact)
+                **{name: max(shard.peaks[name] for shard in shards)
+                   for name in shards[0].peaks}}
+    return Reference(key=key, windows=windows, baseline=baseline, **compact)
 
 
 def _announce(key: str) -> None:
@@ -158,23 +224,29 @@ def _announce(key: str) -> None:
 class ModelReferences:
     """The driver's side of one sweep's references: one future per model (submitted again
     only after a failure, so a retry never inherits a failed dependency), the attempts waiting
-    for one (``parked``), and a deadline on each like a job's.
+    for one (``parked``), and a deadline on each part like a job's.
 
-    ``resources_for(job)`` is what the reference of ``job``'s model asks Dask for; ``clock``
-    reads the time its deadlines are measured on (a fake one in tests).
+    A reference is computed in parts (:func:`shard_rows`, one per slot ``slots()`` counts) that
+    one small task combines: every worker computes from the start instead of one computing
+    while the others wait. ``resources_for(job)`` is what each part of the reference of
+    ``job``'s model asks Dask for; ``clock`` reads the time its deadlines are measured on (a
+    fake one in tests).
     """
 
     client: Client
     run_id: str
     resources_for: Callable[[Job], dict[str, float]]
     clock: Callable[[], float] = time.monotonic
+    slots: Callable[[], int] = lambda: 1
     futures: dict[str, Future] = field(default_factory=dict)  # reference_key -> current future
     # Attempts waiting for their model's reference: Dask key -> [(job, attempt, avoid, future)].
     parked: dict[str, list[tuple[Job, int, str | None, Future]]] = field(default_factory=dict)
-    _deadlines: dict[str, float] = field(default_factory=dict)  # Dask key -> timeout_s
+    _parts: dict[str, list[Future]] = field(default_factory=dict)  # Dask key -> its parts
+    _whole: dict[str, str] = field(default_factory=dict)  # a part's Dask key -> the reference's
+    _deadlines: dict[str, float] = field(default_factory=dict)  # part's Dask key -> timeout_s
     _starts: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (t, address)
     _cut: set[str] = field(default_factory=set)
-    _requests: dict[str, float] = field(default_factory=dict)  # Dask key -> DEVICE_MEMORY asked
+    _requests: dict[str, float] = field(default_factory=dict)  # part -> DEVICE_MEMORY asked
     _eval_texts: dict[str, str] = field(default_factory=dict)  # text_sha256 -> the text
     _submitted: int = 0
 
@@ -191,15 +263,33 @@ class ModelReferences:
             # The Dask key is this driver's own: a key is an identity across clients, and a
             # cancellation of another sweep's reference must never reach this one.
             dask_key = f"{key}-{self.run_id}-{self._submitted}"
-            self._deadlines[dask_key] = job.timeout_s  # before its start can be announced
             resources = self.resources_for(job)
-            self._requests[dask_key] = resources.get(DEVICE_MEMORY, 0)
-            future = self.client.submit(
-                compute_reference, job.model, job.eval, self._eval_texts[text_key], job.timeout_s,
-                key=dask_key, resources=resources, priority=job.priority + 10,
-                pure=False, retries=0)
+            parts = []
+            for start, stop in shard_rows(job.eval.samples, job.eval.batch_size, self.slots()):
+                part_key = f"{dask_key}-windows-{start}-{stop}"
+                self._deadlines[part_key] = job.timeout_s  # before its start is announced
+                self._requests[part_key] = resources.get(DEVICE_MEMORY, 0)
+                self._whole[part_key] = dask_key
+                parts.append(self.client.submit(
+                    compute_reference_shard, job.model, job.eval, self._eval_texts[text_key],
+                    (start, stop), job.timeout_s, key=part_key, resources=resources,
+                    priority=job.priority + 10, pure=False, retries=0))
+            self._parts[dask_key] = parts
+            future = self.client.submit(combine_reference, job.model, job.eval, *parts,
+                                        key=dask_key, priority=job.priority + 10, pure=False,
+                                        retries=0)
             self.futures[key] = future
         return future
+
+    def all_futures(self) -> list[Future]:
+        """Every current reference and its parts (to cancel them all)."""
+        return [*self.futures.values(),
+                *(part for f in self.futures.values() for part in self._parts.get(f.key, []))]
+
+    def release(self) -> None:
+        """Let go of every future: Dask forgets them once no client holds them."""
+        self.futures.clear()
+        self._parts.clear()
 
     def failed(self, job: Job, dask_key: str) -> bool:
         """Whether ``dask_key`` is the current reference of ``job``'s model and it failed."""
@@ -242,28 +332,30 @@ class ModelReferences:
         return taken
 
     def started(self, dask_key: str, address: str) -> bool:
-        """Note that a worker began ``dask_key``; False if it is no reference of this sweep."""
+        """Note that a worker began the part ``dask_key``; False if it is no part of a
+        reference of this sweep."""
         if dask_key not in self._deadlines:
             return False
         self._starts[dask_key] = (self.clock(), address)
         return True
 
     def overdue(self) -> list[tuple[str, str]]:
-        """Cut every reference running past its deadline: (Dask key, worker address) of each,
-        for the caller to restart that worker. A hung reference would hold every job of its
-        model; its jobs then fail (an attempt each) and their retries get a new reference."""
+        """Cut every part of a reference running past its deadline, and its reference: (Dask
+        key of the part, worker address) of each, for the caller to restart that worker. A
+        hung reference would hold every job of its model; its jobs then fail (an attempt each)
+        and their retries get a new reference."""
         now, cut = self.clock(), []
-        current = {f.key: f for f in self.futures.values()}
+        current = {part.key: part for part in self.all_futures()}
         for key, (started, address) in list(self._starts.items()):
-            future = current.get(key)
-            if future is None or future.done():
+            part = current.get(key)
+            if part is None or part.done():
                 del self._starts[key]
             elif now - started > self._deadlines[key]:
                 log.warning("reference %s: no result after %gs; restarting its worker", key,
                             self._deadlines[key])
                 del self._starts[key]
-                self._cut.add(key)
-                future.cancel()
+                self._cut.update((key, self._whole[key]))
+                self._cancel(self._whole[key])
                 cut.append((key, address))
         return cut
 
@@ -271,15 +363,22 @@ class ModelReferences:
         return dask_key in self._cut
 
     def unfit(self, room: float) -> dict[str, float]:
-        """The references waiting to start that ask for more device memory than ``room``:
-        Dask key -> bytes asked."""
-        return {f.key: self._requests[f.key] for f in self.futures.values()
-                if not f.done() and f.key not in self._starts
-                and self._requests.get(f.key, 0) > room}
+        """The parts of references waiting to start that ask for more device memory than
+        ``room``: Dask key -> bytes asked."""
+        return {part.key: self._requests[part.key] for part in self.all_futures()
+                if part.key in self._requests and not part.done()
+                and part.key not in self._starts and self._requests[part.key] > room}
 
     def abandon(self, dask_key: str) -> list[tuple[Job, int, str | None, Future]]:
-        """Cancel the reference ``dask_key``; return the attempts that were parked on it."""
+        """Cancel the reference that ``dask_key`` (a part of it) belongs to; return the
+        attempts that were parked on it."""
+        whole = self._whole.get(dask_key, dask_key)
+        self._cancel(whole)
+        return self.parked.pop(whole, [])
+
+    def _cancel(self, whole: str) -> None:
+        for part in self._parts.get(whole, []):
+            part.cancel()
         for future in self.futures.values():
-            if future.key == dask_key:
+            if future.key == whole:
                 future.cancel()
-        return self.parked.pop(dask_key, [])

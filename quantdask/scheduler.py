@@ -112,7 +112,7 @@ class _SweepDriver:
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
-                                          clock)
+                                          clock, slots=lambda: len(live_workers(client)))
         self.delayed = RetryQueue()
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
         self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)
@@ -215,13 +215,12 @@ class _SweepDriver:
                 keys = list(self.attempts)
                 self.attempts.clear()
             self.client.cancel([Future(k, self.client) for k in keys]
-                               + list(self.references.futures.values()))
+                               + self.references.all_futures())
             raise
         finally:
             self.client.unsubscribe_topic(JOB_START_TOPIC)
             self.client.unsubscribe_topic(TELEMETRY_TOPIC)
-            # Released: Dask forgets them once no client holds them.
-            self.references.futures.clear()
+            self.references.release()
         # The idle time since each worker's last job.
         for samples in self.client.run(drain_this_worker, on_error="ignore").values():
             self._write_samples(samples)

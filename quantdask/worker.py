@@ -1,8 +1,9 @@
 """What runs on a Dask worker: load -> quantize -> evaluate -> measure, returned as a plain record.
 
-The worker process keeps each model's config and tokenizer between jobs, and reads the weights
-from the checkpoint per job (see ``model_source``); the eval windows and the baseline's log-probs arrive once per model as a
-Dask dependency (see ``reference``), so a sweep of many configs pays the cold start once.
+The worker process keeps each model's config and tokenizer between jobs, and maps the weights
+from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
+log-probs arrive once per model as a Dask dependency (see ``reference``), so a sweep of many
+configs pays the cold start once.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from quantdask.errors import JobTimeout
-from quantdask.reference import ModelReferences, compute_reference
+from quantdask.reference import ModelReferences, compute_reference, shard_rows
 from quantdask.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
 from quantdask.spec import expand_grid
 from quantdask.sweep_file import sweep_from_dict
@@ -57,11 +57,18 @@ class FakeFuture:
 class FakeClient:
     def __init__(self):
         self.submitted: list[tuple[tuple, dict]] = []
+        self.futures: dict[str, FakeFuture] = {}
         self.replicated: list[tuple[list, list | None]] = []
 
     def submit(self, func, *args, key: str, **kwargs) -> FakeFuture:
-        self.submitted.append((args, {"key": key, **kwargs}))
-        return FakeFuture(key)
+        self.submitted.append((args, {"key": key, "func": func.__name__, **kwargs}))
+        self.futures[key] = FakeFuture(key)
+        return self.futures[key]
+
+    def parts(self, whole: FakeFuture) -> list[FakeFuture]:
+        """The futures of the parts the reference ``whole`` combines."""
+        [combine] = [args for args, kwargs in self.submitted if kwargs["key"] == whole.key]
+        return [arg for arg in combine if isinstance(arg, FakeFuture)]
 
     def replicate(self, futures, workers=None) -> None:
         self.replicated.append((futures, workers))
@@ -130,30 +137,65 @@ def test_a_reference_is_cut_at_its_deadline_and_only_a_running_one(jobs):
     job = jobs["nf4"]
     future = references.future_for(job)
     assert references.future_for(jobs["fp4"]) is future  # one per model
+    [part] = client.parts(future)  # one slot: one part, all the windows
     args, kwargs = client.submitted[0]
-    assert args[-1] == 30.0 and kwargs["priority"] == job.priority + 10  # the worker knows it
+    assert kwargs["key"] == part.key and args[-2:] == ((0, job.eval.samples), 30.0)
+    assert kwargs["priority"] == job.priority + 10  # the worker knows its deadline
+    assert kwargs["resources"] == {"GPU": 1.0}
     clock.advance(1000)  # queued, not started: no deadline runs yet
     assert references.overdue() == []
-    assert references.started(future.key, "tcp://127.0.0.1:7")
+    assert references.started(part.key, "tcp://127.0.0.1:7")
     assert not references.started("some-other-task", "tcp://127.0.0.1:7")
     clock.advance(30)
     assert references.overdue() == [] and not references.was_cut(future.key)
     clock.advance(0.5)
-    assert references.overdue() == [(future.key, "tcp://127.0.0.1:7")]
-    assert future.status == "cancelled" and references.was_cut(future.key)
+    assert references.overdue() == [(part.key, "tcp://127.0.0.1:7")]
+    assert part.status == future.status == "cancelled" and references.was_cut(future.key)
     assert references.overdue() == []  # cut once
     # The next attempt gets a fresh reference under a new key, with its own deadline.
     again = references.future_for(job)
-    assert again is not future and again.key != future.key and len(client.submitted) == 2
+    assert again is not future and again.key != future.key and len(client.submitted) == 4
+
+
+def test_a_reference_is_computed_in_one_part_per_slot_and_a_late_part_cuts_them_all(jobs):
+    clock, client = FakeClock(), FakeClient()
+    references = ModelReferences(client, "run", lambda job: {}, clock, slots=lambda: 3)
+    # 8 windows in batches of 4: two parts at most, whatever the slots.
+    job = dataclasses.replace(jobs["nf4"], eval=dataclasses.replace(jobs["nf4"].eval,
+                                                                    batch_size=4))
+    future = references.future_for(job)
+    first, second = client.parts(future)
+    assert [args[-2] for args, kw in client.submitted if kw["func"] == "compute_reference_shard"
+            ] == [(0, 4), (4, 8)]
+    references.started(first.key, "tcp://127.0.0.1:7")
+    references.started(second.key, "tcp://127.0.0.1:8")
+    first.status = "finished"
+    clock.advance(31)
+    assert references.overdue() == [(second.key, "tcp://127.0.0.1:8")]
+    assert second.status == future.status == "cancelled" and references.was_cut(future.key)
+    assert sorted(references.all_futures(), key=lambda f: f.key) == sorted(
+        [future, first, second], key=lambda f: f.key)
+    references.release()
+    assert references.all_futures() == []
+
+
+def test_a_reference_splits_into_contiguous_parts_of_at_least_a_batch():
+    assert shard_rows(8, 4, slots=1) == [(0, 8)]
+    assert shard_rows(8, 4, slots=2) == [(0, 4), (4, 8)]
+    assert shard_rows(8, 4, slots=16) == [(0, 4), (4, 8)]
+    assert shard_rows(3, 4, slots=2) == [(0, 3)]  # less than a batch: one part
+    assert shard_rows(140, 8, slots=3) == [(0, 47), (47, 93), (93, 140)]
+    assert shard_rows(5, 1, slots=0) == [(0, 5)]  # no worker yet (adaptive): one part
 
 
 def test_a_reference_that_finished_in_time_is_never_cut(jobs):
-    clock = FakeClock()
-    references = ModelReferences(FakeClient(), "run", lambda job: {}, clock)
+    clock, client = FakeClock(), FakeClient()
+    references = ModelReferences(client, "run", lambda job: {}, clock)
     future = references.future_for(jobs["nf4"])
-    references.started(future.key, "tcp://127.0.0.1:7")
+    [part] = client.parts(future)
+    references.started(part.key, "tcp://127.0.0.1:7")
     clock.advance(10)
-    future.status = "finished"
+    part.status = future.status = "finished"
     clock.advance(100)
     assert references.overdue() == [] and future.status == "finished"
 
@@ -216,14 +258,22 @@ def test_no_room_fails_only_after_the_grace_and_a_key_that_recovers_starts_afres
 
 def test_the_references_no_worker_has_room_for_are_the_unstarted_ones_asking_too_much(jobs):
     requests = {"nf4": 3e9, "fp4": 1e9}
+    client = FakeClient()
     references = ModelReferences(
-        FakeClient(), "run", lambda job: {"DEVICE_MEMORY": requests[job.config_label]},
-        FakeClock())
-    big = references.future_for(jobs["nf4"])
-    assert references.unfit(room=2e9) == {big.key: 3e9}
+        client, "run", lambda job: {"DEVICE_MEMORY": requests[job.config_label]},
+        FakeClock(), slots=lambda: 2)
+    nf4 = dataclasses.replace(jobs["nf4"], eval=dataclasses.replace(jobs["nf4"].eval,
+                                                                    batch_size=4))
+    big = references.future_for(nf4)
+    first, second = client.parts(big)
+    assert references.unfit(room=2e9) == {first.key: 3e9, second.key: 3e9}
     assert references.unfit(room=4e9) == {}
-    references.started(big.key, "tcp://127.0.0.1:7")
-    assert references.unfit(room=2e9) == {}  # it runs somewhere: nothing to fail
+    references.started(first.key, "tcp://127.0.0.1:7")
+    assert references.unfit(room=2e9) == {second.key: 3e9}  # the other part still waits
+    references.park(nf4, 1, None, big)
+    [(job, _, _, _)] = references.abandon(second.key)  # failing it fails the whole reference
+    assert job is nf4 and big.status == first.status == "cancelled"
+    assert references.unfit(room=2e9) == {}
 
 
 def test_a_cluster_is_gone_only_after_it_had_workers_and_lost_them_for_the_grace():

@@ -45,6 +45,41 @@ def records(demo_model, reference):
             for label, job in jobs.items()}
 
 
+def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, reference):
+    import dataclasses
+
+    import torch
+
+    from quantdask.reference import (
+        combine_reference,
+        compute_reference,
+        compute_reference_shard,
+        shard_rows,
+    )
+
+    job = jobs_for(demo_model)["baseline"]
+    settings = dataclasses.replace(job.eval, batch_size=4)  # parts of a batch each
+    text = job.eval.read_text()
+    rows = shard_rows(settings.samples, settings.batch_size, slots=2)
+    assert rows == [(0, 4), (4, 8)]
+    parts = [compute_reference_shard(job.model, settings, text, r) for r in rows]
+    combined = combine_reference(job.model, settings, *reversed(parts))  # in any order
+    whole = compute_reference(job.model, settings, text)  # the same batches, in one process
+    assert combined.key == whole.key == reference.key
+    assert torch.equal(combined.windows, whole.windows)
+    assert combined.distribution.keys() == whole.distribution.keys() == {
+        "log_probs", "ids", "rest"}
+    for name, tensor in whole.distribution.items():
+        assert torch.equal(combined.distribution[name], tensor), name
+    for name in SCORES:  # and the same as batches of 8 measured
+        assert combined.baseline[name] == pytest.approx(whole.baseline[name], rel=1e-12)
+        assert combined.baseline[name] == pytest.approx(reference.baseline[name], rel=1e-6)
+    assert combined.baseline["peak_host_rss_bytes"] == max(
+        p.peaks["peak_host_rss_bytes"] for p in parts)
+    with pytest.raises(ValueError, match="cover windows"):
+        combine_reference(job.model, settings, parts[0])  # a part missing
+
+
 def test_every_job_is_done_with_plausible_metrics(records):
     assert {label: r["status"] for label, r in records.items()} == {
         "baseline": "done", "nf4": "done", "int8 t=6": "done"}
