@@ -1,6 +1,6 @@
 """quantdask against the plain in-process loop a competent user writes in a notebook.
 
-    .venv/bin/python -m benchmarks.vs_loop [--reps 3] [--slots 2] [--layers 8]
+    .venv/bin/python -m benchmarks.vs_loop [--reps 3] [--slots 2] [--layers 8] [--layer-stats both]
 
 The same model (a Llama of ~58M parameters: vocabulary 32,000, hidden 512, 8 layers; random
 weights, built here once), the same 12 bitsandbytes configs as ``benchmarks.sweeps``
@@ -12,8 +12,9 @@ weights, built here once), the same 12 bitsandbytes configs as ``benchmarks.swee
     ``from_pretrained(path, quantization_config=BitsAndBytesConfig(...))`` and perplexity, KL
     (full vocabulary) and top-1 agreement. Nothing else: no per-layer stats, no records.
 (b) quantdask: ``--slots`` CPU slots (one torch thread each) started, the 13 jobs (the baseline
-    too) run with everything quantdask records (per-layer stats, peaks, logs, parquet), the
-    cluster closed: all of it timed, as the user waits for it.
+    too) run with everything quantdask records (peaks, logs, parquet; per-layer weight and
+    output errors on, off, or each in turn), the cluster closed: all of it timed, as the user
+    waits for it.
 
 Prints a Markdown table of the runs, medians and the throughput ratio (configs per second).
 """
@@ -109,12 +110,13 @@ def run_loop(model_path: Path, threads: int) -> float:
     return time.perf_counter() - started
 
 
-def quantdask_run(model_path: Path, slots: int) -> float:
+def quantdask_run(model_path: Path, slots: int, layer_stats: bool) -> float:
     import quantdask as qd
     from benchmarks.sweeps import twelve_configs
 
     data = twelve_configs("vs-loop")
     data["models"] = [{"name": "llama58m", "path": str(model_path)}]
+    data["layer_stats"] = layer_stats
     sweep = qd.sweep_from_dict(data)
     with tempfile.TemporaryDirectory() as run_dir:
         started = time.perf_counter()
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layer-stats", choices=("on", "off", "both"), default="both",
+                        help="quantdask's per-layer weight and output errors (the loop has none)")
     parser.add_argument("--loop-only", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loop_only:
@@ -137,11 +141,15 @@ def main() -> None:
         return
     model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-{args.layers}",
                              args.layers)
-    times: dict[str, list[float]] = {"loop": [], "quantdask": []}
+    ways = {"loop": lambda: loop(model_path, args.slots)}
+    for stats in {"on": [True], "off": [False], "both": [True, False]}[args.layer_stats]:
+        ways[f"quantdask, per-layer stats {'on' if stats else 'off'}"] = (
+            lambda stats=stats: quantdask_run(model_path, args.slots, stats))
+    times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.reps):
-        times["loop"].append(loop(model_path, args.slots))
-        times["quantdask"].append(quantdask_run(model_path, args.slots))
-        print(f"loop {times['loop'][-1]:.1f}s, quantdask {times['quantdask'][-1]:.1f}s",
+        for way, run in ways.items():
+            times[way].append(run())
+        print(", ".join(f"{way} {runs[-1]:.1f}s" for way, runs in times.items()),
               file=sys.stderr, flush=True)
     base = statistics.median(times["loop"])
     print("| way | runs (s) | median s | throughput vs the loop |")

@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_CACHE_SIZE = 4
 """Models whose config and tokenizer a worker process keeps (least recently used dropped)."""
 _cache: OrderedDict[str, ModelSource] = OrderedDict()
+_cache_lock = threading.Lock()
 
 
 @dataclass
@@ -118,16 +119,16 @@ def load_model_source(spec: ModelSpec) -> ModelSource:
             "worker runs): put the model at the same path on every node, or use `hub:` with "
             "each node's Hugging Face cache")
 
-    dtype: Any = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
     tokenizer = AutoTokenizer.from_pretrained(spec.location, **_load_options(spec))
-    model = AutoModelForCausalLM.from_pretrained(spec.location, dtype=dtype,
+    # In the checkpoint's own dtype: memory-mapped, not converted (only counted and dropped).
+    model = AutoModelForCausalLM.from_pretrained(spec.location, dtype="auto",
                                                  **_load_options(spec))
     return ModelSource(
         spec=spec,
         config=model.config,
         model_class=type(model),
         tokenizer=tokenizer,
-        dtype=model.dtype,
+        dtype=model.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype),
         param_count=count_parameters(model),
     )
 
@@ -139,12 +140,16 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def cached_model_source(spec: ModelSpec) -> tuple[ModelSource, bool]:
     """``spec``'s model source from this process's cache, loading it on a miss;
-    (source, was cached)."""
+    (source, was cached). Jobs packed on one worker run in threads: they get one source (and
+    so share the weights it holds)."""
     key = json.dumps(spec.identity(), sort_keys=True)
-    if key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key], True
-    _cache[key] = load_model_source(spec)
-    while len(_cache) > MODEL_CACHE_SIZE:
-        _cache.popitem(last=False)
-    return _cache[key], False
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key], True
+        _cache[key] = source = load_model_source(spec)
+        # The least recently used go first, never one a running job holds weights of.
+        idle = [k for k, held in _cache.items() if k != key and held._holders == 0]
+        for old in idle[:max(0, len(_cache) - MODEL_CACHE_SIZE)]:
+            del _cache[old]
+        return source, False

@@ -155,7 +155,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
 
     source, _ = cached_model_source(model)
     windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
-                           settings.samples)[rows[0]:rows[1]]
+                           settings.samples)[rows[0]:rows[1]].clone()  # not the whole storage
     device, _, cuda = torch_device()
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
@@ -254,6 +254,7 @@ class ModelReferences:
         """The future of ``job``'s model reference, submitted now if there is none (or the last
         one failed)."""
         key = reference_key(job.model, job.eval)
+        self._settle()
         future = self.futures.get(key)
         if future is None or future.status in ("error", "cancelled"):
             text_key = job.eval.text_sha256
@@ -340,24 +341,37 @@ class ModelReferences:
         return True
 
     def overdue(self) -> list[tuple[str, str]]:
-        """Cut every part of a reference running past its deadline, and its reference: (Dask
-        key of the part, worker address) of each, for the caller to restart that worker. A
-        hung reference would hold every job of its model; its jobs then fail (an attempt each)
-        and their retries get a new reference."""
+        """Cut every reference with a part running past its deadline: (Dask key of the part,
+        worker address) of each of its running parts, for the caller to restart those workers
+        (a cancelled task keeps its thread and device until it returns; a hung one never does).
+        A hung reference would hold every job of its model; its jobs then fail (an attempt
+        each) and their retries get a new reference."""
+        self._settle()
         now, cut = self.clock(), []
-        current = {part.key: part for part in self.all_futures()}
-        for key, (started, address) in list(self._starts.items()):
-            part = current.get(key)
-            if part is None or part.done():
-                del self._starts[key]
-            elif now - started > self._deadlines[key]:
-                log.warning("reference %s: no result after %gs; restarting its worker", key,
-                            self._deadlines[key])
-                del self._starts[key]
-                self._cut.update((key, self._whole[key]))
-                self._cancel(self._whole[key])
-                cut.append((key, address))
+        live = {part.key: part for part in self.all_futures()}
+        for key in [k for k in self._starts if k not in live or live[k].done()]:
+            del self._starts[key]
+        late = {self._whole[key]: key for key, (started, _) in self._starts.items()
+                if now - started > self._deadlines[key]}
+        for whole, key in late.items():
+            log.warning("reference %s: no result after %gs; restarting the workers of its "
+                        "running parts", key, self._deadlines[key])
+            for part in [k for k in self._starts if self._whole[k] == whole]:
+                cut.append((part, self._starts.pop(part)[1]))
+                self._cut.add(part)
+            self._cut.add(whole)
+            self._cancel(whole)
         return cut
+
+    def _settle(self) -> None:
+        """Let go of the parts of every reference that is done: a finished one holds what they
+        computed (so their results need not stay on the workers), and a failed one's
+        unfinished parts would only keep workers busy."""
+        for whole in self.futures.values():
+            if whole.done():
+                for part in self._parts.pop(whole.key, []):
+                    if not part.done():
+                        part.cancel()
 
     def was_cut(self, dask_key: str) -> bool:
         return dask_key in self._cut

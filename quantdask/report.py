@@ -290,7 +290,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
         order=alt.Order("phase_order:Q"),
         tooltip=[*JOB_TOOLTIP, alt.Tooltip("phase:N"), alt.Tooltip("seconds:Q", format=".3f"),
                  alt.Tooltip("wall_s:Q", title="job wall s", format=".2f"),
-                 alt.Tooltip("source_cached:N", title="weights cached")],
+                 alt.Tooltip("source_cached:N", title="model source cached")],
     ).transform_calculate(
         phase_order="indexof(['load', 'quantize', 'eval', 'other'], datum.phase)"
     ).properties(width=560, title="Time per job")

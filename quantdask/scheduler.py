@@ -112,7 +112,8 @@ class _SweepDriver:
         self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.attempts: dict[str, _Attempt] = {}
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
-                                          clock, slots=lambda: len(live_workers(client)))
+                                          clock, slots=lambda: cluster_capacity(
+                                              client, sweep.jobs_per_gpu)[1])
         self.delayed = RetryQueue()
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
         self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)

@@ -168,15 +168,37 @@ def test_a_reference_is_computed_in_one_part_per_slot_and_a_late_part_cuts_them_
     assert [args[-2] for args, kw in client.submitted if kw["func"] == "compute_reference_shard"
             ] == [(0, 4), (4, 8)]
     references.started(first.key, "tcp://127.0.0.1:7")
+    clock.advance(10)
     references.started(second.key, "tcp://127.0.0.1:8")
-    first.status = "finished"
-    clock.advance(31)
-    assert references.overdue() == [(second.key, "tcp://127.0.0.1:8")]
-    assert second.status == future.status == "cancelled" and references.was_cut(future.key)
     assert sorted(references.all_futures(), key=lambda f: f.key) == sorted(
         [future, first, second], key=lambda f: f.key)
+    clock.advance(20.5)
+    # The first part is late: the reference is cut, and the workers of both its running parts
+    # restart (cancelling a running task leaves its thread busy; a hung one, for good).
+    assert references.overdue() == [(first.key, "tcp://127.0.0.1:7"),
+                                    (second.key, "tcp://127.0.0.1:8")]
+    assert first.status == second.status == future.status == "cancelled"
+    assert references.was_cut(future.key) and references.overdue() == []
+    assert references.all_futures() == [future]  # its parts let go
     references.release()
     assert references.all_futures() == []
+
+
+def test_a_done_reference_lets_go_of_its_parts_and_a_failed_ones_running_parts_stop(jobs):
+    client = FakeClient()
+    references = ModelReferences(client, "run", lambda job: {}, FakeClock(), slots=lambda: 2)
+    job = dataclasses.replace(jobs["nf4"], eval=dataclasses.replace(jobs["nf4"].eval,
+                                                                    batch_size=4))
+    future = references.future_for(job)
+    first, second = client.parts(future)
+    first.status = second.status = future.status = "finished"
+    assert references.overdue() == [] and references.all_futures() == [future]
+    future.status = "error"  # say its data was lost for good: a new one is submitted
+    again = references.future_for(job)
+    third, fourth = client.parts(again)
+    third.status = again.status = "error"  # one part failed, so did the whole
+    assert references.overdue() == [] and fourth.status == "cancelled"
+    assert references.all_futures() == [again]
 
 
 def test_a_reference_splits_into_contiguous_parts_of_at_least_a_batch():

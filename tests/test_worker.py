@@ -316,6 +316,28 @@ def test_jobs_hold_the_unquantized_weights_only_while_they_run(demo_model):
     assert source._weights is None
 
 
+def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_model,
+                                                                          monkeypatch):
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from quantdask import model_source
+
+    spec = jobs_for(demo_model)["nf4"].model
+    model_source._cache.clear()
+    with ThreadPoolExecutor(2) as pool:  # two jobs packed on one worker start at once
+        got = list(pool.map(lambda _: model_source.cached_model_source(spec), range(2)))
+    assert got[0][0] is got[1][0] and sorted(cached for _, cached in got) == [False, True]
+    monkeypatch.setattr(model_source, "MODEL_CACHE_SIZE", 1)
+    held = got[0][0]
+    as_bf16, as_fp16 = (dataclasses.replace(spec, dtype=d) for d in ("bfloat16", "float16"))
+    with held.weights():
+        model_source.cached_model_source(as_bf16)  # over the size, but a job holds the first
+        assert model_source.cached_model_source(spec) == (held, True)
+    model_source.cached_model_source(as_fp16)
+    assert len(model_source._cache) == 1  # nothing held now: the least recently used went
+
+
 def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, records):
     # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
     # the recorded errors must be those of the quantized weights, not of a repacked layout.
