@@ -36,17 +36,24 @@ retry policy counts and classifies those losses instead, so Dask is told to reru
 
 
 class TorchThreads(WorkerPlugin):
-    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it."""
+    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it;
+    with ``share``, a job computing while other slots idle borrows their cores (see
+    ``cpu_share``)."""
 
     name = "quantdask-torch-threads"
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, share: bool = False):
         self.threads = threads
+        self.share = share
 
     def setup(self, worker) -> None:
         import torch
 
         torch.set_num_threads(self.threads)
+        if self.share:
+            from quantdask.cpu_share import share_cores
+
+            share_cores(self.threads)
 
 
 class WarmImports(WorkerPlugin):
@@ -304,7 +311,7 @@ def start_cluster(
     if adapt is not None:
         adapt.apply(local_cluster)
     client = Client(local_cluster, security=security)
-    client.register_plugin(TorchThreads(threads))
+    client.register_plugin(TorchThreads(threads, share=torch_threads is None))
     client.register_plugin(WarmImports())
     log.info("started %d CPU slots%s; dashboard %s", n,
              f" (adapting {adapt.minimum}-{adapt.maximum})" if adapt else "",

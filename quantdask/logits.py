@@ -53,10 +53,13 @@ def sliced_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: 
     window, as :class:`LogProbSlice` pieces, batch by batch and slice by slice."""
     import torch
 
+    from quantdask.cpu_share import rebalance
+
     sliced = _SlicedHead(model) if _SlicedHead.works_on(model, windows, device) else None
     predicted = windows.size(1) - 1
     with torch.inference_mode():
         for start in range(0, windows.size(0), batch_size):
+            rebalance()  # a CPU slot takes the cores idle slots leave, or gives them back
             batch = windows[start:start + batch_size].to(device)
             rows = slice(start, start + batch.size(0))
             step = positions_per_slice(batch.size(0), _vocab_size(model), budget_bytes)

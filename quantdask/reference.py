@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from dask.sizeof import sizeof
 
+from quantdask import cpu_share
 from quantdask.errors import JobTimeout
 from quantdask.metrics import PeakMemory, QualityMeter, eval_windows, reference_slice
 from quantdask.model_source import cached_model_source
@@ -136,7 +137,8 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
         sampler.current_job = reference_key(model, settings)
         sampler.sample_now()
     try:
-        shard = _compute_shard(model, settings, text, rows)
+        with cpu_share.busy():  # borrows idle slots' cores (CPU slots)
+            shard = _compute_shard(model, settings, text, rows)
     finally:
         if sampler is not None:
             sampler.sample_now()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from quantdask import cpu_share
 from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import JobTimeout, UnsupportedHere
@@ -188,6 +189,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         torch.manual_seed(job.seed)
         watch = Stopwatch()
         with watch("wall"), PeakMemory(cuda) as peak, contextlib.ExitStack() as holding:
+            holding.enter_context(cpu_share.busy())  # borrows idle slots' cores (CPU slots)
             with watch("load"):
                 source, cached = cached_model_source(job.model)
                 # The unquantized weights, mapped from the checkpoint for this job only.
