@@ -7,14 +7,17 @@ weights, built here once), the same 12 bitsandbytes configs as ``benchmarks.swee
 (nf4/fp4 x double quant x compute dtype; int8 at 4 thresholds), the same eval (the demo text,
 32 windows of 128 tokens) and the same cores, two ways, interleaved (loop, quantdask, loop, ...):
 
+Each run is a fresh process of its own, its imports done before its clock starts.
+
 (a) the loop: one Python process with ``--slots`` torch threads, already warm (its imports
     are not timed); the unquantized model's log-probs computed once; then per config
     ``from_pretrained(path, quantization_config=BitsAndBytesConfig(...))`` and perplexity, KL
     (full vocabulary) and top-1 agreement. Nothing else: no per-layer stats, no records.
-(b) quantdask: ``--slots`` CPU slots (one torch thread each) started, the 13 jobs (the baseline
-    too) run with everything quantdask records (peaks, logs, parquet; per-layer weight and
-    output errors on, off, or each in turn), the cluster closed: all of it timed, as the user
-    waits for it.
+(b) quantdask: ``import quantdask`` (and torch, transformers), then the clock: ``--slots``
+    CPU slots (one torch thread each, lending their cores to each other when idle) started,
+    the 13 jobs (the baseline too) run with everything quantdask records (peaks, logs,
+    parquet; per-layer weight and output errors on, off, or each in turn), the cluster
+    closed: all of it timed, as the user waits for it.
 
 Prints a Markdown table of the runs, medians and the throughput ratio (configs per second).
 """
@@ -60,10 +63,12 @@ def configs() -> list[dict]:
             if job.backend == "bitsandbytes"]
 
 
-def loop(model_path: Path, threads: int) -> float:
-    """The plain loop, in a fresh process (warmed before the clock starts); its seconds."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.vs_loop", "--loop-only",
-                          str(model_path), "--slots", str(threads)], cwd=REPO,
+def in_fresh_process(*args: str) -> float:
+    """One way's seconds, measured in a fresh process of its own: neither way inherits what
+    the other left in a process. (When quantdask ran in the benchmark's own process, which
+    then kept a closed client's threads and the fork server, each loop run after it took
+    118-121 s instead of 92-94.)"""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.vs_loop", *args], cwd=REPO,
                          capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -135,16 +140,28 @@ def main() -> None:
     parser.add_argument("--layer-stats", choices=("on", "off", "both"), default="both",
                         help="quantdask's per-layer weight and output errors (the loop has none)")
     parser.add_argument("--loop-only", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--quantdask-only", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loop_only:
         print(run_loop(Path(args.loop_only), args.slots))
         return
+    if args.quantdask_only:
+        # Imported before the clock, as the loop's are (a notebook has them already).
+        import torch  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+
+        import quantdask  # noqa: F401
+
+        print(quantdask_run(Path(args.quantdask_only), args.slots, args.layer_stats == "on"))
+        return
     model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-{args.layers}",
                              args.layers)
-    ways = {"loop": lambda: loop(model_path, args.slots)}
-    for stats in {"on": [True], "off": [False], "both": [True, False]}[args.layer_stats]:
-        ways[f"quantdask, per-layer stats {'on' if stats else 'off'}"] = (
-            lambda stats=stats: quantdask_run(model_path, args.slots, stats))
+    slots = ("--slots", str(args.slots))
+    ways = {"loop": lambda: in_fresh_process("--loop-only", str(model_path), *slots)}
+    for stats in {"on": ["on"], "off": ["off"], "both": ["on", "off"]}[args.layer_stats]:
+        ways[f"quantdask, per-layer stats {stats}"] = (
+            lambda stats=stats: in_fresh_process("--quantdask-only", str(model_path), *slots,
+                                                 "--layer-stats", stats))
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.reps):
         for way, run in ways.items():
