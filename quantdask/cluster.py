@@ -303,6 +303,7 @@ def start_cluster(
 
     _fork_cpu_slots_from_a_warm_server()
     _keep_nannies_of_lost_workers()
+    _keep_glibc_malloc_defaults()
     local_cluster = LocalCluster(
         n_workers=n, processes=True,
         # CPU slots stay on the CPU even on a machine with GPUs.
@@ -356,6 +357,25 @@ def _keep_nannies_of_lost_workers() -> None:
     dask.config.set({"distributed.deploy.lost-worker-timeout": "24h"})
 
 
+def _keep_glibc_malloc_defaults() -> None:
+    """Start workers with glibc's own malloc tuning, not Dask's ``MALLOC_TRIM_THRESHOLD_``.
+
+    Dask's nanny sets that variable (to 65536) in each worker's environment, to hand freed
+    memory back to the OS at once (dataframe workloads). Any explicit glibc threshold also
+    turns off glibc's dynamic mmap threshold: every tensor over 128 KiB becomes a fresh
+    mapping, page-faulted in again at each batch. A torch eval on one thread took 6.7 s with
+    it and 5.1 s without (the vs_loop model, nf4). The nanny also writes it into the
+    environment of the process that starts the cluster, so a notebook's later subprocesses
+    inherited the slowdown too. (Process-wide, like every Dask setting; a variable the user
+    set in the shell still wins.)
+    """
+    import dask
+
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}))
+    environ["MALLOC_TRIM_THRESHOLD_"] = None  # Dask's way to unset one
+    dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
+
+
 def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
                         adapt: Adapt | None) -> ClusterHandle:
     # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
@@ -367,6 +387,7 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
     # Adaptive: start the minimum (at least one: dask-cuda refuses none, and placement learns
     # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
     _keep_nannies_of_lost_workers()
+    _keep_glibc_malloc_defaults()
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
         n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus), **common,

@@ -167,6 +167,13 @@ def test_device_samples_and_per_device_summary(demo_run):
         assert row["sampled_utilization_pct"] == pytest.approx(sampled["utilization_pct"].mean())
 
 
+def test_workers_keep_glibc_malloc_defaults(cluster):
+    # Dask's MALLOC_TRIM_THRESHOLD_ made every large tensor a fresh mapping: torch 1.3x slower.
+    import os
+
+    assert set(cluster.client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {None}
+
+
 def test_both_workers_ran_jobs(demo_run, cluster):
     _, results, _ = demo_run
     # The cluster's own list of its slots, not the scheduler's of the moment: another test
