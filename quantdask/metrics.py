@@ -184,20 +184,25 @@ class QualityMeter:
     rest of the vocabulary: merging outcomes never increases a KL divergence (the log-sum
     inequality), so it is a lower bound of the exact figure, exact when the bucket is empty.
     Top-1 agreement is the share of positions where both pick the same most likely next token.
+
+    Each slice's sums are kept and added once, exactly rounded (``math.fsum``): the scores are
+    then the same bits whatever order slices arrive in or however a reference's windows were
+    split over workers and merged.
     """
 
     def __init__(self, windows: torch.Tensor, reference: dict[str, torch.Tensor] | None):
         self.windows = windows
         self.reference = reference
-        self.nll = self.kl = self.agree = 0.0
-        self.tokens = 0
+        self.nll: list[float] = []  # one sum per slice
+        self.kl: list[float] = []
+        self.agree = self.tokens = 0
 
     def add(self, rows: slice, positions: slice, log_q: torch.Tensor) -> None:
         """Fold in the model's log-probs ``log_q`` for ``rows`` x ``positions``."""
         import torch
 
         targets = self.windows[rows, positions.start + 1:positions.stop + 1].to(log_q.device)
-        self.nll -= log_q.gather(-1, targets.unsqueeze(-1)).double().sum().item()
+        self.nll.append(-log_q.gather(-1, targets.unsqueeze(-1)).double().sum().item())
         self.tokens += targets.numel()
         if self.reference is None:  # the reference itself: KL 0, top-1 1
             self.agree += targets.numel()
@@ -206,30 +211,29 @@ class QualityMeter:
         log_p = ref["log_probs"]
         if "ids" not in ref:  # exact: every token of the vocabulary
             # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
-            self.kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
-                                   0.0).double().sum().item()
+            self.kl.append(torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
+                                       0.0).double().sum().item())
             self.agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
             return
         ids = ref["ids"].long()
         log_p, log_q_top = log_p.double(), log_q.gather(-1, ids).double()
-        self.kl += torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top),
-                               0.0).sum().item()
+        kl = torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top), 0.0).sum()
         rest_p = ref["rest"].double()
         rest_q = _log_rest(log_q_top).clamp(min=math.log(torch.finfo(torch.float64).tiny))
-        self.kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q),
-                               0.0).sum().item()
+        kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q), 0.0).sum()
+        self.kl.append(kl.item())
         self.agree += (ids[..., 0] == log_q.argmax(-1)).sum().item()
 
     def merge(self, other: QualityMeter) -> None:
         """Fold in the sums of a meter over other windows (a shard of the same eval)."""
-        self.nll += other.nll
-        self.kl += other.kl
+        self.nll.extend(other.nll)
+        self.kl.extend(other.kl)
         self.agree += other.agree
         self.tokens += other.tokens
 
     def scores(self) -> dict[str, float]:
-        scores = {"perplexity": math.exp(self.nll / self.tokens),
-                  "kl_divergence": max(self.kl / self.tokens, 0.0),
+        scores = {"perplexity": math.exp(math.fsum(self.nll) / self.tokens),
+                  "kl_divergence": max(math.fsum(self.kl) / self.tokens, 0.0),
                   "top1_agreement": self.agree / self.tokens, "eval_tokens": self.tokens}
         broken = [n for n in ("perplexity", "kl_divergence") if not math.isfinite(scores[n])]
         if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement

@@ -82,10 +82,14 @@ def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
 
 def shard_rows(samples: int, batch_size: int, slots: int) -> list[tuple[int, int]]:
     """How a reference of ``samples`` windows splits over ``slots`` workers: contiguous ranges
-    of windows (start, stop), at most one per slot and none smaller than a batch, so that every
-    slot computes a part at once and none computes a part too small to be worth its start."""
-    parts = max(1, min(slots, samples // max(1, batch_size)))
-    bounds = [round(i * samples / parts) for i in range(parts + 1)]
+    of windows (start, stop), at most one per slot, each a whole number of batches (only the
+    last may end in the eval's own short batch). Every part then runs exactly the batches one
+    pass over all the windows runs, so the reference is the same bits however many workers the
+    cluster had when it was split."""
+    batch = max(1, batch_size)
+    batches = max(1, -(-samples // batch))
+    parts = max(1, min(slots, batches))
+    bounds = [min(samples, round(i * batches / parts) * batch) for i in range(parts + 1)]
     return list(itertools.pairwise(bounds))
 
 

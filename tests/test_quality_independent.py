@@ -200,3 +200,35 @@ def test_the_top_k_kl_is_the_readmes_formula_a_lower_bound_and_within_1pct_at_th
     assert exact["fp4"]["kl_tail_mass"] == 0
     for metric in ("perplexity", "top1_agreement", "eval_tokens"):
         assert record[metric] == pytest.approx(exact["fp4"][metric], rel=1e-6), metric
+
+
+@pytest.mark.parametrize("top_k", [4, None])
+def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
+    # A reference computed in parts merges their meters: the figures must not depend on how
+    # many parts there were (the cluster's size at the time), nor on the order they came back.
+    import torch
+
+    from quantdask.metrics import QualityMeter, reference_slice
+
+    torch.manual_seed(0)
+    windows = torch.randint(0, 50, (6, 9))
+    log_p = torch.log_softmax(3 * torch.randn(6, 8, 50), -1)
+    log_q = torch.log_softmax(log_p + 0.3 * torch.randn(6, 8, 50), -1)
+    reference = reference_slice(log_p, top_k)
+    pieces = [(slice(r, r + 2), slice(p, p + 3 if p < 6 else 8))
+              for r in range(0, 6, 2) for p in (0, 3, 6)]
+
+    def measured(meters: list[QualityMeter], order: list[int]) -> dict:
+        for i in order:
+            rows, positions = pieces[i]
+            meters[i % len(meters)].add(rows, positions, log_q[rows, positions])
+        whole = QualityMeter(windows, reference)
+        for meter in reversed(meters):
+            whole.merge(meter)
+        return whole.scores()
+
+    one = measured([QualityMeter(windows, reference)], list(range(len(pieces))))
+    split = measured([QualityMeter(windows, reference) for _ in range(3)],
+                     list(reversed(range(len(pieces)))))
+    assert one == split
+    assert one["eval_tokens"] == 6 * 8 and one["kl_divergence"] > 0

@@ -201,12 +201,19 @@ def test_a_done_reference_lets_go_of_its_parts_and_a_failed_ones_running_parts_s
     assert references.all_futures() == [again]
 
 
-def test_a_reference_splits_into_contiguous_parts_of_at_least_a_batch():
+def test_a_reference_splits_into_contiguous_parts_of_whole_batches():
     assert shard_rows(8, 4, slots=1) == [(0, 8)]
     assert shard_rows(8, 4, slots=2) == [(0, 4), (4, 8)]
     assert shard_rows(8, 4, slots=16) == [(0, 4), (4, 8)]
     assert shard_rows(3, 4, slots=2) == [(0, 3)]  # less than a batch: one part
-    assert shard_rows(140, 8, slots=3) == [(0, 47), (47, 93), (93, 140)]
+    assert shard_rows(140, 8, slots=3) == [(0, 48), (48, 96), (96, 140)]
+    assert shard_rows(20, 8, slots=2) == [(0, 16), (16, 20)]  # the eval's own short batch last
+    # Every part starts on a batch boundary of the one-pass eval: the same batches run.
+    for samples, batch, slots in [(140, 8, 3), (33, 8, 2), (7, 3, 5), (64, 4, 7)]:
+        parts = shard_rows(samples, batch, slots)
+        assert parts[0][0] == 0 and parts[-1][1] == samples and len(parts) <= slots
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert all(start % batch == 0 and stop > start for start, stop in parts)
     assert shard_rows(5, 1, slots=0) == [(0, 5)]  # no worker yet (adaptive): one part
 
 

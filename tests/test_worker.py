@@ -71,8 +71,8 @@ def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, ref
         "log_probs", "ids", "rest"}
     for name, tensor in whole.distribution.items():
         assert torch.equal(combined.distribution[name], tensor), name
-    for name in SCORES:  # and the same as batches of 8 measured
-        assert combined.baseline[name] == pytest.approx(whole.baseline[name], rel=1e-12)
+    for name in SCORES:  # the same bits (a rerun on fewer workers reproduces its figures),
+        assert combined.baseline[name] == whole.baseline[name], name  # and near batches of 8
         assert combined.baseline[name] == pytest.approx(reference.baseline[name], rel=1e-6)
     assert combined.baseline["peak_host_rss_bytes"] == max(
         p.peaks["peak_host_rss_bytes"] for p in parts)
