@@ -171,6 +171,12 @@ def _log_rest(top_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1(covered))
 
 
+def exact_sum(values: torch.Tensor) -> float:
+    """The exactly rounded sum of ``values`` (any shape), in float64: the same bits whatever
+    the order of the terms or torch's thread count."""
+    return math.fsum(values.double().flatten().tolist())
+
+
 SCORES = ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens")
 """What :meth:`QualityMeter.scores` returns."""
 
@@ -185,9 +191,11 @@ class QualityMeter:
     inequality), so it is a lower bound of the exact figure, exact when the bucket is empty.
     Top-1 agreement is the share of positions where both pick the same most likely next token.
 
-    Each slice's sums are kept and added once, exactly rounded (``math.fsum``): the scores are
-    then the same bits whatever order slices arrive in or however a reference's windows were
-    split over workers and merged.
+    Sums are exact (:func:`exact_sum`): per-position terms are reduced over the vocabulary
+    only (each position by one thread), then added exactly rounded. The scores are then the
+    same bits whatever torch's thread count (CPU slots lend each other idle cores mid-eval;
+    torch's own sum of a large tensor splits it by thread), the order slices arrive in, or how
+    a reference's windows were split over workers and merged.
     """
 
     def __init__(self, windows: torch.Tensor, reference: dict[str, torch.Tensor] | None):
@@ -202,7 +210,7 @@ class QualityMeter:
         import torch
 
         targets = self.windows[rows, positions.start + 1:positions.stop + 1].to(log_q.device)
-        self.nll.append(-log_q.gather(-1, targets.unsqueeze(-1)).double().sum().item())
+        self.nll.append(-exact_sum(log_q.gather(-1, targets.unsqueeze(-1))))
         self.tokens += targets.numel()
         if self.reference is None:  # the reference itself: KL 0, top-1 1
             self.agree += targets.numel()
@@ -211,17 +219,17 @@ class QualityMeter:
         log_p = ref["log_probs"]
         if "ids" not in ref:  # exact: every token of the vocabulary
             # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
-            self.kl.append(torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
-                                       0.0).double().sum().item())
+            self.kl.append(exact_sum(torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
+                                                 0.0).double().sum(-1)))
             self.agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
             return
         ids = ref["ids"].long()
         log_p, log_q_top = log_p.double(), log_q.gather(-1, ids).double()
-        kl = torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top), 0.0).sum()
+        kl = torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top), 0.0).sum(-1)
         rest_p = ref["rest"].double()
         rest_q = _log_rest(log_q_top).clamp(min=math.log(torch.finfo(torch.float64).tiny))
-        kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q), 0.0).sum()
-        self.kl.append(kl.item())
+        kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q), 0.0)
+        self.kl.append(exact_sum(kl))
         self.agree += (ids[..., 0] == log_q.argmax(-1)).sum().item()
 
     def merge(self, other: QualityMeter) -> None:

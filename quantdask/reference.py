@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,13 @@ from dask.sizeof import sizeof
 
 from quantdask import cpu_share
 from quantdask.errors import JobTimeout
-from quantdask.metrics import PeakMemory, QualityMeter, eval_windows, reference_slice
+from quantdask.metrics import (
+    PeakMemory,
+    QualityMeter,
+    eval_windows,
+    exact_sum,
+    reference_slice,
+)
 from quantdask.model_source import cached_model_source
 from quantdask.spec import DEVICE_MEMORY
 
@@ -103,7 +110,7 @@ class ReferenceShard:
     windows: torch.Tensor
     compact: dict[str, torch.Tensor]
     meter: QualityMeter
-    tail: float  # the mass outside the top k, summed over positions
+    tail: list[float]  # the mass outside the top k, summed over each slice's positions
     peaks: dict[str, int]
 
 
@@ -165,7 +172,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
     device, _, cuda = torch_device()
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
-    tail = 0.0
+    tail: list[float] = []
     with PeakMemory(cuda) as peak:
         fp_model = source.build(device)
         for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
@@ -176,7 +183,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                                                     *part.shape[2:]))
                 compact[name][piece.rows, piece.positions] = part
                 if name == "rest":
-                    tail += part.double().exp().sum().item()
+                    tail.append(exact_sum(part.double().exp()))
         del fp_model
     peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
              "peak_device_reserved_bytes": peak.peak_reserved_bytes,
@@ -204,7 +211,7 @@ def combine_reference(model: ModelSpec, settings: EvalSettings,
                for name in shards[0].compact}
     key = reference_key(model, settings)
     _announce(key)
-    tail_mass = sum(shard.tail for shard in shards) / meter.tokens
+    tail_mass = math.fsum(t for shard in shards for t in shard.tail) / meter.tokens
     if tail_mass > TAIL_WARNING:
         log.warning("%s: the top %s tokens hold only %.1f%% of the unquantized model's "
                     "probability mass on average: KL is a loose lower bound here (its "

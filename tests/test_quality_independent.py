@@ -232,3 +232,32 @@ def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
                      list(reversed(range(len(pieces)))))
     assert one == split
     assert one["eval_tokens"] == 6 * 8 and one["kl_divergence"] > 0
+
+
+@pytest.mark.parametrize("top_k", [64, None])
+def test_scores_are_the_same_bits_at_any_torch_thread_count(top_k):
+    # CPU slots lend each other idle cores mid-eval, and torch splits a large sum over its
+    # threads: a job rerun under another load must still give the same figures. (Whether a
+    # split sum rounds differently depends on the values: a plain torch sum failed this for
+    # 2 of these 12 cases.)
+    import torch
+
+    from quantdask.metrics import QualityMeter, reference_slice
+
+    before = torch.get_num_threads()
+    try:
+        for seed in range(6):
+            torch.manual_seed(seed)
+            windows = torch.randint(0, 320, (8, 128))  # a demo batch: 8 x 127 x 64 KL terms
+            log_p = torch.log_softmax(3 * torch.randn(8, 127, 320), -1)
+            log_q = torch.log_softmax(log_p + 0.3 * torch.randn(8, 127, 320), -1)
+            reference = reference_slice(log_p, top_k)
+            scores = []
+            for threads in (1, 2, 4):
+                torch.set_num_threads(threads)
+                meter = QualityMeter(windows, reference)
+                meter.add(slice(0, 8), slice(0, 127), log_q)
+                scores.append(meter.scores())
+            assert scores[0] == scores[1] == scores[2], seed
+    finally:
+        torch.set_num_threads(before)
