@@ -38,10 +38,13 @@ class DeviceProbe(Protocol):
 class NvmlProbe:
     """A GPU read through NVML. ``nvml`` is the ``pynvml`` module (or a fake with its API).
 
-    NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES: pass the physical id.
+    ``gpu`` names the GPU as NVML does: its UUID (``GPU-...``, ``MIG-...``; what
+    :func:`nvml_uuid` gives for a CUDA device) or NVML's own index. NVML numbers GPUs by PCI
+    bus, CUDA fastest first, so a CUDA index is not an NVML index. ``device`` is the label the
+    samples carry (default ``cuda:<gpu>``).
     """
 
-    def __init__(self, physical_id: int | str, nvml: Any = None):
+    def __init__(self, gpu: int | str, nvml: Any = None, device: str | None = None):
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -50,17 +53,43 @@ class NvmlProbe:
                                   "(or quantdask[gpu])") from err
         self.nvml = nvml
         nvml.nvmlInit()
-        if str(physical_id).isdigit():
-            self.handle = nvml.nvmlDeviceGetHandleByIndex(int(physical_id))
-        else:  # CUDA_VISIBLE_DEVICES may name GPUs by UUID (GPU-..., MIG-...)
-            self.handle = nvml.nvmlDeviceGetHandleByUUID(str(physical_id))
-        self.device = f"cuda:{physical_id}"
+        if str(gpu).isdigit():
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(int(gpu))
+        else:
+            self.handle = nvml.nvmlDeviceGetHandleByUUID(str(gpu))
+        self.device = device or f"cuda:{gpu}"
 
     def sample(self) -> dict[str, float | int]:
         rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
         memory = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
         return {"utilization_pct": float(rates.gpu), "memory_used_bytes": int(memory.used),
                 "memory_total_bytes": int(memory.total)}
+
+
+def nvml_uuid(cuda_index: int = 0) -> str:
+    """NVML's name (UUID) of this process's ``cuda_index``-th CUDA device.
+
+    CUDA orders devices fastest first and NVML by PCI bus, and dask-cuda replaces each
+    worker's environment (so ``CUDA_DEVICE_ORDER`` cannot be passed down): the UUID is the one
+    name both agree on. A ``CUDA_VISIBLE_DEVICES`` that names the GPU by UUID is used as it
+    is."""
+    import torch
+
+    from quantdask.metrics import physical_gpu_id
+
+    visible = physical_gpu_id(cuda_index)
+    if visible.startswith(("GPU-", "MIG-")):
+        return visible
+    return f"GPU-{torch.cuda.get_device_properties(cuda_index).uuid}"
+
+
+def cuda_probe(cuda_index: int = 0, nvml: Any = None) -> NvmlProbe:
+    """The NVML probe of this process's ``cuda_index``-th CUDA device, labelled as results
+    label it (``cuda:<id in CUDA_VISIBLE_DEVICES>``)."""
+    from quantdask.metrics import physical_gpu_id
+
+    return NvmlProbe(nvml_uuid(cuda_index), nvml=nvml,
+                     device=f"cuda:{physical_gpu_id(cuda_index)}")
 
 
 class ProcessProbe:
@@ -85,10 +114,8 @@ def default_probe() -> DeviceProbe:
     """NVML for this worker's GPU when it has one, else the process probe."""
     import torch
 
-    from quantdask.metrics import physical_gpu_id
-
     if torch.cuda.is_available():
-        return NvmlProbe(physical_gpu_id(0))
+        return cuda_probe(0)
     return ProcessProbe()
 
 

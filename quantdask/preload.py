@@ -21,11 +21,10 @@ def device_memory_bytes(worker) -> int:
     import torch
 
     if torch.cuda.is_available():
-        from quantdask.devices import NvmlProbe
-        from quantdask.metrics import physical_gpu_id
+        from quantdask.devices import cuda_probe
 
         try:
-            return int(NvmlProbe(physical_gpu_id(0)).sample()["memory_total_bytes"])
+            return int(cuda_probe(0).sample()["memory_total_bytes"])
         except Exception:  # noqa: BLE001 - no NVML here: ask CUDA (this initializes it)
             return int(torch.cuda.get_device_properties(0).total_memory)
     import psutil

@@ -63,11 +63,10 @@ def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tup
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
         ok = bool(advertised) and advertised == limits
     else:
-        import pynvml
+        from quantdask.devices import NvmlProbe, nvml_uuid
 
-        pynvml.nvmlInit()
-        totals = {pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(g))).total
-                  for g in gpus}
+        # This process sees every GPU: CUDA index g, looked up in NVML by its UUID.
+        totals = {NvmlProbe(nvml_uuid(int(g))).sample()["memory_total_bytes"] for g in gpus}
         ok = bool(advertised) and all(m in totals for m in advertised.values())
     shown = ", ".join(f"{n}: {(m or 0) / 2**30:.1f} GiB" for n, m in sorted(advertised.items()))
     return ok, shown

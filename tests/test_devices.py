@@ -33,6 +33,13 @@ class FakeNvml:
         assert self.initialized, "nvmlInit first"
         return index
 
+    # NVML numbers GPUs by PCI bus; CUDA (fastest first) may number them the other way round.
+    uuids = {"GPU-aaaa": 1, "GPU-bbbb": 0}
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        assert self.initialized, "nvmlInit first"
+        return self.uuids[uuid]
+
     def nvmlDeviceGetUtilizationRates(self, handle):
         return SimpleNamespace(gpu=self.readings[handle][0], memory=0)
 
@@ -45,6 +52,32 @@ def test_nvml_probe_reads_the_physical_gpu():
     assert probe.device == "cuda:1"
     assert probe.sample() == {"utilization_pct": 85.0, "memory_used_bytes": 30 * GIB,
                               "memory_total_bytes": 141 * GIB}
+
+
+def test_a_cuda_device_is_found_in_nvml_by_its_uuid_not_its_index(monkeypatch):
+    import torch
+
+    from quantdask.devices import cuda_probe, nvml_uuid
+
+    # CUDA's device 0 is the GPU that NVML, by PCI bus, numbers 1 (uuid GPU-aaaa).
+    cuda_order = ["aaaa", "bbbb"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=cuda_order[i]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvml_uuid(0) == "GPU-aaaa" and nvml_uuid(1) == "GPU-bbbb"
+    probe = cuda_probe(0, nvml=FakeNvml())
+    assert probe.device == "cuda:0"
+    assert probe.sample()["utilization_pct"] == 85.0  # NVML's device 1, not its device 0
+    # dask-cuda's worker 1 sees only CUDA's GPU 1 (bbbb, NVML's 0) as its device 0: labelled
+    # by its id in CUDA_VISIBLE_DEVICES, read from NVML's device 0.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    cuda_order[:] = ["bbbb"]
+    probe = cuda_probe(0, nvml=FakeNvml())
+    assert probe.device == "cuda:1" and probe.sample()["utilization_pct"] == 10.0
+    # A GPU named by UUID in CUDA_VISIBLE_DEVICES is looked up as named.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    assert nvml_uuid(0) == "GPU-bbbb"
+    assert cuda_probe(0, nvml=FakeNvml()).sample()["utilization_pct"] == 10.0
 
 
 def test_physical_gpu_id_respects_cuda_visible_devices(monkeypatch):
