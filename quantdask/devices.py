@@ -134,7 +134,10 @@ class DeviceSampler(WorkerPlugin):
         self.worker_name = str(worker.name) if worker is not None else f"pid-{os.getpid()}"
         self._worker = worker
         self._published = 0.0
-        self.current_job: str | None = None
+        # Jobs packed on one GPU (jobs_per_gpu > 1) run at once: a sample belongs to all of
+        # the jobs running when it was taken.
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
         self._samples: deque[dict[str, Any]] = deque(maxlen=MAX_BUFFERED)
         self._stop = threading.Event()
         try:
@@ -151,6 +154,27 @@ class DeviceSampler(WorkerPlugin):
             if self._stop.wait(self.interval_s):
                 return
 
+    def job_started(self, job_id: str) -> None:
+        """``job_id`` runs on this worker from now on (take a sample to mark its start)."""
+        with self._lock:
+            self._running.add(job_id)
+        self.sample_now()
+
+    def job_finished(self, job_id: str, take: bool = True) -> list[dict[str, Any]]:
+        """``job_id`` ended: take a last sample, and (with ``take``) return the samples no job
+        still running here shares, for the finished job's record. Samples taken while a packed
+        neighbour runs stay for the neighbour's record; none is dropped or given twice."""
+        self.sample_now()
+        with self._lock:
+            self._running.discard(job_id)
+            if not take:
+                return []
+            mine = [s for s in self._samples if not s["_jobs"] & self._running]
+            kept = [s for s in self._samples if s["_jobs"] & self._running]
+            self._samples.clear()
+            self._samples.extend(kept)
+        return [_public(s) for s in mine]
+
     def sample_now(self) -> None:
         if self.probe is None:
             return
@@ -161,10 +185,13 @@ class DeviceSampler(WorkerPlugin):
             log.error("device sampling on worker %s stopped: %s", self.worker_name, error)
             self.probe = None
             return
-        sample = {"worker": self.worker_name, "device": self.probe.device,
-                  "time": dt.datetime.now(dt.UTC), "job_id": self.current_job, **reading}
-        self._samples.append(sample)
-        self._publish(sample)
+        with self._lock:
+            jobs = frozenset(self._running)
+            sample = {"worker": self.worker_name, "device": self.probe.device,
+                      "time": dt.datetime.now(dt.UTC),
+                      "job_id": ",".join(sorted(jobs)) or None, **reading, "_jobs": jobs}
+            self._samples.append(sample)
+        self._publish(_public(sample))
 
     def _publish(self, sample: dict[str, Any]) -> None:
         """Send the latest reading to whoever watches the sweep (``log_event`` is thread-safe;
@@ -184,14 +211,19 @@ class DeviceSampler(WorkerPlugin):
 
     def drain(self) -> list[dict[str, Any]]:
         """Every sample taken since the last drain (and forget them)."""
-        taken = []
-        while self._samples:
-            taken.append(self._samples.popleft())
+        with self._lock:
+            taken = [_public(s) for s in self._samples]
+            self._samples.clear()
         return taken
 
     def teardown(self, worker=None) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _public(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample as it leaves the sampler: its running jobs are in ``job_id`` (comma-joined)."""
+    return {k: v for k, v in sample.items() if k != "_jobs"}
 
 
 def this_workers_sampler() -> DeviceSampler | None:

@@ -145,15 +145,14 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
     quiet_libraries()
     sampler = this_workers_sampler()
     if sampler is not None:  # the device's samples meanwhile belong to the reference
-        sampler.current_job = reference_key(model, settings)
-        sampler.sample_now()
+        sampler.job_started(reference_key(model, settings))
     try:
         with cpu_share.busy():  # borrows idle slots' cores (CPU slots)
             shard = _compute_shard(model, settings, text, rows)
     finally:
         if sampler is not None:
-            sampler.sample_now()
-            sampler.current_job = None
+            # Its samples stay on the worker: the next job's record (or the sweep's end) takes them.
+            sampler.job_finished(reference_key(model, settings), take=False)
     elapsed = time.monotonic() - began
     if elapsed > timeout_s:
         raise JobTimeout("its model's reference (eval windows and baseline log-probs)", elapsed,

@@ -172,8 +172,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
     sampler = this_workers_sampler()
     if sampler is not None:  # mark the job's samples, and take one even if the job is short
-        sampler.current_job = job.id
-        sampler.sample_now()
+        sampler.job_started(job.id)
     try:
         quiet_libraries()
         if isinstance(backend, bytes):
@@ -267,9 +266,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
                 torch.cuda.empty_cache()
         if sampler is not None:
-            sampler.sample_now()
-            sampler.current_job = None
-            record["device_samples"] = sampler.drain()
+            record["device_samples"] = sampler.job_finished(job.id)
     elapsed = time.monotonic() - began
     if elapsed > job.timeout_s and record["status"] != "skipped":
         # Past the deadline is a timeout whether or not the driver looked in time: the outcome

@@ -91,18 +91,38 @@ def test_sampler_tags_samples_with_the_running_job_and_drains_them():
     sampler = DeviceSampler(interval_s=60, probe_factory=lambda: NvmlProbe(0, nvml=FakeNvml()))
     sampler.setup(None)
     try:
-        sampler.current_job = "bitsandbytes-1"
+        sampler.job_started("bitsandbytes-1")
+        taken = sampler.job_finished("bitsandbytes-1")
         sampler.sample_now()
-        sampler.current_job = None
-        sampler.sample_now()
-        samples = sampler.drain()
+        samples = taken + sampler.drain()
     finally:
         sampler.teardown(None)
-    # The thread's first sample (idle) plus the two taken here.
-    assert [s["job_id"] for s in samples] == [None, "bitsandbytes-1", None]
+    # The thread's first sample (idle), the job's first and last, and one idle again.
+    assert [s["job_id"] for s in samples] == [None, "bitsandbytes-1", "bitsandbytes-1", None]
     assert {s["device"] for s in samples} == {"cuda:0"}
     assert all(s["utilization_pct"] == 10.0 for s in samples)
     assert sampler.drain() == []
+
+
+def test_packed_jobs_share_their_samples_and_neither_takes_the_others():
+    # jobs_per_gpu: 2 runs two jobs on one worker at once: A, then B joins, A ends, B ends.
+    sampler = DeviceSampler(interval_s=60, probe_factory=lambda: NvmlProbe(0, nvml=FakeNvml()))
+    sampler.setup(None)
+    try:
+        sampler.drain()  # the thread's first (idle) sample
+        sampler.job_started("A")
+        sampler.job_started("B")
+        sampler.sample_now()
+        for_a = sampler.job_finished("A")
+        sampler.sample_now()
+        for_b = sampler.job_finished("B")
+        left = sampler.drain()
+    finally:
+        sampler.teardown(None)
+    # A's record gets only what it ran alone; what both ran stays for B, the last to end.
+    assert [s["job_id"] for s in for_a] == ["A"]
+    assert [s["job_id"] for s in for_b] == ["A,B", "A,B", "A,B", "B", "B"]
+    assert left == [] and all("_jobs" not in s for s in for_a + for_b)
 
 
 def test_process_probe_reads_this_process():
