@@ -18,8 +18,8 @@ $(VENV)/.torch: | $(PY)
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install --quiet -e '.[test]'
-	if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(PIP) install --quiet -e '.[gpu]'; fi
+	cuda=$$($(PY) -c "import torch; print((torch.version.cuda or '').split('.')[0] if torch.cuda.is_available() else '')"); \
+	if [ -n "$$cuda" ]; then $(PIP) install --quiet -e ".[gpu-cu$$cuda]"; fi
 	touch $@
 
 demo: $(VENV)/.installed

@@ -382,15 +382,23 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError as err:
-        raise SpecError("gpus", f"dask-cuda is needed for GPU workers ({err}); "
-                                "pip install 'quantdask[gpu]'") from None
+        raise SpecError("gpus", dask_cuda_missing(err)) from None
     # Adaptive: start the minimum (at least one: dask-cuda refuses none, and placement learns
     # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
     _keep_nannies_of_lost_workers()
     _keep_glibc_malloc_defaults()
+    import psutil
+
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
-        n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus), **common,
+        n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus),
+        # Dask's default splits the host's memory evenly between the workers, and the nanny
+        # pauses a worker at 80% of its share and kills it at 95%. A GPU worker's host memory
+        # is not Dask data: it maps a checkpoint and builds a model before moving it to its
+        # GPU, and one such load can pass a 1/n share while the other workers use little.
+        # Each may use up to the whole host; running out of it for real is a worker lost
+        # (retried), as any process killed by the kernel is.
+        memory_limit=psutil.virtual_memory().total, **common,
     )
     if adapt is not None:
         adapt.apply(cluster)
@@ -399,6 +407,22 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
     log.info("started %d GPU workers on GPUs %s; dashboard %s", len(client.scheduler_info(
         n_workers=-1)["workers"]), gpus, client.dashboard_link)
     return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))
+
+
+def dask_cuda_missing(error: ImportError) -> str:
+    """What to install when ``import dask_cuda`` failed with ``error``: dask-cuda itself, or
+    the CUDA bindings it imports (``cuda.bindings``, from cuda-core's cu12/cu13 extra), named
+    with the extra that matches this torch's CUDA version."""
+    import torch
+
+    major = (torch.version.cuda or "13").split(".")[0]
+    missing = getattr(error, "name", None) or str(error)
+    if missing.startswith("dask_cuda"):
+        what = "dask-cuda is not installed"
+    else:
+        what = f"dask-cuda is installed but cannot import {missing!r} ({error})"
+    return (f"{what}; GPU workers need it: pip install 'quantdask[gpu-cu{major}]' (dask-cuda "
+            f"with the CUDA {major} bindings, matching torch's CUDA {torch.version.cuda})")
 
 
 def live_workers(client: Client) -> dict[str, str]:
