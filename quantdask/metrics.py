@@ -41,11 +41,22 @@ def current_rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+_measuring_lock = threading.Lock()
+_measuring: dict[PeakMemory, int] = {}  # the blocks measuring in this process: their threads
+
+
 class PeakMemory:
     """Peak device memory and peak host RSS over a ``with`` block.
 
     On CUDA, device memory is ``torch.cuda.max_memory_allocated`` (reset at entry). On a CPU slot
     the device is host memory, so both figures are the process's peak RSS.
+
+    Both counters are the process's (per device), so jobs packed on one worker
+    (``jobs_per_gpu`` > 1, one thread each) cannot each have their own. A block that overlaps
+    another thread's is ``shared``: it does not reset the counters (that would cut the other's
+    peak short), and its figures are the peak of everything the worker ran meanwhile, an upper
+    bound of its own. Results say so (``peak_shared``), and placement does not learn a job's
+    memory from such a figure.
     """
 
     def __init__(self, cuda: bool):
@@ -53,19 +64,28 @@ class PeakMemory:
         self.peak_device_bytes = 0
         self.peak_reserved_bytes = 0
         self.peak_rss_bytes = 0
+        self.shared = False
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
 
     def __enter__(self) -> PeakMemory:
-        if self.cuda:
-            import torch
+        this_thread = threading.get_ident()
+        with _measuring_lock:
+            for other, thread in _measuring.items():
+                if thread != this_thread:
+                    other.shared = self.shared = True
+            _measuring[self] = this_thread
+            alone = not self.shared
+            if self.cuda:
+                import torch
 
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        if not (_reset_vm_hwm() and _vm_hwm_bytes() is not None):
-            # No resettable kernel counter: sample RSS instead (coarser, still per job).
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
-            self._sampler.start()
+                torch.cuda.synchronize()
+                if alone:
+                    torch.cuda.reset_peak_memory_stats()
+            if not ((not alone or _reset_vm_hwm()) and _vm_hwm_bytes() is not None):
+                # No resettable kernel counter: sample RSS instead (coarser, still per job).
+                self._sampler = threading.Thread(target=self._sample, daemon=True)
+                self._sampler.start()
         self.peak_rss_bytes = current_rss_bytes()
         return self
 
@@ -74,6 +94,8 @@ class PeakMemory:
             self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes())
 
     def __exit__(self, *exc) -> None:
+        with _measuring_lock:
+            _measuring.pop(self, None)
         if self._sampler is not None:
             self._stop.set()
             self._sampler.join()

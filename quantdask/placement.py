@@ -65,8 +65,11 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> M
     """``job``'s device memory: its own measured peak if it ran before (in ``done``, earlier
     done results); else its config's figure scaled by how the measured peaks of this model's
     other jobs compare with theirs; else its config's figure alone. ``SAFETY`` on top."""
+    # A peak measured while packed jobs ran beside it is theirs too: not this job's figure.
+    shared = (pl.col("peak_shared").fill_null(False) if "peak_shared" in done.columns
+              else pl.lit(False))
     rows = (done.filter((pl.col("model") == job.model.label)
-                        & pl.col("peak_device_mem_bytes").is_not_null()).to_dicts()
+                        & pl.col("peak_device_mem_bytes").is_not_null() & ~shared).to_dicts()
             if done.height else [])
     own = [r["peak_device_mem_bytes"] for r in rows if r["job_id"] == job.id]
     if own:

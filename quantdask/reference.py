@@ -186,7 +186,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
         del fp_model
     peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
              "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-             "peak_host_rss_bytes": peak.peak_rss_bytes}
+             "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
     return ReferenceShard(rows, windows, compact, meter, tail, peaks)
 
 

@@ -37,6 +37,9 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "peak_device_mem_bytes": pl.Int64(),
     "peak_device_reserved_bytes": pl.Int64(),
     "peak_host_rss_bytes": pl.Int64(),
+    # The peaks above are the worker's while jobs packed with this one ran too (an upper bound
+    # of this job's own; placement does not learn from them). Null in results from before.
+    "peak_shared": pl.Boolean(),
     "param_count": pl.Int64(),
     "size_bytes": pl.Int64(),
     "bits_per_weight": pl.Float64(),

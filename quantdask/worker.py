@@ -223,7 +223,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             del model, originals
         peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
                  "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-                 "peak_host_rss_bytes": peak.peak_rss_bytes}
+                 "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
         if job.is_baseline:
             peaks = {k: max(v, reference.baseline[k]) for k, v in peaks.items()}
         record.update(

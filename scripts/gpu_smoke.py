@@ -122,11 +122,19 @@ def main() -> int:
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
     with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
-        qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run, configs=2),
-                     out / "shared", cluster.client)
+        packed = qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run,
+                                    configs=2), out / "shared", cluster.client)
     pairs = overlapping(qd.read_attempts(out / "shared"))
     check(len(pairs) > 0, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
                           f"({len(pairs)} overlapping pairs)")
+    both = {job for pair in pairs for job in pair}
+    flagged = packed.filter(packed["job_id"].is_in(list(both)))["peak_shared"].to_list()
+    check(bool(flagged) and all(flagged),
+          f"the peaks of jobs that ran at once are flagged shared ({flagged})")
+    tags = qd.read_device_samples(out / "shared")["job_id"].drop_nulls().to_list()
+    check(any("," in tag for tag in tags),
+          f"samples taken while two jobs ran carry both ({sum(',' in t for t in tags)} of "
+          f"{len(tags)} job samples)")
 
     if args.no_report:
         print("smoke: report skipped (--no-report)", flush=True)

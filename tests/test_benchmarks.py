@@ -38,10 +38,12 @@ def test_gpu_smoke_script_passes_in_dry_mode(tmp_path):
                          env={**os.environ, "PYTHON": sys.executable})
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("smoke:")]
-    assert sum(line.startswith("smoke: ok") for line in lines) == 6
+    assert sum(line.startswith("smoke: ok") for line in lines) == 8
     assert "each worker advertises its device memory for placement (0: " in run.stdout
     assert not [line for line in lines if "FAIL" in line]
     assert "two jobs ran at once on one slot" in run.stdout
+    assert "the peaks of jobs that ran at once are flagged shared" in run.stdout
+    assert "samples taken while two jobs ran carry both" in run.stdout
     assert "smoke: report skipped (--no-report)" in lines
     assert not (tmp_path / "sweep" / "report.html").exists()
     assert lines[-1].startswith("smoke: passed in")

@@ -223,3 +223,33 @@ def test_gpu_workers_may_each_use_the_whole_host_memory(monkeypatch):
         cluster._start_cuda_cluster(["0", "1"], {"resources": {"GPU": 1}}, None)
     assert seen["memory_limit"] == psutil.virtual_memory().total
     assert seen["n_workers"] == 2 and seen["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_peaks_of_blocks_that_overlap_in_two_threads_are_flagged_shared():
+    import threading
+
+    from quantdask.metrics import PeakMemory
+
+    with PeakMemory(cuda=False) as alone:
+        with PeakMemory(cuda=False) as nested:  # the same job (one thread): not shared
+            pass
+    assert not alone.shared and not nested.shared and alone.peak_rss_bytes > 0
+    first_in, second_done = threading.Event(), threading.Event()
+    blocks = {}
+
+    def packed(name: str, wait_for: threading.Event | None, then: threading.Event):
+        with PeakMemory(cuda=False) as peak:
+            blocks[name] = peak
+            then.set()
+            if wait_for is not None:
+                assert wait_for.wait(10)
+    one = threading.Thread(target=packed, args=("one", second_done, first_in))
+    one.start()
+    assert first_in.wait(10)
+    packed("two", None, threading.Event())  # starts and ends while "one" runs
+    second_done.set()
+    one.join(10)
+    assert blocks["one"].shared and blocks["two"].shared
+    with PeakMemory(cuda=False) as after:  # nothing else running now
+        pass
+    assert not after.shared

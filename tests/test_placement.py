@@ -120,3 +120,19 @@ def test_without_advertised_memory_jobs_ask_for_a_gpu_share_only(advertising, ca
     assert placement.largest == 0 and all(j.resources == {"GPU": 1.0} for j in placement.jobs)
     assert "placement by device memory is off for this sweep: no worker advertises" \
         in caplog.text
+
+
+def test_a_peak_measured_while_packed_jobs_ran_is_not_learned_from():
+    # With jobs_per_gpu > 1 the peak is the worker's, shared with its neighbours: a job's own
+    # estimate must not come from it, nor must its neighbours'.
+    baseline, nf4 = demo_jobs()
+    facts = quantdask.placement.ModelFacts({}, 3_482_128, False, 32, 32, 320)
+    row = {"job_id": baseline.id, "model": "demo", "backend": "none",
+           "config": json.dumps({}), "peak_device_mem_bytes": 9_000_000}
+    shared = pl.DataFrame([{**row, "peak_shared": True}])
+    assert estimate_device_memory(baseline, facts, shared).basis == "checkpoint size and config"
+    assert estimate_device_memory(nf4, facts, shared).basis == "checkpoint size and config"
+    alone = pl.DataFrame([{**row, "peak_shared": False}])
+    assert estimate_device_memory(baseline, facts, alone).basis == "its measured peak"
+    older = pl.DataFrame([row])  # results from before the column: measured alone
+    assert estimate_device_memory(baseline, facts, older).measured == 9_000_000
