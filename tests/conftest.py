@@ -33,6 +33,20 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each file keeps its own order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def in_process_jobs_run_on_the_cpu():
+    """Jobs and references that tests run in this process (``run_job``, ``compute_reference``)
+    run on the CPU, as a CPU slot's do. On a machine with a GPU they would pick ``cuda:0``, and
+    what these tests check is the CPU's (a CPU slot's device memory is its RSS; a float32
+    model's torchao int4 is skipped on the CPU). The GPU has its own tests (tests/test_gpu.py,
+    through real GPU workers, which this does not touch)."""
+    import quantdask.worker
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantdask.worker, "torch_device", lambda: ("cpu", "cpu", False))
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> str:
     assert os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")), "data/demo-model missing"
