@@ -125,7 +125,9 @@ def test_the_worker_reuses_the_model_source_but_keeps_no_weights(demo_model, rec
     job = jobs_for(demo_model)["nf4"]
     cold = run_job(job, get_backend(job.backend), reference=reference)
     assert cold["source_cached"] is False and cold["status"] == "done"
-    assert records["nf4"]["load_s"] < cold["load_s"]
+    # Loaded again, into the cache. (Not compared by load_s: on a loaded machine a warm load
+    # took 0.29 s and this cold one 0.12 s.)
+    assert [source.spec for source in model_source._cache.values()] == [job.model]
     for name in SCORES:  # what a job measures does not depend on what the worker had
         assert cold[name] == pytest.approx(records["nf4"][name], rel=1e-9)
 
