@@ -69,11 +69,11 @@ def weight_errors(
                 continue
             original, transposed = _oriented(original.float(), weight_q,
                                              _stored_transposed(module))
-            noise = (weight_q.float().cpu() - original).pow(2).sum().item()
+            noise = _sum_of_squares(weight_q.float().cpu() - original)
         except Exception as err:  # noqa: BLE001 - recorded as unmeasured, with the reason
             unmeasured[name] = f"{type(err).__name__}: {err}"
             continue
-        signal = original.pow(2).sum().item()
+        signal = _sum_of_squares(original)
         rows.append({
             "layer": name,
             "out_features": int(original.shape[0]),
@@ -112,8 +112,8 @@ def add_output_errors(
                 expected = torch.nn.functional.linear(
                     x, w.t() if transposed[name] else w,
                     None if bias is None else bias.float().to(x.device))
-                sums[name][0] += (output.float() - expected).pow(2).sum().item()
-                sums[name][1] += expected.pow(2).sum().item()
+                sums[name][0] += _sum_of_squares(output.float() - expected)
+                sums[name][1] += _sum_of_squares(expected)
             except Exception:  # noqa: BLE001 - this layer's output error stays null
                 failed.add(name)
 
@@ -137,3 +137,11 @@ def add_output_errors(
         out.append({k: v for k, v in row.items() if k != "transposed"}
                    | {"output_rel_error": measured})
     return out
+
+
+def _sum_of_squares(values: torch.Tensor) -> float:
+    """Sum of squares, the same bits at any torch thread count: each row reduced by one thread,
+    then the rows added exactly (torch splits the sum of a whole large tensor by thread)."""
+    from quantdask.metrics import exact_sum
+
+    return exact_sum(values.pow(2).sum(-1))

@@ -261,3 +261,24 @@ def test_scores_are_the_same_bits_at_any_torch_thread_count(top_k):
             assert scores[0] == scores[1] == scores[2], seed
     finally:
         torch.set_num_threads(before)
+
+
+def test_per_layer_errors_are_the_same_bits_at_any_torch_thread_count():
+    # A loaded run saw a rerun's weight_rel_error of one layer differ in its 8th digit.
+    import torch
+
+    from quantdask.layers import _sum_of_squares
+
+    before = torch.get_num_threads()
+    try:
+        for seed in range(6):
+            torch.manual_seed(seed)
+            weight = torch.randn(128, 384)  # a demo down_proj: 49k terms
+            sums = []
+            for threads in (1, 2, 4):
+                torch.set_num_threads(threads)
+                sums.append(_sum_of_squares(weight))
+            assert sums[0] == sums[1] == sums[2], seed
+            assert sums[0] == pytest.approx(float(weight.double().pow(2).sum()), rel=1e-6)
+    finally:
+        torch.set_num_threads(before)
