@@ -134,18 +134,19 @@ class _Section:
         self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
 
 
-def model_size_bytes(model: torch.nn.Module) -> int:
+def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
     """Bytes of the model's serialized state: quantized weights plus their quantization constants.
 
     ``state_dict`` is what a checkpoint of the quantized model holds (bitsandbytes adds absmax,
-    quant maps and scales there); shared tensors are counted once.
+    quant maps and scales there); shared tensors are counted once. ``stored_bytes(tensor)``
+    (a backend's) counts a tensor whose layout pads it as the weight it holds.
     """
     seen: set[int] = set()
     total = 0
     for tensor in model.state_dict(keep_vars=True).values():
         if id(tensor) not in seen:  # keep_vars: a tied tensor is the same object twice
             seen.add(id(tensor))
-            total += tensor_nbytes(tensor)
+            total += (stored_bytes or tensor_nbytes)(tensor)
     return total
 
 

@@ -200,7 +200,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 raise UnsupportedHere(
                     f"no layer was quantized: {backend.name} replaced none of this model's "
                     f"weights, which stay in {covered.by_class()}")
-            size = model_size_bytes(model)
+            size = model_size_bytes(model, backend.stored_bytes)
             layers, unmeasured = [], {}
             # Before any forward pass (see layers).
             if job.layer_stats and backend.dequantize_layer is not None:

@@ -71,6 +71,34 @@ def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, monkey
     assert "pip install 'quantdask[torchao]'" in record["error_message"]
 
 
+def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
+    # torchao's CUDA int4 layout stores a (200 x 384) weight quantized as (200 x 1024): packed
+    # int4 codes (int32 tiles, half a byte a weight) and bf16 scale+zero pairs per group of
+    # 128 input features. Built here by hand (from_hp needs a GPU), with the layout's shapes.
+    import torch
+    from torchao.quantization import Int4TilePackedTo4dTensor
+
+    from quantdask.backends.torchao import stored_bytes
+    from quantdask.metrics import model_size_bytes
+
+    rows, width, group = 200, 384, 128
+    padded_rows, padded_width = 200, 1024
+    qdata = torch.zeros(padded_rows // 8, padded_width // 128, 32, 4, dtype=torch.int32)
+    scale_and_zero = torch.zeros(padded_width // group, padded_rows, 2, dtype=torch.bfloat16)
+    weight = Int4TilePackedTo4dTensor(qdata, scale_and_zero, block_size=[1, group],
+                                      shape=torch.Size([rows, width]))
+    assert qdata.nbytes + scale_and_zero.nbytes == padded_rows * padded_width // 2 + 6_400
+    own = rows * width // 2 + (width // group) * rows * 2 * 2  # codes + scale/zero pairs
+    assert stored_bytes(weight) == own == 40_800
+
+    layer = torch.nn.Linear(width, rows, bias=False, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert model_size_bytes(layer, stored_bytes) == own
+    assert model_size_bytes(layer) == 108_800  # what is stored, padding and all
+    plain = torch.nn.Linear(4, 2, bias=False)  # any other tensor: its stored bytes
+    assert stored_bytes(plain.weight) == 32
+
+
 def test_torchao_options_are_validated():
     with pytest.raises(SpecError, match="configs\\[0\\].group_size: applies to int4"):
         BackendBlock("torchao", configs=[{"mode": "int8_weight_only", "group_size": 64}])

@@ -95,6 +95,8 @@ class Backend:
     ``quantizes`` but leaves every weight in full precision is skipped as unsupported.
     ``selects(name, module_class, options)`` says whether the backend quantizes a module of
     that name and class, which lets ``quantdask plan`` predict the quantized share.
+    ``stored_bytes(tensor)`` is what one of the backend's tensors counts toward ``size_bytes``
+    when a layout stores more than the weight needs (padding: None counts what is stored).
     """
 
     name: str
@@ -108,6 +110,7 @@ class Backend:
     description: str = ""
     quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
     selects: Callable[[str, type, dict], bool] | None = None
+    stored_bytes: Callable[[torch.Tensor], int] | None = None
 
     def predicted_share(self, options: dict, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules

@@ -127,6 +127,29 @@ def weight_bits(options: dict, loaded_bits: int) -> float:
     return float(loaded_bits)
 
 
+def stored_bytes(tensor) -> int:
+    """What a torchao tensor counts toward ``size_bytes``: its stored bytes, less the padding of
+    the CUDA int4 tile-packed layout. That layout quantizes the weight padded to a width that is
+    a multiple of 1024 and a height that is a multiple of 8, and its packed weights and scales
+    both grow with the padded area: the weight's own share is its area over the padded one.
+    (Device memory holds the padding: the job's peaks include it.)"""
+    from quantdask.metrics import tensor_nbytes
+
+    stored = tensor_nbytes(tensor)
+    if type(tensor).__name__ != "Int4TilePackedTo4dTensor":
+        return stored
+    *_, rows, width = tensor.shape
+    padded = _round_up(rows, TILE_PACKED_ROWS) * _round_up(width, TILE_PACKED_WIDTH)
+    return stored * rows * width // padded
+
+
+TILE_PACKED_WIDTH, TILE_PACKED_ROWS = 1024, 8  # torchao's Int4TilePackedTo4dTensor.from_hp
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def dequantize_layer(module):
     """A torchao-quantized linear layer's weight as float32; None for any other module."""
     import torch
@@ -153,5 +176,6 @@ torchao_backend = Backend(
     check=check_torchao,
     weight_bits=weight_bits,
     selects=selects,
+    stored_bytes=stored_bytes,
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )
