@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test lint clean browser gpu-bundle
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test: $(VENV)/.installed browser
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts
+
+# The carry for the lent GPU machine (scripts/gpu_bundle.py; benchmarks/RESULTS.md section 4):
+# downloads cp312 wheels, writes .gpu-bundle/site.tar.xz and scripts/gpu_bundle.lock.json.
+gpu-bundle: $(VENV)/.installed
+	$(PY) scripts/gpu_bundle.py
 
 clean:
 	rm -rf runs .pytest_cache

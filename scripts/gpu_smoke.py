@@ -1,23 +1,31 @@
-"""The GPU smoke check: real CUDA metrics, two jobs sharing one GPU, and the HTML report.
+"""The GPU smoke check: real CUDA metrics, two jobs sharing one GPU, torchao, tests/test_gpu.py.
 
-    scripts/gpu_smoke.sh [--dry-run] [--out DIR]     (the shell script sets up and calls this)
+    scripts/gpu_smoke.sh [--dry-run] [--out DIR] [--tar FILE]     (it sets up, then calls this)
 
 On a CUDA machine: a LocalCUDACluster over every GPU runs a 4-config bitsandbytes sweep of the
 demo model (plus its baseline) and checks that each job recorded a peak device memory above
-zero and the physical GPU id (``cuda:<id>``), and that NVML samples were taken; then one GPU
-with ``jobs_per_gpu: 2`` runs the sweep again and two jobs must have run on it at once; then
-the HTML report of the first run is written. Each worker must advertise its GPU's memory
-(the ``DEVICE_MEMORY`` resource that placement by memory uses). ``--dry-run`` does the same on
-CPU slots (the tests run it so that this script does not rot), checking ``cpu`` where CUDA
-would be.
-Exit 0 when every check passed, 1 otherwise.
+zero and its GPU (``cuda:<id>``), and that NVML samples were taken; on the same cluster, torchao
+int8 and int4 weight-only run on the demo model loaded in bfloat16 (int4's size must not count
+its layout's padding: below int8's); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once,
+whose peaks must be flagged shared and whose samples must name both; then ``tests/test_gpu.py``
+runs under pytest. Each worker must advertise its GPU's memory (the ``DEVICE_MEMORY`` resource
+that placement by memory uses). ``--dry-run`` does the same on CPU slots (the tests run it so
+that this script does not rot), checking ``cpu`` where CUDA would be (tests/test_gpu.py skips).
+
+The output directory is new every run (a rerun of an old one would resume and check stale
+results); ``--tar FILE`` packs it for the trip back. No HTML report here: the lent machine has no
+Jupyter stack; ``quantdask report DIR/sweep`` writes it from the unpacked directory.
+Exit 0 when every check passed, 1 otherwise, 2 when it cannot start.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import re
+import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -72,12 +80,54 @@ def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tup
     return ok, shown
 
 
+def torchao_sweep(dry_run: bool):
+    """torchao int8 and int4 weight-only on the demo model loaded in bfloat16 (what int4 on CUDA
+    needs)."""
+    from quantdask import sweep_from_dict
+    from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
+
+    return sweep_from_dict({
+        "name": "smoke-torchao",
+        "models": [{"name": "demo-bf16", "path": DEMO_MODEL_DIR, "dtype": "bfloat16"}],
+        "backends": [{"backend": "torchao", "configs": [
+            {"mode": "int8_weight_only"}, {"mode": "int4_weight_only", "group_size": 128}]}],
+        "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 64 if dry_run else 128,
+                 "samples": 8 if dry_run else 32, "batch_size": 8},
+        "retries": 1,
+    })
+
+
+def fresh_directory(path: str | None) -> Path:
+    """The run's output directory: new (``runs/gpu-smoke-<UTC time>`` by default) or empty."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(path) if path else REPO / "runs" / f"gpu-smoke-{stamp}"
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"smoke: --out {out} is not empty; a rerun there would resume and "
+                         "check stale results: give a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_gpu_tests(out: Path, dry_run: bool) -> tuple[bool, str]:
+    """tests/test_gpu.py under pytest, its output kept in ``out/test_gpu.log``: it must pass on
+    a GPU and skip (no GPU) on CPU slots."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_gpu.py"], cwd=REPO, capture_output=True, text=True,
+                         timeout=150)
+    (out / "test_gpu.log").write_text(run.stdout + run.stderr)
+    summary = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
+    wanted = r"\d+ skipped" if dry_run else r"\d+ passed"
+    ok = run.returncode in ((0, 5) if dry_run else (0,)) and bool(re.search(wanted, summary)) \
+        and "failed" not in summary and "error" not in summary
+    return ok, summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU slots instead of GPUs")
-    parser.add_argument("--out", default=str(REPO / "runs" / "gpu-smoke"))
-    parser.add_argument("--no-report", action="store_true",
-                        help="skip the HTML report (it needs the Jupyter stack)")
+    parser.add_argument("--out", help="a new (or empty) output directory; default "
+                                      "runs/gpu-smoke-<UTC time>")
+    parser.add_argument("--tar", help="also pack the output directory as this .tar.gz")
     args = parser.parse_args()
     import torch
 
@@ -88,7 +138,9 @@ def main() -> int:
         print("smoke: no CUDA GPU visible (torch.cuda.is_available() is False); "
               "use --dry-run to check the script on CPU", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = fresh_directory(args.out)
+    print(f"smoke: writing {out}; torch {torch.__version__} (CUDA {torch.version.cuda})",
+          flush=True)
     failures: list[str] = []
 
     def check(ok: bool, what: str) -> None:
@@ -105,12 +157,18 @@ def main() -> int:
         ok, shown = memory_advertised_as_expected(cluster.client, cluster.gpus, args.dry_run)
         check(ok, f"each worker advertises its device memory for placement ({shown})")
         results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run), out / "sweep", cluster.client)
+        ao = qd.run_sweep(torchao_sweep(args.dry_run), out / "torchao", cluster.client)
     check(results.height == len(CONFIGS) + 1 and (results["status"] == "done").all(),
           f"{results.height} jobs done: {results['status'].to_list()}")
-    for row in results.sort("config_label").to_dicts():
-        print(f"smoke:      {row['config_label']:10} {row['device']:8} peak device "
-              f"{(row['peak_device_mem_bytes'] or 0) / 2**20:8.1f} MiB  wall {row['wall_s']:.2f}s"
-              f"  ppl {row['perplexity']:.4f}  KL {row['kl_divergence']:.3g}", flush=True)
+    for row in [*results.sort("config_label").to_dicts(), *ao.sort("config_label").to_dicts()]:
+        print(f"smoke:      {row['config_label']:14} {row['status']:7} {row['device'] or '-':8} "
+              f"peak device {(row['peak_device_mem_bytes'] or 0) / 2**20:8.1f} MiB  size "
+              f"{(row['size_bytes'] or 0) / 2**20:6.2f} MiB  wall {row['wall_s'] or 0:.2f}s  "
+              f"ppl {row['perplexity'] or float('nan'):.4f}  KL "
+              f"{row['kl_divergence'] or float('nan'):.3g}", flush=True)
+    for row in ao.filter(ao["status"] != "done").to_dicts():
+        print(f"smoke:      {row['config_label']}: {row['error_class']}: "
+              f"{row['error_message']}", flush=True)
     check(bool((results["peak_device_mem_bytes"] > 0).all()),
           "every job recorded a peak device memory above zero")
     check(all(re.fullmatch(device_pattern, d or "") for d in results["device"]),
@@ -119,6 +177,12 @@ def main() -> int:
     samples = qd.read_device_samples(out / "sweep")
     check(samples.height > 0 and bool((samples["memory_total_bytes"] > 0).all()),
           f"{samples.height} device samples with memory totals")
+    size = dict(zip(ao["config_label"], ao["size_bytes"], strict=True))
+    check(ao.height == 3 and (ao["status"] == "done").all(),
+          f"torchao int8 and int4 on a bfloat16 model: {ao['status'].to_list()}")
+    check(bool(size.get("ao int4wo g128")) and size["ao int4wo g128"] < size["ao int8wo"],
+          f"torchao int4's size counts no layout padding: below int8's "
+          f"({size.get('ao int4wo g128')} < {size.get('ao int8wo')} bytes)")
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
     with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
@@ -136,16 +200,17 @@ def main() -> int:
           f"samples taken while two jobs ran carry both ({sum(',' in t for t in tags)} of "
           f"{len(tags)} job samples)")
 
-    if args.no_report:
-        print("smoke: report skipped (--no-report)", flush=True)
-    else:
-        report = qd.write_report(out / "sweep")
-        check(report.exists() and report.stat().st_size > 500_000,
-              f"HTML report written: {report} ({report.stat().st_size / 1e6:.2f} MB)")
+    ok, summary = run_gpu_tests(out, args.dry_run)
+    check(ok, f"tests/test_gpu.py: {summary}")
+    print(f"smoke: no HTML report here; where the Jupyter stack is: quantdask report "
+          f"{out / 'sweep'}", flush=True)
+    if args.tar:
+        with tarfile.open(args.tar, "w:gz") as packed_run:
+            packed_run.add(out, arcname=out.name)
+        print(f"smoke: {out} packed as {args.tar}", flush=True)
     print(f"smoke: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)} "
           f"in {time.perf_counter() - started:.0f}s", flush=True)
     return 0 if not failures else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,34 +1,44 @@
 #!/usr/bin/env bash
-# GPU smoke check for a CUDA machine with no network: real CUDA metrics, two jobs on one GPU,
-# the HTML report. Finishes within 5 minutes (a `timeout` enforces it).
+# GPU smoke check, made for the lent GPU machine (the device tool): real CUDA metrics, two jobs
+# packed on one GPU, NVML samples, torchao on a bfloat16 model and tests/test_gpu.py, within
+# about 3 minutes (`timeout` cuts it at 4). The exact one-call command for the device tool is in
+# benchmarks/RESULTS.md section 4.
 #
-#   scripts/gpu_smoke.sh [--dry-run] [--out DIR]
+#   scripts/gpu_smoke.sh [--dry-run] [--out DIR] [--tar FILE]
 #
-# Set-up, once, on a machine WITH network and the same Python (3.11) and CPU architecture,
-# from this repository (torch from PyPI is its CUDA build):
-#   pip wheel -w wheels torch==2.13.0 setuptools '.[gpu]'
-# then copy the repository and wheels/ to the GPU machine and run
-#   QUANTDASK_WHEELS=wheels scripts/gpu_smoke.sh
-# which creates .venv from those wheels only (pip --no-index). Without QUANTDASK_WHEELS an
-# existing .venv is used as it is (`make test` on the GPU machine adds dask-cuda and NVML when
-# it sees CUDA). PYTHON=... picks another interpreter with quantdask installed.
-# --dry-run runs the same checks on CPU slots (the test suite does, so the script stays alive).
+# With .gpu-bundle/site.tar.xz (built here by `make gpu-bundle`; carried there) it unpacks it
+# into a fresh folder and runs the machine's own python3 (its CUDA torch and transformers)
+# with the bundle on PYTHONPATH: no venv, nothing fetched. Without it, PYTHON=... (default:
+# .venv/bin/python when there is one, else python3). Each run writes a fresh directory (--out
+# must be new or empty); --tar FILE packs it as one tarball, which `quantdask report DIR/sweep`
+# turns into the HTML report where the Jupyter stack is (the smoke writes none).
+# --dry-run runs the same checks on CPU slots (the tests run it so that this script does not rot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -n "${QUANTDASK_WHEELS:-}" ] && [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-    .venv/bin/pip install --quiet --no-index --find-links "$QUANTDASK_WHEELS" \
-        torch==2.13.0 setuptools
-    .venv/bin/pip install --quiet --no-index --find-links "$QUANTDASK_WHEELS" \
-        --no-build-isolation -e '.[gpu]'
+PY="${PYTHON:-}"
+if [ -z "$PY" ] && [ -f .gpu-bundle/site.tar.xz ]; then
+    site=$(mktemp -d /tmp/quantdask-site.XXXXXX)
+    python3 - .gpu-bundle/site.tar.xz "$site" <<'EOF'
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as bundle:
+    bundle.extractall(sys.argv[2], filter="data")
+EOF
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    PY=python3
+    echo "gpu_smoke: python3 with the bundle unpacked in $site"
 fi
-PY="${PYTHON:-.venv/bin/python}"
-if ! "$PY" -c "import quantdask" 2>/dev/null; then
-    echo "gpu_smoke: $PY cannot import quantdask; run 'make test' (or set QUANTDASK_WHEELS)" >&2
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if ! err=$("$PY" -c "import quantdask, dask.distributed, polars, bitsandbytes" 2>&1); then
+    echo "gpu_smoke: $PY cannot import what the smoke needs:" >&2
+    echo "$err" | tail -n 8 >&2
+    echo "gpu_smoke: on the lent machine, carry .gpu-bundle (make gpu-bundle builds it here);" \
+         "elsewhere run 'make test' first or set PYTHON" >&2
     exit 2
 fi
-if [ "${1:-}" != "--dry-run" ] && command -v nvidia-smi >/dev/null; then
+if [[ " $* " != *" --dry-run "* ]] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 fi
-exec timeout --kill-after=10 300 "$PY" scripts/gpu_smoke.py "$@"
+exec timeout --kill-after=10 240 "$PY" scripts/gpu_smoke.py "$@"

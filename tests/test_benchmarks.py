@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -30,23 +31,50 @@ def test_the_benchmark_sweeps_are_valid():
 
 @pytest.mark.slow
 @pytest.mark.timeout(330)
-def test_gpu_smoke_script_passes_in_dry_mode(tmp_path):
-    # Without the report: write_report is tested in tests/test_report.py.
-    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--no-report",
-                          "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=320,
-                         env={**os.environ, "PYTHON": sys.executable})
+def test_gpu_smoke_script_passes_in_dry_mode_with_only_what_the_lent_machine_has(tmp_path):
+    # Every installed package that is neither in the lent machine's image nor in the GPU bundle
+    # is hidden from the script and every process it starts (the report stack among them).
+    from tests import lent_machine
+
+    out, tarball = tmp_path / "smoke", tmp_path / "smoke.tar.gz"
+    env = {**lent_machine.environment(tmp_path / "lent"), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--out", str(out),
+                          "--tar", str(tarball)],
+                         cwd=REPO, capture_output=True, text=True, timeout=320, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("smoke:")]
-    assert sum(line.startswith("smoke: ok") for line in lines) == 8
-    assert "each worker advertises its device memory for placement (0: " in run.stdout
+    assert sum(line.startswith("smoke: ok") for line in lines) == 11
     assert not [line for line in lines if "FAIL" in line]
+    assert "each worker advertises its device memory for placement (0: " in run.stdout
     assert "two jobs ran at once on one slot" in run.stdout
     assert "the peaks of jobs that ran at once are flagged shared" in run.stdout
     assert "samples taken while two jobs ran carry both" in run.stdout
-    assert "smoke: report skipped (--no-report)" in lines
-    assert not (tmp_path / "sweep" / "report.html").exists()
+    assert "torchao int8 and int4 on a bfloat16 model: ['done', 'done', 'done']" in run.stdout
+    assert "torchao int4's size counts no layout padding" in run.stdout
+    assert "smoke: ok   tests/test_gpu.py: 1 skipped" in run.stdout  # no GPU here
+    assert f"quantdask report {out / 'sweep'}" in run.stdout
+    assert not (out / "sweep" / "report.html").exists()
     assert lines[-1].startswith("smoke: passed in")
+    with tarfile.open(tarball) as packed:
+        names = set(packed.getnames())
+    for run_dir in ("sweep", "torchao", "shared"):
+        assert any(n.startswith(f"smoke/{run_dir}/results/") for n in names), run_dir
+    assert "smoke/test_gpu.log" in names
+
+    # A rerun into the same directory would resume and check stale results: refused.
+    again = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--out", str(out)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode != 0 and "is not empty" in again.stderr
+
+
+def test_gpu_smoke_names_the_import_that_fails(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+    (tmp_path / "polars.py").write_text("raise ImportError('polars is broken here')\n")
+    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2
+    assert "ImportError: polars is broken here" in run.stderr  # the real error, not hidden
+    assert "make gpu-bundle" in run.stderr
 
 
 def test_gpu_smoke_refuses_to_run_without_a_gpu_unless_dry(tmp_path):

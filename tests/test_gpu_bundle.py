@@ -1,0 +1,133 @@
+"""The carry for the lent GPU machine (scripts/gpu_bundle.py): what it holds, checked offline
+against its lock, and the build itself run on wheels made here."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_bundle  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+LOCK = json.loads(gpu_bundle.LOCK.read_text())
+
+
+def test_the_lock_holds_exactly_the_pins():
+    assert {n: p["version"] for n, p in LOCK["packages"].items()} == gpu_bundle.BUNDLE
+    assert LOCK["python"] == "3.12"
+    for name, package in LOCK["packages"].items():
+        wheel = package["wheel"]
+        assert wheel.startswith(name.replace("-", "_") + "-" + package["version"] + "-")
+        # Wheels the lent machine's CPython 3.12 on x86-64 takes.
+        tags = wheel.removesuffix(".whl").split("-")[-3:]
+        assert tags[0] in ("py3", "py2.py3") or tags[0] in ("cp310", "cp311", "cp312")
+        assert tags[2] == "any" or "x86_64" in tags[2]
+
+
+def test_every_requirement_is_bundled_or_on_the_lent_machine_and_nothing_more():
+    assert gpu_bundle.check_closure(LOCK["packages"], gpu_bundle.roots()) == []
+    # What the smoke path needs beyond the machine, by name (the closure found these).
+    assert {"dask-cuda", "rapids-dask-dependency", "polars-runtime-32", "tornado", "zict",
+            "partd", "locket", "tblib"} <= set(LOCK["packages"])
+
+
+def test_the_bundle_and_the_tree_fit_one_device_call():
+    bundle, tree = LOCK["archive"]["bytes"], gpu_bundle.tree_bytes()
+    assert tree < 8 * 2**20  # the tree travels with it: no stray data files
+    assert bundle + tree <= gpu_bundle.TARGET_MIB * 2**20 < gpu_bundle.CALL_LIMIT_MIB * 2**20
+    # bitsandbytes' 15 native libraries (CUDA 11.8 to 13.2, ROCm, XPU) down to two.
+    assert LOCK["libraries_kept"] == ["bitsandbytes/libbitsandbytes_cpu.so",
+                                      "bitsandbytes/libbitsandbytes_cuda130.so"]
+    top = set(LOCK["top_level"])
+    assert {"dask", "distributed", "dask_cuda", "rapids_dask_dependency", "polars",
+            "_polars_runtime_32", "bitsandbytes", "torchao", "tornado", "zict"} <= top
+    assert not {"torch", "numpy", "transformers", "quantdask"} & top  # the machine's, the tree's
+
+
+def test_the_pins_are_what_the_tests_here_run_against():
+    here = {}
+    for name in gpu_bundle.BUNDLE:
+        try:
+            here[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # dask-cuda and its rapids pin: GPU machines only
+    assert {"dask", "distributed", "polars", "bitsandbytes", "torchao"} <= set(here)
+    assert here == {n: v for n, v in gpu_bundle.BUNDLE.items() if n in here}
+
+
+def test_a_requirement_neither_bundled_nor_there_is_named_with_the_fix():
+    packages = {"dask": {"version": "2026.7.1", "requires": ["toolz", "nothere>=1"]},
+                "zict": {"version": "3.0.0", "requires": []},
+                "tornado": {"version": "6.6.1", "requires": []}}
+    problems = gpu_bundle.check_closure(packages, ["dask>=2026", "tornado>=7", "torch>=2.12"])
+    assert problems == [
+        "dask needs nothere>=1: neither bundled nor on the lent machine; add it to BUNDLE in "
+        "scripts/gpu_bundle.py",
+        "quantdask needs tornado>=7; the bundle pins tornado 6.6.1",
+        "quantdask needs torch>=2.12; the lent machine has 2.11.0",
+        "zict is bundled but nothing on the smoke path needs it; remove it from BUNDLE",
+    ]
+
+
+def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes],
+               requires: tuple[str, ...] = ()) -> Path:
+    """A minimal valid wheel of ``name`` holding ``files``."""
+    dist = f"{name}-{version}.dist-info"
+    metadata = "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                          *(f"Requires-Dist: {r}" for r in requires)]) + "\n"
+    content = {**files, f"{dist}/METADATA": metadata.encode(),
+               f"{dist}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},,\n" for path in [*content, f"{dist}/RECORD"])
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, data in {**content, f"{dist}/RECORD": record.encode()}.items():
+            archive.writestr(path, data)
+    return wheel
+
+
+@pytest.mark.timeout(180)
+def test_the_build_installs_prunes_packs_and_locks_from_local_wheels(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    libraries = {f"bitsandbytes/libbitsandbytes_{k}.so": b"\x7fELF" + k.encode() * 64
+                 for k in ("cpu", "cuda118", "cuda130", "rocm72")}
+    make_wheel(wheels, "bitsandbytes", "0.50.2",
+               {"bitsandbytes/__init__.py": b"VERSION = '0.50.2'\n", **libraries},
+               requires=("torch<3,>=2.4", "numpy>=1.17", "pytest~=8.3; extra == \"test\""))
+    make_wheel(wheels, "bitsandbytes", "0.49.0", {"bitsandbytes/__init__.py": b""})  # not pinned
+    lock = gpu_bundle.build(wheels, tmp_path / "out", pins={"bitsandbytes": "0.50.2"},
+                            top=["bitsandbytes>=0.48"])
+    assert lock["packages"]["bitsandbytes"]["version"] == "0.50.2"
+    assert lock["libraries_kept"] == ["bitsandbytes/libbitsandbytes_cpu.so",
+                                      "bitsandbytes/libbitsandbytes_cuda130.so"]
+    archive = tmp_path / "out" / "site.tar.xz"
+    assert lock["archive"]["bytes"] == archive.stat().st_size
+    assert lock["archive"]["sha256"] == gpu_bundle.sha256(archive)
+    with tarfile.open(archive) as packed:
+        names = set(packed.getnames())
+        packed.extractall(tmp_path / "site", filter="data")
+    assert {"bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so",
+            "bitsandbytes/__init__.py"} <= names
+    assert not any("cuda118" in n or "rocm" in n or "__pycache__" in n for n in names)
+    assert lock["top_level"] == sorted({n.split("/")[0] for n in names})
+    # What gpu_smoke.sh does with it there: that folder first on the path.
+    run = subprocess.run([sys.executable, "-c", "import bitsandbytes; print(bitsandbytes.VERSION,"
+                          " bitsandbytes.__file__)"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tmp_path / "site")}, timeout=60)
+    assert run.stdout.split()[0] == "0.50.2" and str(tmp_path / "site") in run.stdout
+
+    with pytest.raises(SystemExit, match=r"no wheel in .* for bitsandbytes==0\.51\.0"):
+        gpu_bundle.build(wheels, tmp_path / "again", pins={"bitsandbytes": "0.51.0"}, top=[])
+    with pytest.raises(SystemExit, match="quantdask needs bitsandbytes>=0.51"):
+        gpu_bundle.build(wheels, tmp_path / "again", pins={"bitsandbytes": "0.50.2"},
+                         top=["bitsandbytes>=0.51"])
+    assert not (tmp_path / "again").exists()  # refused before anything was written
