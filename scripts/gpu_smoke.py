@@ -98,13 +98,13 @@ def torchao_sweep(dry_run: bool):
 
 
 def fresh_directory(path: str | None) -> Path:
-    """The run's output directory: new (``runs/gpu-smoke-<UTC time>`` by default) or empty."""
+    """The run's output directory, checked (not made): new (``runs/gpu-smoke-<UTC time>`` by
+    default) or empty."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(path) if path else REPO / "runs" / f"gpu-smoke-{stamp}"
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"smoke: --out {out} is not empty; a rerun there would resume and "
                          "check stale results: give a new directory")
-    out.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -129,6 +129,7 @@ def main() -> int:
                                       "runs/gpu-smoke-<UTC time>")
     parser.add_argument("--tar", help="also pack the output directory as this .tar.gz")
     args = parser.parse_args()
+    out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
     import torch
 
     import quantdask as qd
@@ -138,7 +139,7 @@ def main() -> int:
         print("smoke: no CUDA GPU visible (torch.cuda.is_available() is False); "
               "use --dry-run to check the script on CPU", file=sys.stderr)
         return 2
-    out = fresh_directory(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     print(f"smoke: writing {out}; torch {torch.__version__} (CUDA {torch.version.cuda})",
           flush=True)
     failures: list[str] = []
