@@ -19,18 +19,23 @@ if TYPE_CHECKING:
     import torch
 
 
-def quantized_weights(param: torch.Tensor) -> int:
-    """How many weights ``param`` holds in quantized form (its logical element count), or 0.
+def quantized_weights(param: torch.Tensor, module: torch.nn.Module | None = None) -> int:
+    """How many weights ``param`` (of ``module``) holds in quantized form (its logical element
+    count), or 0.
 
     Recognized forms: a bitsandbytes 4-bit parameter (packed bytes plus a ``quant_state`` that
-    knows the original shape), a tensor subclass wrapping quantized data (torchao), and integer
-    or sub-16-bit storage (bitsandbytes LLM.int8 rows, float8 weights).
+    knows the original shape), an HQQ layer's packed ``W_q`` (the layer's ``meta`` knows the
+    shape), a tensor subclass wrapping quantized data (torchao), and integer or sub-16-bit
+    storage (bitsandbytes LLM.int8 rows, float8 weights).
     """
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     state = getattr(param, "quant_state", None)
     if state is not None and getattr(state, "shape", None) is not None:
         return math.prod(state.shape)
+    meta = getattr(module, "meta", None)
+    if param is getattr(module, "W_q", None) and isinstance(meta, dict) and "shape" in meta:
+        return math.prod(meta["shape"])
     if is_traceable_wrapper_subclass(param):
         return param.numel()
     if not param.dtype.is_floating_point or param.element_size() < 2:
@@ -97,21 +102,31 @@ def _changed(param: torch.Tensor, original: torch.Tensor | None) -> bool:
     return not torch.equal(param.detach().to("cpu", original.dtype), original)
 
 
+def _plain_bias(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A bias a quantized layer keeps as a plain tensor attribute, neither parameter nor buffer
+    (HQQ's ``HQQLinear``): still weights of the model, in full precision."""
+    import torch
+
+    bias = module.__dict__.get("bias")
+    return [("bias", bias)] if isinstance(bias, torch.Tensor) else []
+
+
 def coverage(model: torch.nn.Module,
              originals: dict[str, torch.Tensor] | None = None) -> Coverage:
     """Count ``model``'s weights by whether they are held quantized; a shared (tied) parameter
     counts once. With ``originals`` (the checkpoint's state dict), a float parameter whose
     values differ from the checkpoint's counts as quantized too (simulated quantization).
-    Parameters only: buffers hold no weights in the backends quantdask knows."""
+    Parameters (and a bias a layer keeps as a plain tensor); buffers hold no weights in the
+    backends quantdask knows."""
     seen: set[int] = set()
     quantized = 0
     left: Counter[str] = Counter()
     for name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
+        for pname, param in [*module.named_parameters(recurse=False), *_plain_bias(module)]:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            held = quantized_weights(param)
+            held = quantized_weights(param, module)
             if not held and originals is not None and _changed(
                     param, originals.get(f"{name}.{pname}" if name else pname)):
                 held = param.numel()

@@ -71,6 +71,66 @@ def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, monkey
     assert "pip install 'quantdask[torchao]'" in record["error_message"]
 
 
+@pytest.fixture(scope="module")
+def hqq_records(demo_model):
+    sweep = sweep_of(demo_model, BackendBlock("hqq", grid={"bits": [2, 4], "group_size": [64]}))
+    jobs = expand_grid(sweep)
+    with open(jobs[0].eval.text_path) as f:
+        reference = compute_reference(jobs[0].model, jobs[0].eval, f.read())
+    return {job.config_label: run_job(job, get_backend(job.backend), reference=reference)
+            for job in jobs}
+
+
+def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_records, demo_model):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = hqq_records
+    assert {k: v["status"] for k, v in r.items()} == {
+        "baseline": "done", "hqq 2b g64": "done", "hqq 4b g64": "done"}
+    # Counted independently: the demo model's linear layers but lm_head, from its config.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_model))
+    linear = {name: m.weight.numel() for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    total = sum(p.numel() for p in model.parameters())
+    for bits in (2, 4):
+        record = r[f"hqq {bits}b g64"]
+        assert record["quantized_params"] == sum(linear.values())
+        assert record["quantized_share"] == pytest.approx(sum(linear.values()) / total)
+        # Packed codes (bits a weight) and a float32 scale and zero per group of 64; the rest
+        # stays float32. HQQ adds a few bytes of layout fields per layer.
+        expected = (sum(n * bits // 8 + 2 * (n // 64) * 4 for n in linear.values())
+                    + 4 * (total - sum(linear.values())))
+        assert expected <= record["size_bytes"] <= expected + 200 * len(linear)
+        assert [row["layer"] for row in record["layers"]] == list(linear)
+    assert 0 < r["hqq 4b g64"]["kl_divergence"] < r["hqq 2b g64"]["kl_divergence"]
+    two = {row["layer"]: row["weight_rel_error"] for row in r["hqq 2b g64"]["layers"]}
+    four = {row["layer"]: row["weight_rel_error"] for row in r["hqq 4b g64"]["layers"]}
+    assert all(0 < four[name] < two[name] < 1 for name in linear)  # fewer bits, more error
+
+
+def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
+    from quantdask.backends.hqq import ungroupable
+
+    assert ungroupable(64, {"a": 128 * 64, "b": 96}) == (
+        "group_size=64 does not divide the 96 weights of b; choose a group size that divides "
+        "every layer's")
+    assert ungroupable(32, {"a": 128 * 64}) is None
+    with pytest.raises(SpecError, match="bits: is required for hqq"):
+        BackendBlock("hqq", configs=[{"group_size": 64}])
+    with pytest.raises(SpecError, match="group_size"):
+        BackendBlock("hqq", configs=[{"bits": 4, "group_size": 48}])
+
+
+def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # import fails
+    job = expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[{"bits": 4}])))[1]
+    record = run_job(job, get_backend("hqq"))
+    assert record["status"] == "skipped"
+    assert "pip install 'quantdask[hqq]'" in record["error_message"]
+
+
 def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
     # torchao's CUDA int4 layout stores a (200 x 384) weight quantized as (200 x 1024): packed
     # int4 codes (int32 tiles, half a byte a weight) and bf16 scale+zero pairs per group of

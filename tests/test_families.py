@@ -1,7 +1,8 @@
 """Every architecture a user brings: tiny models of 8 decoder families, each through bitsandbytes
-nf4 and int8 and torchao int8, on the real cluster. A job is done with the share it quantized and
-a per-layer row for each quantized layer, or skipped with the reason; never done with nothing
-quantized. Where it is done, a plain transformers load of the same config agrees on perplexity.
+nf4 and int8, torchao int8 and HQQ 4-bit, on the real cluster. A job is done with the share it
+quantized and a per-layer row for each quantized layer, or skipped with the reason; never done
+with nothing quantized. Where it is done, a plain transformers load of the same config (for HQQ,
+a notebook loop of HQQLinear layers) agrees on perplexity.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tests.tiny_families import FAMILIES, build_tiny
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 CONFIGS = [{"backend": "bitsandbytes", "grid": {"bits": [4, 8]}},
-           {"backend": "torchao", "configs": [{"mode": "int8_weight_only"}]}]
+           {"backend": "torchao", "configs": [{"mode": "int8_weight_only"}]},
+           {"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
 SEQ_LEN, SAMPLES = 32, 4
 NO_LAYER = "no layer was quantized: "
 
@@ -56,7 +58,7 @@ def outcome(results: pl.DataFrame, family: str, label: str) -> dict:
 
 def test_every_job_is_done_with_a_share_or_skipped_with_a_reason(run):
     _, results, _ = run
-    assert results.height == len(FAMILIES) * 4
+    assert results.height == len(FAMILIES) * 5
     assert set(results["status"]) <= {"done", "skipped"}, results.filter(
         pl.col("status") == "failed").select("model", "config_label", "error_message").rows()
     quantized = results.filter(pl.col("backend") != "none")
@@ -97,6 +99,15 @@ def test_what_each_backend_does_with_each_family(run):
     for family in ("llama", "phi3", "gemma", "gpt_neox"):
         assert {table[(family, label)]["status"] for label in ("nf4", "int8 t=6", "ao int8wo")} \
             == {"done"}, family
+    # HQQ takes every linear layer: FalconLinear, and GPT-2's Conv1D turned into nn.Linear,
+    # with the same share as bitsandbytes where both quantize.
+    hqq = {family: table[(family, "hqq 4b g32")] for family in FAMILIES}
+    assert {r["status"] for r in hqq.values()} == {"done"}
+    assert hqq["falcon"]["quantized_share"] > 0.5
+    assert hqq["gpt2"]["quantized_share"] == pytest.approx(
+        table[("gpt2", "nf4")]["quantized_share"])
+    assert hqq["mixtral"]["quantized_share"] < 0.1
+    assert hqq["mixtral"]["full_precision"].startswith("experts (MixtralExperts) ")
 
 
 def quantized_modules(model) -> list[str]:
@@ -104,9 +115,30 @@ def quantized_modules(model) -> list[str]:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     return [name for name, module in model.named_modules()
-            if getattr(module, "weight", None) is not None
+            if type(module).__name__ == "HQQLinear" or getattr(module, "weight", None) is not None
             and (type(module.weight).__name__ in ("Params4bit", "Int8Params")
                  or is_traceable_wrapper_subclass(module.weight))]
+
+
+def hqq_by_hand(model, bits: int, group_size: int):
+    """HQQ as a user's notebook loop does it: every linear layer but the head becomes an
+    HQQLinear (GPT-2's Conv1D, which computes x @ W + b, as the Linear of W transposed)."""
+    import torch
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+    from transformers.pytorch_utils import Conv1D
+
+    config = BaseQuantizeConfig(nbits=bits, group_size=group_size)
+    for name, module in list(model.named_modules()):
+        if name.endswith("lm_head") or not isinstance(module, (torch.nn.Linear, Conv1D)):
+            continue
+        if isinstance(module, Conv1D):
+            linear = torch.nn.Linear(*module.weight.shape, bias=module.bias is not None)
+            linear.weight.data, linear.bias.data = module.weight.data.t(), module.bias.data
+            module = linear
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                HQQLinear(module, config, compute_dtype=torch.float32, device="cpu"))
+    return model
 
 
 def plain_load(path, label: str):
@@ -121,6 +153,9 @@ def plain_load(path, label: str):
         quantize_(model, Int8WeightOnlyConfig(),
                   filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name != "lm_head")
         return model
+    if label == "hqq 4b g32":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return hqq_by_hand(model, bits=4, group_size=32)
     config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                  bnb_4bit_compute_dtype=torch.float32) if label == "nf4"
               else BitsAndBytesConfig(load_in_8bit=True))
@@ -139,7 +174,7 @@ def test_done_jobs_agree_with_a_plain_transformers_load_and_measure_every_quanti
         ids = tokenizer(f.read())["input_ids"][:SEQ_LEN * SAMPLES]
     windows = torch.tensor(ids).view(SAMPLES, SEQ_LEN)
     done = results.filter((pl.col("status") == "done") & (pl.col("backend") != "none"))
-    assert done.height >= 18
+    assert done.height >= 26
     for row in done.to_dicts():
         model = plain_load(models[row["model"]], row["config_label"])
         with torch.inference_mode():

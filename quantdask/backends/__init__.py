@@ -10,6 +10,7 @@ from __future__ import annotations
 from quantdask.backends.base import Backend, Option
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
+from quantdask.backends.hqq import hqq_backend
 from quantdask.backends.torchao import torchao_backend
 from quantdask.errors import SpecError
 
@@ -40,5 +41,6 @@ def backend_names() -> list[str]:
 register_backend(baseline_backend)
 register_backend(bitsandbytes_backend)
 register_backend(torchao_backend)
+register_backend(hqq_backend)
 
 __all__ = ["BASELINE", "Backend", "Option", "backend_names", "get_backend", "register_backend"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from quantdask.errors import SpecError
+from quantdask.errors import SpecError, UnsupportedHere
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,37 @@ def named_in(name: str, names: list[str]) -> bool:
     """Whether module ``name`` is one of ``names``: the same, inside one, or ending in one
     (``lm_head`` matches ``lm_head`` and ``model.lm_head``)."""
     return any(name == n or name.startswith(f"{n}.") or name.endswith(f".{n}") for n in names)
+
+
+def require_library(module: str, name: str, install: str):
+    """``module`` imported on this worker, or :class:`UnsupportedHere` saying how to install
+    ``name`` (the job is skipped with that reason, not failed)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise UnsupportedHere(f"{name} is not installed on this worker ({err}); "
+                              f"pip install {install}") from err
+
+
+def missing_library(module: str, name: str, install: str) -> str | None:
+    """The driver's look (a backend's ``check``): why ``module`` cannot be imported, or None."""
+    try:
+        require_library(module, name, install)
+    except UnsupportedHere as err:
+        return str(err)
+    return None
+
+
+def skip_modules_option(default: str = "lm_head") -> Option:
+    """The ``skip_modules`` option the backends share: module names left unquantized."""
+    return Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
+                  check_hint="must be a list of module names",
+                  help=f"modules left unquantized (default: {default})")
+
+
+def skip_label(skip: list[str] | None, default: list[str] | None = None) -> str:
+    """A config label's suffix naming the skipped modules, unless they are the default."""
+    return "" if not skip or skip == default else " skip=" + ",".join(skip)
 
 
 def _kind_names(kinds: tuple[type, ...]) -> str:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend, Option, named_in
-from quantdask.errors import SpecError, UnsupportedHere
+from quantdask.backends.base import (
+    Backend,
+    Option,
+    missing_library,
+    named_in,
+    require_library,
+    skip_label,
+    skip_modules_option,
+)
+from quantdask.errors import SpecError
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
 _EIGHT_BIT_ONLY = ("int8_threshold",)
@@ -16,9 +24,7 @@ OPTIONS = {
                             help="4-bit: dtype of the matmul"),
     "int8_threshold": Option(float, check=lambda v: v >= 0, check_hint="must be >= 0",
                              help="8-bit: outlier threshold (0 disables the fp16 outlier path)"),
-    "skip_modules": Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
-                           check_hint="must be a list of module names",
-                           help="modules left unquantized (default: the output head)"),
+    "skip_modules": skip_modules_option("the output head"),
 }
 
 
@@ -45,9 +51,7 @@ def config_label(options: dict) -> str:
         label = options["quant_type"] + (" dq" if options["double_quant"] else "")
         if options["compute_dtype"] != "float32":
             label += f" {options['compute_dtype']}"
-    if options.get("skip_modules"):
-        label += " skip=" + ",".join(options["skip_modules"])
-    return label
+    return label + skip_label(options.get("skip_modules"))
 
 
 def bitsandbytes_config(options: dict):
@@ -69,27 +73,17 @@ def bitsandbytes_config(options: dict):
     )
 
 
-def _require_bitsandbytes() -> None:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise UnsupportedHere(
-            f"bitsandbytes is not installed on this worker ({err}); pip install bitsandbytes"
-        ) from err
+BITSANDBYTES = ("bitsandbytes", "bitsandbytes", "bitsandbytes")  # module, name, what to install
 
 
 def quantize_bitsandbytes(source, options: dict, device: str):
-    _require_bitsandbytes()
+    require_library(*BITSANDBYTES)
     return source.build(device, quantization_config=bitsandbytes_config(options))
 
 
 def check_bitsandbytes(options: dict, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
-    try:
-        _require_bitsandbytes()
-    except UnsupportedHere as err:
-        return str(err)
-    return None
+    return missing_library(*BITSANDBYTES)
 
 
 def weight_bits(options: dict, loaded_bits: int) -> float:

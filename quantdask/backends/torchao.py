@@ -6,7 +6,15 @@ Install with ``pip install 'quantdask[torchao]'``. On a CPU, int4 uses torchao's
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend, Option, named_in
+from quantdask.backends.base import (
+    Backend,
+    Option,
+    missing_library,
+    named_in,
+    require_library,
+    skip_label,
+    skip_modules_option,
+)
 from quantdask.errors import SpecError, UnsupportedHere
 
 OPTIONS = {
@@ -14,9 +22,7 @@ OPTIONS = {
                    help="int8 per-channel or int4 grouped weights"),
     "group_size": Option(int, choices=(32, 64, 128, 256),
                          help="int4: input features sharing one scale (default 128)"),
-    "skip_modules": Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
-                           check_hint="must be a list of module names",
-                           help="modules left unquantized (default: lm_head)"),
+    "skip_modules": skip_modules_option(),
 }
 CPU_INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -36,18 +42,10 @@ def config_label(options: dict) -> str:
         label = "ao int8wo"
     else:
         label = f"ao int4wo g{options['group_size']}"
-    if options["skip_modules"] != ["lm_head"]:
-        label += " skip=" + ",".join(options["skip_modules"])
-    return label
+    return label + skip_label(options["skip_modules"], ["lm_head"])
 
 
-def _import_torchao():
-    try:
-        import torchao.quantization as quantization
-    except ImportError as err:
-        raise UnsupportedHere(f"torchao is not installed on this worker ({err}); "
-                              "pip install 'quantdask[torchao]'") from err
-    return quantization
+TORCHAO = ("torchao.quantization", "torchao", "'quantdask[torchao]'")  # module, name, install
 
 
 def _targets(model, skip: list[str]) -> dict:
@@ -75,10 +73,9 @@ def int4_unsupported(group: int, widths: dict[str, int], cuda: bool) -> str | No
 
 def check_torchao(options: dict, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
-    try:
-        _import_torchao()
-    except UnsupportedHere as err:
-        return str(err)
+    missing = missing_library(*TORCHAO)
+    if missing:
+        return missing
     if options["mode"] == "int4_weight_only" and facts.linear_in_features:
         widths = {name: width for name, width in facts.linear_in_features.items()
                   if not named_in(name, options["skip_modules"])}
@@ -87,7 +84,7 @@ def check_torchao(options: dict, facts) -> str | None:
 
 
 def quantize_torchao(source, options: dict, device: str):
-    quantization = _import_torchao()
+    quantization = require_library(*TORCHAO)
     model = source.build(device)
     targets = _targets(model, options["skip_modules"])
     if options["mode"] == "int8_weight_only":

@@ -1,0 +1,146 @@
+"""HQQ (half-quadratic quantization): calibration-free grouped weight quantization, an optional
+backend.
+
+Install with ``pip install 'quantdask[hqq]'``. Every linear layer (``nn.Linear`` and its
+subclasses, and GPT-2's ``Conv1D``, turned into the equivalent ``nn.Linear`` first) but the
+skipped ones becomes an ``hqq`` ``HQQLinear`` whose scales and zeros HQQ's solver fits to the
+weight; no data is needed. It runs on CPU and CUDA, in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from quantdask.backends.base import (
+    Backend,
+    Option,
+    missing_library,
+    named_in,
+    require_library,
+    skip_label,
+    skip_modules_option,
+)
+from quantdask.errors import SpecError, UnsupportedHere
+
+BITS = (1, 2, 3, 4, 8)
+OPTIONS = {
+    "bits": Option(int, choices=BITS, help="bits per weight"),
+    "group_size": Option(int, choices=(16, 32, 64, 128, 256),
+                         help="weights sharing one scale and zero (default 64)"),
+    "axis": Option(int, choices=(0, 1),
+                   help="1 (default): groups along the input features; 0: along the outputs"),
+    "skip_modules": skip_modules_option(),
+}
+
+
+def complete_options(options: dict) -> dict:
+    if "bits" not in options:
+        raise SpecError("bits", f"is required for hqq: one of {', '.join(map(str, BITS))}")
+    return {"group_size": 64, "axis": 1, "skip_modules": ["lm_head"], **options}
+
+
+def config_label(options: dict) -> str:
+    label = f"hqq {options['bits']}b g{options['group_size']}"
+    if options["axis"] != 1:
+        label += f" axis{options['axis']}"
+    return label + skip_label(options["skip_modules"], ["lm_head"])
+
+
+HQQ = ("hqq.core.quantize", "hqq", "'quantdask[hqq]'")  # module, name, what to install
+
+
+def _is_linear(module_class: type) -> bool:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return issubclass(module_class, (torch.nn.Linear, Conv1D))
+
+
+def selects(name: str, module_class: type, options: dict) -> bool:
+    """Every linear layer (subclasses and ``Conv1D`` too) but the skipped modules."""
+    return _is_linear(module_class) and not named_in(name, options["skip_modules"])
+
+
+def ungroupable(group: int, sizes: dict[str, int]) -> str | None:
+    """Why HQQ cannot group the weights of layers of these element counts by ``group``, or None
+    (HQQ groups the flattened weight: its size must be a multiple of the group)."""
+    for name, size in sizes.items():
+        if size % group:
+            return (f"group_size={group} does not divide the {size:,} weights of {name}; choose "
+                    "a group size that divides every layer's")
+    return None
+
+
+def check_hqq(options: dict, facts) -> str | None:
+    """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
+    return missing_library(*HQQ)
+
+
+def _as_linear(module):
+    """``module`` as an ``nn.Linear`` computing the same: itself, or for GPT-2's ``Conv1D``
+    (which stores its weight as (in, out)) a Linear of the transposed weight."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    if not isinstance(module, Conv1D):
+        return module
+    in_features, out_features = module.weight.shape
+    linear = torch.nn.Linear(in_features, out_features, bias=module.bias is not None,
+                             device="meta")
+    linear.weight = torch.nn.Parameter(module.weight.detach().t().contiguous(),
+                                       requires_grad=False)
+    if module.bias is not None:
+        linear.bias = torch.nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear
+
+
+def quantize_hqq(source, options: dict, device: str):
+    hqq = require_library(*HQQ)
+    model = source.build(device)
+    targets = {name: module for name, module in model.named_modules()
+               if selects(name, type(module), options)}
+    reason = ungroupable(options["group_size"],
+                         {name: m.weight.numel() for name, m in targets.items()})
+    if reason:
+        raise UnsupportedHere(reason)
+    config = hqq.BaseQuantizeConfig(nbits=options["bits"], group_size=options["group_size"],
+                         axis=options["axis"])
+    dtype = next(model.parameters()).dtype
+    for name, module in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = hqq.HQQLinear(_as_linear(module), config, compute_dtype=dtype, device=device,
+                           del_orig=True)
+        layer.source_cls = type(module)  # per-layer stats: how the checkpoint holds the weight
+        setattr(parent, child, layer)
+    return model
+
+
+def weight_bits(options: dict, loaded_bits: int) -> float:
+    """The model is loaded onto the device whole and then quantized layer by layer, so the
+    peak holds the weights as loaded."""
+    return float(loaded_bits)
+
+
+def dequantize_layer(module):
+    """An HQQ layer's weight as float32, (out, in); None for any other module."""
+    try:
+        from hqq.core.quantize import HQQLinear
+    except ImportError:
+        return None
+    if not isinstance(module, HQQLinear):
+        return None
+    return module.dequantize().float()
+
+
+hqq_backend = Backend(
+    name="hqq",
+    quantize=quantize_hqq,
+    options=OPTIONS,
+    complete=complete_options,
+    label=config_label,
+    dequantize_layer=dequantize_layer,
+    check=check_hqq,
+    weight_bits=weight_bits,
+    selects=selects,
+    description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
+                "pip install 'quantdask[hqq]')",
+)
