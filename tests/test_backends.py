@@ -123,6 +123,37 @@ def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
         BackendBlock("hqq", configs=[{"bits": 4, "group_size": 48}])
 
 
+@pytest.mark.timeout(240)
+def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_and_the_job(
+        tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from quantdask.planning import plan_sweep
+    from tests.tiny_families import copy_demo_tokenizer
+
+    # Width 40, 2 key/value heads of 10: k_proj holds 20 x 40 = 800 weights, no multiple of 64
+    # (every layer's is a multiple of 16).
+    config = LlamaConfig(vocab_size=1024, hidden_size=40, intermediate_size=72,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    copy_demo_tokenizer(tmp_path)
+    sweep = sweep_of(str(tmp_path), BackendBlock("hqq", grid={"bits": [4],
+                                                              "group_size": [64, 16]}))
+    plan = plan_sweep(sweep).filter(pl.col("backend") == "hqq").sort("config_label")
+    assert plan["config_label"].to_list() == ["hqq 4b g16", "hqq 4b g64"]
+    assert plan["state"].to_list() == ["to run", "unsupported"]
+    reason = ("group_size=64 does not divide the 800 weights of model.layers.0.self_attn.k_proj; "
+              "choose a group size that divides every layer's")
+    assert plan["reason"].to_list()[1] == reason
+    job = next(j for j in expand_grid(sweep) if j.config_label == "hqq 4b g64")
+    record = run_job(job, get_backend("hqq"))  # a worker decides alike
+    assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
+    assert record["error_message"] == reason
+
+
 def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[{"bits": 4}])))[1]

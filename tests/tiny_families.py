@@ -68,6 +68,11 @@ def build_tiny(family: str, directory: Path) -> Path:
     model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
+    copy_demo_tokenizer(directory)
+    return directory
+
+
+def copy_demo_tokenizer(directory: Path) -> None:
+    """The demo model's tokenizer (vocabulary 1,024) into ``directory``."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(DEMO_MODEL_DIR) / name, directory / name)
-    return directory

@@ -71,7 +71,9 @@ def ungroupable(group: int, sizes: dict[str, int]) -> str | None:
 
 def check_hqq(options: dict, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
-    return missing_library(*HQQ)
+    return missing_library(*HQQ) or ungroupable(
+        options["group_size"], {name: size for name, module_class, size in facts.weight_modules
+                                if selects(name, module_class, options)})
 
 
 def _as_linear(module):
