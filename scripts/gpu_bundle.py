@@ -285,6 +285,22 @@ def build(wheels: Path, out: Path, pins: dict[str, str] = BUNDLE, top: list[str]
                         "sha256": sha256(archive), "unpacked_bytes": unpacked}}
 
 
+def drift(pins: dict[str, str], installed: dict[str, str] | None = None) -> list[str]:
+    """Pins that differ from the versions installed here (what the tests run against):
+    ``installed`` (default: this environment's)."""
+    import importlib.metadata
+
+    if installed is None:
+        installed = {}
+        for name in pins:
+            try:
+                installed[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue  # dask-cuda: GPU machines only
+    return [f"{name}: bundle {version}, here {installed[name]}"
+            for name, version in pins.items() if name in installed and installed[name] != version]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, help="take the pinned wheels from this folder")
@@ -304,6 +320,8 @@ def main() -> int:
           f"{(bundle + tree) / 2**20:.1f} MiB of the {CALL_LIMIT_MIB} MiB a call carries "
           f"(target {TARGET_MIB})")
     print(f"gpu_bundle: lock written to {LOCK.relative_to(REPO)}")
+    for line in drift(BUNDLE):
+        print(f"gpu_bundle: the tests here run another version: {line}; update BUNDLE")
     return 0 if bundle + tree <= TARGET_MIB * 2**20 else 1
 
 
