@@ -104,13 +104,13 @@ def quantize_hqq(source, options: dict, device: str):
     if reason:
         raise UnsupportedHere(reason)
     config = hqq.BaseQuantizeConfig(nbits=options["bits"], group_size=options["group_size"],
-                         axis=options["axis"])
+                                    axis=options["axis"])
     dtype = next(model.parameters()).dtype
     for name, module in targets.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         layer = hqq.HQQLinear(_as_linear(module), config, compute_dtype=dtype, device=device,
-                           del_orig=True)
+                              del_orig=True)
         layer.source_cls = type(module)  # per-layer stats: how the checkpoint holds the weight
         setattr(parent, child, layer)
     return model
