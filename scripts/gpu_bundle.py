@@ -142,7 +142,6 @@ def check_closure(packages: dict[str, dict], top: list[str]) -> list[str]:
     from packaging.version import Version
 
     problems: list[str] = []
-    reached: set[str] = set()
     seen: set[tuple[str, tuple]] = set()  # (package, extras) walked already
 
     def need(text: str, wanted_by: str, extras: set[str]) -> None:
@@ -157,7 +156,6 @@ def check_closure(packages: dict[str, dict], top: list[str]) -> list[str]:
             if (name, tuple(sorted(req.extras))) in seen:
                 return
             seen.add((name, tuple(sorted(req.extras))))
-            reached.add(name)
             for inner in packages[name]["requires"]:
                 need(inner, name, set(req.extras))
         elif name in LENT_PACKAGES:
@@ -171,7 +169,7 @@ def check_closure(packages: dict[str, dict], top: list[str]) -> list[str]:
     for text in top:
         need(text, "quantdask", set())
     problems += [f"{name} is bundled but nothing on the smoke path needs it; remove it from "
-                 "BUNDLE" for name in sorted(set(packages) - reached)]
+                 "BUNDLE" for name in sorted(set(packages) - {name for name, _ in seen})]
     return problems
 
 
