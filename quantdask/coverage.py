@@ -99,7 +99,22 @@ def _changed(param: torch.Tensor, original: torch.Tensor | None) -> bool:
 
     if original is None or tuple(original.shape) != tuple(param.shape):
         return False
-    return not torch.equal(param.detach().to("cpu", original.dtype), original)
+    # Compared at the parameter's own precision: a model loaded in float16 from a float32
+    # checkpoint holds rounded values, which is a cast, not quantization.
+    return not torch.equal(param.detach().cpu(), original.to(param.dtype))
+
+
+def packed_linear_weights(module: torch.nn.Module) -> int:
+    """The weights a GPTQ-style packed linear layer holds (``in x out``), or 0: AutoRound's
+    export, like GPTQ's and AWQ's, stores integer codes in a ``qweight`` buffer beside
+    ``qzeros`` and ``scales``, with no weight parameter."""
+    import torch
+
+    qweight = getattr(module, "qweight", None)
+    sizes = [getattr(module, a, None) for a in ("infeatures", "outfeatures")]
+    if not isinstance(qweight, torch.Tensor) or not all(isinstance(n, int) for n in sizes):
+        return 0
+    return sizes[0] * sizes[1]
 
 
 def _plain_bias(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -117,11 +132,18 @@ def coverage(model: torch.nn.Module,
     counts once. With ``originals`` (the checkpoint's state dict), a float parameter whose
     values differ from the checkpoint's counts as quantized too (simulated quantization).
     Parameters (and a bias a layer keeps as a plain tensor); buffers hold no weights in the
-    backends quantdask knows."""
+    backends quantdask knows but GPTQ-style packed layers (:func:`packed_linear_weights`,
+    whose float ``bias`` buffer counts as full precision)."""
     seen: set[int] = set()
     quantized = 0
     left: Counter[str] = Counter()
     for name, module in model.named_modules():
+        packed = packed_linear_weights(module)
+        if packed:
+            quantized += packed
+            bias = module._buffers.get("bias")  # a bias parameter is counted below
+            if bias is not None:
+                left[module_role(name, type(module))] += bias.numel()
         for pname, param in [*module.named_parameters(recurse=False), *_plain_bias(module)]:
             if id(param) in seen:
                 continue

@@ -11,8 +11,9 @@ runs with the ``datasets`` offline switch on, and a dataset that is not here is 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from quantdask.errors import SpecError
 
@@ -87,3 +88,72 @@ def _load(path: str, name: str | None, split: str, data_files: tuple[str, ...],
                                           f"{', '.join(table.column_names)}")
     rows = [row for row in table[column] if isinstance(row, str)]
     return ROW_SEPARATOR.join(rows)
+
+
+class TextSource:
+    """A text given as a UTF-8 file (``text``, relative to ``root``) or a dataset's column
+    (``dataset``), one of the two: what the eval and the calibration data read. A dataclass
+    that mixes it in has the fields ``text``, ``dataset``, ``root`` and ``text_sha256``, and
+    calls :meth:`_read_source` once it is built."""
+
+    text: str | None
+    dataset: DatasetSource | dict | None
+    root: str
+    text_sha256: str
+
+    def _read_source(self, what: str) -> None:
+        """Check the source, read it and set ``text_sha256`` (the content's, whatever its
+        source: it goes into job ids)."""
+        if (self.text is None) == (self.dataset is None):
+            raise SpecError("text", f"give the {what} as a file (text: PATH) or as a dataset "
+                                    "(dataset: {path: ..., split: ..., column: ...}), one of "
+                                    "the two")
+        if self.text is not None:
+            if not isinstance(self.text, str):
+                raise SpecError("text", f"must be a path to a UTF-8 text file, got {self.text!r}")
+        else:
+            object.__setattr__(self, "dataset", _dataset_source(self.dataset, self.root))
+        content = self.read_text().encode("utf-8")
+        if not content.strip():
+            where = "dataset" if self.dataset is not None else "text"
+            raise SpecError(where, f"{self.source} is empty; give one with {what}")
+        object.__setattr__(self, "text_sha256", hashlib.sha256(content).hexdigest())
+
+    @property
+    def source(self) -> str:
+        """Where the text comes from, for messages."""
+        return self.text_path if self.dataset is None else self.dataset.describe()
+
+    def read_text(self) -> str:
+        """The text: the file's content, or the dataset's rows joined."""
+        if self.dataset is not None:
+            return dataset_text(self.dataset)
+        try:
+            with open(self.text_path, "rb") as f:
+                return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise SpecError("text", f"cannot read a UTF-8 text file at {self.text_path} "
+                                    f"({type(err).__name__}); give an existing text file") from None
+
+    @property
+    def text_path(self) -> str:
+        return os.path.join(self.root, self.text)
+
+
+def _dataset_source(dataset, root: str) -> DatasetSource:
+    if isinstance(dataset, dict):
+        allowed = [f.name for f in fields(DatasetSource) if f.init and f.name != "root"]
+        unknown = [k for k in dataset if k not in allowed]
+        if unknown:
+            raise SpecError(f"dataset.{unknown[0]}", f"unknown key; allowed: {', '.join(allowed)}")
+        if "path" not in dataset:
+            raise SpecError("dataset.path", "is required: a dataset name or a builder such as "
+                                            "parquet, json or text")
+        try:
+            dataset = DatasetSource(**dataset, root=root)
+        except SpecError as err:
+            raise SpecError(f"dataset.{err.field}", err.message) from None
+    if not isinstance(dataset, DatasetSource):
+        raise SpecError("dataset", f"must be a mapping (path, name, split, column, data_files), "
+                                   f"got {dataset!r}")
+    return dataset

@@ -51,6 +51,10 @@ class PeakMemory:
     On CUDA, device memory is ``torch.cuda.max_memory_allocated`` (reset at entry). On a CPU slot
     the device is host memory, so both figures are the process's peak RSS.
 
+    A block inside another in the same thread (a job's calibration inside the job) measures
+    its own peak: the outer block keeps its peak so far before the inner one resets the
+    counters, so the outer's figure still covers everything it enclosed.
+
     Both counters are the process's (per device), so jobs packed on one worker
     (``jobs_per_gpu`` > 1, one thread each) cannot each have their own. A block that overlaps
     another thread's is ``shared``: it does not reset the counters (that would cut the other's
@@ -65,6 +69,7 @@ class PeakMemory:
         self.peak_reserved_bytes = 0
         self.peak_rss_bytes = 0
         self.shared = False
+        self._carried = (0, 0, 0)  # (device, reserved, rss) peaks before an inner block's reset
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -74,6 +79,8 @@ class PeakMemory:
             for other, thread in _measuring.items():
                 if thread != this_thread:
                     other.shared = self.shared = True
+                else:
+                    other._carry()
             _measuring[self] = this_thread
             alone = not self.shared
             if self.cuda:
@@ -89,6 +96,17 @@ class PeakMemory:
         self.peak_rss_bytes = current_rss_bytes()
         return self
 
+    def _carry(self) -> None:
+        """Keep the peaks so far (an inner block in this thread is about to reset them)."""
+        device = reserved = 0
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            device, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        rss = self.peak_rss_bytes if self._sampler is not None else (_vm_hwm_bytes() or 0)
+        self._carried = tuple(map(max, self._carried, (device, reserved, rss)))
+
     def _sample(self) -> None:
         while not self._stop.wait(0.01):
             self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes())
@@ -101,13 +119,13 @@ class PeakMemory:
             self._sampler.join()
         else:
             self.peak_rss_bytes = max(self.peak_rss_bytes, _vm_hwm_bytes() or 0)
-        self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes())
+        self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes(), self._carried[2])
         if self.cuda:
             import torch
 
             torch.cuda.synchronize()
-            self.peak_device_bytes = torch.cuda.max_memory_allocated()
-            self.peak_reserved_bytes = torch.cuda.max_memory_reserved()
+            self.peak_device_bytes = max(torch.cuda.max_memory_allocated(), self._carried[0])
+            self.peak_reserved_bytes = max(torch.cuda.max_memory_reserved(), self._carried[1])
         else:
             self.peak_device_bytes = self.peak_reserved_bytes = self.peak_rss_bytes
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
     from distributed import Client, Future
 
-    from quantdask.spec import EvalSettings, Job, ModelSpec
+    from quantdask.spec import CalibrationSettings, EvalSettings, Job, ModelSpec
 
 log = logging.getLogger("quantdask.reference")
 
@@ -53,7 +53,9 @@ class Reference:
     distribution at each position but the last, in the compact form :func:`reference_slice`
     makes: ``log_probs`` (samples x seq_len-1 x k, float32) of the tokens ``ids`` (int32), and
     ``rest``, the log of the mass outside them; with ``eval.kl_top_k: all``, every token's
-    log-prob and no ``ids``. ``baseline``: the unquantized model's own scores on the windows."""
+    log-prob and no ``ids``. ``baseline``: the unquantized model's own scores on the windows.
+    ``calibration``: the sweep's calibration windows (samples x seq_len token ids) when it has
+    a calibration block, cut once per model here for its calibrated jobs."""
 
     key: str
     windows: torch.Tensor
@@ -61,6 +63,7 @@ class Reference:
     ids: torch.Tensor | None = None
     rest: torch.Tensor | None = None
     baseline: dict = field(default_factory=dict)
+    calibration: torch.Tensor | None = None
 
     @property
     def distribution(self) -> dict[str, torch.Tensor]:
@@ -70,8 +73,8 @@ class Reference:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.windows, *self.distribution.values()))
+        tensors = (self.windows, *self.distribution.values(), self.calibration)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @sizeof.register(Reference)
@@ -80,10 +83,14 @@ def _reference_size(reference: Reference) -> int:
     return reference.nbytes
 
 
-def reference_key(model: ModelSpec, settings: EvalSettings) -> str:
-    """A Dask key naming the reference of ``model`` on ``settings``' windows."""
-    identity = json.dumps({"model": model.identity(), "eval": settings.identity()},
-                          sort_keys=True)
+def reference_key(model: ModelSpec, settings: EvalSettings,
+                  calibration: CalibrationSettings | None = None) -> str:
+    """A Dask key naming the reference of ``model`` on ``settings``' windows (with
+    ``calibration``'s windows, when given)."""
+    parts = {"model": model.identity(), "eval": settings.identity()}
+    if calibration is not None:
+        parts["calibration"] = calibration.identity()
+    identity = json.dumps(parts, sort_keys=True)
     return f"reference-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
@@ -120,13 +127,15 @@ def _shard_size(shard: ReferenceShard) -> int:
 
 
 def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
-                      timeout_s: float = float("inf")) -> Reference:
+                      timeout_s: float = float("inf"),
+                      calibration: CalibrationSettings | None = None) -> Reference:
     """The whole reference of ``model`` on ``settings``' windows, computed here in one go (the
     driver splits it over workers: :func:`compute_reference_shard`, :func:`combine_reference`).
 
     Raises :class:`JobTimeout` when that took longer than ``timeout_s``."""
     shard = compute_reference_shard(model, settings, text, (0, settings.samples), timeout_s)
-    return combine_reference(model, settings, shard)
+    return combine_reference(model, settings, shard, calibration=calibration,
+                             calibration_text=calibration and calibration.read_text())
 
 
 def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
@@ -190,12 +199,16 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
     return ReferenceShard(rows, windows, compact, meter, tail, peaks)
 
 
-def combine_reference(model: ModelSpec, settings: EvalSettings,
-                      *shards: ReferenceShard) -> Reference:
+def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: ReferenceShard,
+                      calibration: CalibrationSettings | None = None,
+                      calibration_text: str | None = None) -> Reference:
     """The reference from its shards (in any order; together they cover every window once),
     with the baseline's figures: the unquantized model's scores over all of them, and the
-    largest peak any shard needed."""
+    largest peak any shard needed; and, with ``calibration``, the calibration windows cut from
+    ``calibration_text`` with the model's tokenizer."""
     import torch
+
+    from quantdask.calibration import calibration_windows
 
     shards = tuple(sorted(shards, key=lambda shard: shard.rows))
     covered = [row for shard in shards for row in range(*shard.rows)]
@@ -208,7 +221,13 @@ def combine_reference(model: ModelSpec, settings: EvalSettings,
         meter.merge(shard.meter)
     compact = {name: torch.cat([shard.compact[name] for shard in shards])
                for name in shards[0].compact}
-    key = reference_key(model, settings)
+    key = reference_key(model, settings, calibration)
+    calibration_ids = None
+    if calibration is not None:
+        source, _ = cached_model_source(model)
+        calibration_ids = calibration_windows(
+            source.tokenizer(calibration_text)["input_ids"], calibration.seq_len,
+            calibration.samples, calibration.seed)
     _announce(key)
     tail_mass = math.fsum(t for shard in shards for t in shard.tail) / meter.tokens
     if tail_mass > TAIL_WARNING:
@@ -220,7 +239,8 @@ def combine_reference(model: ModelSpec, settings: EvalSettings,
     baseline = {**meter.scores(), "kl_tail_mass": tail_mass,
                 **{name: max(shard.peaks[name] for shard in shards)
                    for name in shards[0].peaks}}
-    return Reference(key=key, windows=windows, baseline=baseline, **compact)
+    return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
+                     **compact)
 
 
 def _announce(key: str) -> None:
@@ -259,19 +279,16 @@ class ModelReferences:
     _starts: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (t, address)
     _cut: set[str] = field(default_factory=set)
     _requests: dict[str, float] = field(default_factory=dict)  # part -> DEVICE_MEMORY asked
-    _eval_texts: dict[str, str] = field(default_factory=dict)  # text_sha256 -> the text
+    _texts: dict[str, str] = field(default_factory=dict)  # text_sha256 -> eval/calibration text
     _submitted: int = 0
 
     def future_for(self, job: Job) -> Future:
         """The future of ``job``'s model reference, submitted now if there is none (or the last
         one failed)."""
-        key = reference_key(job.model, job.eval)
+        key = reference_key(job.model, job.eval, job.calibration)
         self._settle()
         future = self.futures.get(key)
         if future is None or future.status in ("error", "cancelled"):
-            text_key = job.eval.text_sha256
-            if text_key not in self._eval_texts:
-                self._eval_texts[text_key] = job.eval.read_text()
             self._submitted += 1
             # The Dask key is this driver's own: a key is an identity across clients, and a
             # cancellation of another sweep's reference must never reach this one.
@@ -284,15 +301,23 @@ class ModelReferences:
                 self._requests[part_key] = resources.get(DEVICE_MEMORY, 0)
                 self._whole[part_key] = dask_key
                 parts.append(self.client.submit(
-                    compute_reference_shard, job.model, job.eval, self._eval_texts[text_key],
+                    compute_reference_shard, job.model, job.eval, self._text(job.eval),
                     (start, stop), job.timeout_s, key=part_key, resources=resources,
                     priority=job.priority + 10, pure=False, retries=0))
             self._parts[dask_key] = parts
-            future = self.client.submit(combine_reference, job.model, job.eval, *parts,
-                                        key=dask_key, priority=job.priority + 10, pure=False,
-                                        retries=0)
+            calibration = job.calibration
+            future = self.client.submit(
+                combine_reference, job.model, job.eval, *parts, calibration=calibration,
+                calibration_text=calibration and self._text(calibration), key=dask_key,
+                priority=job.priority + 10, pure=False, retries=0)
             self.futures[key] = future
         return future
+
+    def _text(self, source) -> str:
+        """The text of an eval or calibration source, read once per sweep."""
+        if source.text_sha256 not in self._texts:
+            self._texts[source.text_sha256] = source.read_text()
+        return self._texts[source.text_sha256]
 
     def all_futures(self) -> list[Future]:
         """Every current reference and its parts (to cancel them all)."""
@@ -306,7 +331,7 @@ class ModelReferences:
 
     def failed(self, job: Job, dask_key: str) -> bool:
         """Whether ``dask_key`` is the current reference of ``job``'s model and it failed."""
-        future = self.futures.get(reference_key(job.model, job.eval))
+        future = self.futures.get(reference_key(job.model, job.eval, job.calibration))
         return future is not None and future.key == dask_key and future.status == "error"
 
     def park(self, job: Job, attempt: int, avoid: str | None, future: Future) -> None:

@@ -32,6 +32,11 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "wall_s": pl.Float64(),
     "load_s": pl.Float64(),
     "quantize_s": pl.Float64(),
+    # A calibrated backend's data-driven step, inside quantize_s, and its peaks (null for a
+    # backend that does not calibrate).
+    "calibrate_s": pl.Float64(),
+    "calibrate_peak_device_mem_bytes": pl.Int64(),
+    "calibrate_peak_host_rss_bytes": pl.Int64(),
     "eval_s": pl.Float64(),
     "source_cached": pl.Boolean(),
     "peak_device_mem_bytes": pl.Int64(),

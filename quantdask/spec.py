@@ -25,7 +25,7 @@ from typing import Any
 
 from quantdask.backends import BASELINE, get_backend
 from quantdask.errors import SpecError
-from quantdask.eval_data import DatasetSource, dataset_text
+from quantdask.eval_data import DatasetSource, TextSource
 from quantdask.model_source import DTYPES
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang")
@@ -191,7 +191,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class EvalSettings:
+class EvalSettings(TextSource):
     """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from the eval text,
     which is a UTF-8 text file (``text``) or a ``datasets`` dataset's text column
     (``dataset``: see :class:`~quantdask.eval_data.DatasetSource`; read locally only).
@@ -212,19 +212,7 @@ class EvalSettings:
 
     def __post_init__(self):
         object.__setattr__(self, "root", _resolve_root(self.root))
-        if (self.text is None) == (self.dataset is None):
-            raise SpecError("text", "give the eval text as a file (text: PATH) or as a "
-                                    "dataset (dataset: {path: ..., split: ..., column: ...}), "
-                                    "one of the two")
-        if self.text is not None:
-            _require("text", self.text, str, "a path to a UTF-8 text file")
-        else:
-            self._resolve_dataset()
-        content = self.read_text().encode("utf-8")
-        if not content.strip():
-            where = "dataset" if self.dataset is not None else "text"
-            raise SpecError(where, f"{self.source} is empty; give one with eval text")
-        object.__setattr__(self, "text_sha256", hashlib.sha256(content).hexdigest())
+        self._read_source("eval text")
         _positive_int("seq_len", self.seq_len)
         if self.seq_len < 2:
             raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
@@ -233,45 +221,6 @@ class EvalSettings:
         if self.kl_top_k != "all":
             _positive_int("kl_top_k", self.kl_top_k,
                           f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
-
-    def _resolve_dataset(self) -> None:
-        dataset = self.dataset
-        if isinstance(dataset, dict):
-            allowed = field_names(DatasetSource)
-            unknown = [k for k in dataset if k not in allowed]
-            if unknown:
-                raise SpecError(f"dataset.{unknown[0]}",
-                                f"unknown key; allowed: {', '.join(allowed)}")
-            if "path" not in dataset:
-                raise SpecError("dataset.path", "is required: a dataset name or a builder "
-                                                "such as parquet, json or text")
-            try:
-                dataset = DatasetSource(**dataset, root=self.root)
-            except SpecError as err:
-                raise SpecError(f"dataset.{err.field}", err.message) from None
-        _require("dataset", dataset, DatasetSource, "a mapping (path, name, split, column, "
-                                                    "data_files)")
-        object.__setattr__(self, "dataset", dataset)
-
-    @property
-    def source(self) -> str:
-        """Where the eval text comes from, for messages."""
-        return self.text_path if self.dataset is None else self.dataset.describe()
-
-    def read_text(self) -> str:
-        """The eval text: the file's content, or the dataset's rows joined."""
-        if self.dataset is not None:
-            return dataset_text(self.dataset)
-        try:
-            with open(self.text_path, "rb") as f:
-                return f.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise SpecError("text", f"cannot read a UTF-8 text file at {self.text_path} "
-                                    f"({type(err).__name__}); give an existing text file") from None
-
-    @property
-    def text_path(self) -> str:
-        return os.path.join(self.root, self.text)
 
     @property
     def top_k(self) -> int | None:
@@ -286,6 +235,38 @@ class EvalSettings:
         if self.top_k is not None:
             identity["kl_top_k"] = self.top_k
         return identity
+
+
+@dataclass(frozen=True)
+class CalibrationSettings(TextSource):
+    """Calibration data for the backends that fit their quantization to it (``calibrated``
+    backends such as AutoRound): ``samples`` windows of ``seq_len`` tokens at offsets drawn with
+    ``seed`` from a UTF-8 text file (``text``) or a local dataset's text column (``dataset``, as
+    for the eval). Tokenized once per model with its reference; its content, samples, seq_len
+    and seed are part of the calibrated jobs' ids (no other job's id changes)."""
+
+    text: str | None = None
+    dataset: DatasetSource | dict | None = None
+    samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+    root: str = field(default="", compare=False)
+    text_sha256: str = field(default="", init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", _resolve_root(self.root))
+        self._read_source("calibration text")
+        _positive_int("samples", self.samples)
+        _positive_int("seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
+        _require("seed", self.seed, int, "an integer")
+        if not 0 <= self.seed < 2**63:
+            raise SpecError("seed", f"must be between 0 and 2**63 - 1, got {self.seed}")
+
+    def identity(self) -> dict:
+        return {"text_sha256": self.text_sha256, "samples": self.samples,
+                "seq_len": self.seq_len, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -348,6 +329,7 @@ class Sweep:
     exclude_device_after: int = 3
     faults: list[dict] = field(default_factory=list)
     layer_stats: bool = True  # per-layer weight and output errors (see README for the cost)
+    calibration: CalibrationSettings | None = None  # data for the calibrated backends
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and _NAME.match(self.name)):
@@ -391,6 +373,15 @@ class Sweep:
             raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         _positive_int("exclude_device_after", self.exclude_device_after)
         _require("layer_stats", self.layer_stats, bool, "true or false")
+        if self.calibration is not None:
+            _require("calibration", self.calibration, CalibrationSettings,
+                     "the calibration settings")
+        for i, block in enumerate(self.backends):
+            if get_backend(block.backend).calibrated and self.calibration is None:
+                raise SpecError(f"backends[{i}].backend",
+                                f"{block.backend} fits its quantization to calibration data: add "
+                                "a calibration block (calibration: {text: PATH, samples: N, "
+                                "seq_len: N}, or dataset: {...} instead of text)")
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
     def _checked_faults(self):
@@ -440,6 +431,9 @@ class Job:
     # ``placement.place_jobs`` for the cluster at hand, not part of the id.
     device_memory_bytes: int = 0
     layer_stats: bool = True  # measure per-layer errors; not part of the id
+    # The sweep's calibration data, on every job so that a model's jobs share one reference
+    # (which carries its tokens); part of the id only for calibrated backends.
+    calibration: CalibrationSettings | None = None
 
     @property
     def is_baseline(self) -> bool:
@@ -455,10 +449,14 @@ class Job:
 
 
 def job_identity(model: ModelSpec, backend: str, options: dict, eval: EvalSettings,
-                 seed: int) -> dict:
-    """The canonical job spec: every field that changes what the job measures, nothing else."""
-    return {"model": model.identity(), "backend": backend, "options": options,
-            "eval": eval.identity(), "seed": seed}
+                 seed: int, calibration: CalibrationSettings | None = None) -> dict:
+    """The canonical job spec: every field that changes what the job measures, nothing else
+    (``calibration`` only for a backend that calibrates)."""
+    identity = {"model": model.identity(), "backend": backend, "options": options,
+                "eval": eval.identity(), "seed": seed}
+    if calibration is not None:
+        identity["calibration"] = calibration.identity()
+    return identity
 
 
 def job_id(identity: dict) -> str:
@@ -485,7 +483,8 @@ def expand_grid(sweep: Sweep) -> list[Job]:
             priority = sweep.priority if block.priority is None else block.priority
             entries += [(block.backend, options, priority) for options in block.option_sets()]
         for backend, options, priority in entries:
-            identity = job_identity(model, backend, options, sweep.eval, sweep.seed)
+            calibration = sweep.calibration if get_backend(backend).calibrated else None
+            identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration)
             jid = job_id(identity)
             if jid not in jobs:
                 jobs[jid] = Job(
@@ -493,7 +492,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     config_label=get_backend(backend).config_label(options), eval=sweep.eval,
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
-                    layer_stats=sweep.layer_stats,
+                    layer_stats=sweep.layer_stats, calibration=sweep.calibration,
                     faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                                  if f["config"] == get_backend(backend).config_label(options)
                                  and f.get("model", model.label) == model.label),

@@ -12,7 +12,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from quantdask.errors import SpecError
-from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, field_names
+from quantdask.spec import (
+    BackendBlock,
+    CalibrationSettings,
+    EvalSettings,
+    ModelSpec,
+    Sweep,
+    field_names,
+)
 
 
 @contextmanager
@@ -62,9 +69,16 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
             blocks.append(BackendBlock(**_mapping("", raw, BackendBlock, required=("backend",))))
     with _under("eval"):
         evaluation = EvalSettings(**_mapping("", data["eval"], EvalSettings), root=root)
-    rest = {k: v for k, v in data.items() if k not in ("models", "backends", "eval")}
+    calibration = None
+    if data.get("calibration") is not None:
+        with _under("calibration"):
+            calibration = CalibrationSettings(
+                **_mapping("", data["calibration"], CalibrationSettings), root=root)
+    rest = {k: v for k, v in data.items()
+            if k not in ("models", "backends", "eval", "calibration")}
     with _under(""):
-        return Sweep(models=models, backends=blocks, eval=evaluation, **rest)
+        return Sweep(models=models, backends=blocks, eval=evaluation, calibration=calibration,
+                     **rest)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from quantdask import cpu_share
+from quantdask.calibration import Calibration
 from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
 from quantdask.errors import JobTimeout, UnsupportedHere
@@ -142,7 +143,8 @@ def failure_class_of(error: BaseException) -> str:
 def _local_reference(job: Job) -> Reference:
     from quantdask.reference import compute_reference
 
-    return compute_reference(job.model, job.eval, job.eval.read_text())
+    return compute_reference(job.model, job.eval, job.eval.read_text(),
+                             calibration=job.calibration)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
@@ -193,8 +195,18 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 source, cached = cached_model_source(job.model)
                 # The unquantized weights, mapped from the checkpoint for this job only.
                 originals = holding.enter_context(source.weights())
+            calibration = None
             with watch("quantize"):
-                model = backend.quantize(source, job.options, device)
+                if backend.calibrated:
+                    if reference.calibration is None:
+                        raise ValueError(f"{backend.name} calibrates on data and this job's "
+                                         "reference carries none: give the sweep a "
+                                         "calibration block")
+                    calibration = Calibration(reference.calibration, cuda)
+                    model = backend.quantize(source, job.options, device,
+                                             calibration=calibration)
+                else:
+                    model = backend.quantize(source, job.options, device)
             covered = coverage(model, originals)
             if backend.quantizes and not covered.quantized_params:
                 raise UnsupportedHere(
@@ -234,7 +246,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
             full_precision=covered.summary() if backend.quantizes else None,
             layers_unmeasured=len(unmeasured), kl_tail_mass=reference.baseline["kl_tail_mass"],
-            **scores,
+            **scores, **(calibration.figures() if calibration is not None else {}),
         )
         log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
                  "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from quantdask.backends.autoround import autoround_backend
 from quantdask.backends.base import Backend, Option
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
@@ -42,5 +43,6 @@ register_backend(baseline_backend)
 register_backend(bitsandbytes_backend)
 register_backend(torchao_backend)
 register_backend(hqq_backend)
+register_backend(autoround_backend)
 
 __all__ = ["BASELINE", "Backend", "Option", "backend_names", "get_backend", "register_backend"]

@@ -129,6 +129,10 @@ class Backend:
     that name and class, which lets ``quantdask plan`` predict the quantized share.
     ``stored_bytes(tensor)`` is what one of the backend's tensors counts toward ``size_bytes``
     when a layout stores more than the weight needs (padding: None counts what is stored).
+    A ``calibrated`` backend fits its quantization to data: a sweep of it needs a
+    ``calibration`` block, and its ``quantize`` is called with ``calibration=``, a
+    :class:`~quantdask.calibration.Calibration` holding the token windows and the block to
+    time its data-driven step in (``calibrate_s``).
     """
 
     name: str
@@ -143,6 +147,7 @@ class Backend:
     quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
     selects: Callable[[str, type, dict], bool] | None = None
     stored_bytes: Callable[[torch.Tensor], int] | None = None
+    calibrated: bool = False  # quantize(..., calibration=) gets the sweep's calibration data
 
     def predicted_share(self, options: dict, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules

@@ -1,0 +1,155 @@
+"""AutoRound (Intel's sign-gradient rounding): calibration-based grouped integer weights, an
+optional backend.
+
+Install with ``pip install 'quantdask[autoround]'``. AutoRound tunes each decoder block's
+rounding and clipping on the sweep's calibration windows (``calibration:``) for ``iters`` steps
+(0: plain round-to-nearest with the same format, the fair baseline for what calibration buys),
+then quantdask exports the model in AutoRound's own format and loads it back with
+``from_pretrained``, as a user ships and runs it: what is measured is the packed model
+(GPTQ-style ``qweight``/``qzeros``/``scales`` layers), not the fake-quantized float one tuning
+leaves. The linear layers of the decoder blocks are quantized (``nn.Linear`` and GPT-2's
+``Conv1D``); the output head and embeddings stay in full precision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+from quantdask.backends.base import (
+    Backend,
+    Option,
+    missing_library,
+    named_in,
+    require_library,
+    skip_label,
+    skip_modules_option,
+)
+from quantdask.errors import SpecError
+
+BITS = (2, 3, 4, 8)
+DEFAULT_ITERS = 200  # AutoRound's own default
+OPTIONS = {
+    "bits": Option(int, choices=BITS, help="bits per weight"),
+    "group_size": Option(int, choices=(32, 64, 128),
+                         help="weights sharing one scale and zero (default 128)"),
+    "sym": Option(bool, help="symmetric integers (default true)"),
+    "iters": Option(int, check=lambda v: v >= 0, check_hint="must be 0 or more",
+                    help=f"tuning steps per block (default {DEFAULT_ITERS}; 0: round-to-nearest)"),
+    "skip_modules": skip_modules_option(),
+}
+AUTOROUND = ("auto_round", "auto-round", "'quantdask[autoround]'")  # module, name, install
+
+
+def complete_options(options: dict) -> dict:
+    if "bits" not in options:
+        raise SpecError("bits", f"is required for autoround: one of {', '.join(map(str, BITS))}")
+    return {"group_size": 128, "sym": True, "iters": DEFAULT_ITERS, "skip_modules": ["lm_head"],
+            **options}
+
+
+def config_label(options: dict) -> str:
+    label = f"autoround {options['bits']}b g{options['group_size']}"
+    label += " rtn" if options["iters"] == 0 else f" i{options['iters']}"
+    if not options["sym"]:
+        label += " asym"
+    return label + skip_label(options["skip_modules"], ["lm_head"])
+
+
+def _is_linear(module_class: type) -> bool:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return issubclass(module_class, (torch.nn.Linear, Conv1D))
+
+
+def selects(name: str, module_class: type, options: dict) -> bool:
+    """Every linear layer but the skipped ones (the head by default, which AutoRound leaves)."""
+    return _is_linear(module_class) and not named_in(name, options["skip_modules"])
+
+
+def check_autoround(options: dict, facts) -> str | None:
+    return missing_library(*AUTOROUND)
+
+
+def quantize_autoround(source, options: dict, device: str, calibration):
+    """Tune on ``calibration``'s windows, export in AutoRound's format, load the export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    auto_round = require_library(*AUTOROUND)
+    # Its notices (recommended call styles, a faster kernel package) are not the job's news.
+    logging.getLogger("autoround").setLevel(logging.ERROR)
+    model = source.build(device)
+    # AutoRound looks at the model's directory (for a multimodal processor); built from held
+    # weights, the model names none, and AutoRound would try the hub for it.
+    model.name_or_path = model.config._name_or_path = source.spec.location
+    windows = calibration.windows
+    skipped = {name: {"bits": 16} for name, module in model.named_modules()
+               if _is_linear(type(module)) and named_in(name, options["skip_modules"])}
+    samples = [{"input_ids": w[None], "attention_mask": torch.ones_like(w)[None]}
+               for w in windows]
+    # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search scales on the
+    # data's activations: calibration by another name).
+    tuner = auto_round.AutoRound(
+        model, source.tokenizer, bits=options["bits"], group_size=options["group_size"],
+        sym=options["sym"], iters=options["iters"], disable_opt_rtn=options["iters"] == 0,
+        dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
+        batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
+    with calibration.measure():
+        tuner.quantize()
+    scratch = tempfile.mkdtemp(prefix="quantdask-autoround-")
+    try:
+        export = os.path.join(scratch, "model")
+        tuner.save_quantized(export, format="auto_round", inplace=True)
+        del tuner, model
+        # Loaded as a user would load the shipped model (on CPU, AutoRound's torch kernels run
+        # it in float16); its weights are read into memory, so the export can go at once.
+        return AutoModelForCausalLM.from_pretrained(export, device_map=device)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def weight_bits(options: dict, loaded_bits: int) -> float:
+    """Tuning holds the whole model as loaded (plus a block's activations)."""
+    return float(loaded_bits)
+
+
+def dequantize_layer(module):
+    """A packed GPTQ-style layer's weight as float32 (out, in), read through its own forward
+    on the identity (whatever its packing), less its bias; None for any other module."""
+    import torch
+
+    if not hasattr(module, "qweight") or not hasattr(module, "infeatures"):
+        return None
+    scales = module.scales
+    rows = []
+    with torch.no_grad():
+        for start in range(0, module.infeatures, 512):  # bounded memory on wide layers
+            stop = min(module.infeatures, start + 512)
+            eye = torch.zeros(stop - start, module.infeatures, dtype=scales.dtype,
+                              device=scales.device)
+            eye[:, start:stop] = torch.eye(stop - start, dtype=scales.dtype, device=scales.device)
+            out = module(eye).float()
+            if getattr(module, "bias", None) is not None:
+                out = out - module.bias.float()
+            rows.append(out)
+    return torch.cat(rows).t().contiguous()
+
+
+autoround_backend = Backend(
+    name="autoround",
+    quantize=quantize_autoround,
+    options=OPTIONS,
+    complete=complete_options,
+    label=config_label,
+    dequantize_layer=dequantize_layer,
+    check=check_autoround,
+    weight_bits=weight_bits,
+    selects=selects,
+    calibrated=True,
+    description="AutoRound 2-8 bit grouped integer weights, tuned on calibration data "
+                "(optional: pip install 'quantdask[autoround]')",
+)
