@@ -21,8 +21,8 @@ UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the r
 alt.data_transformers.disable_max_rows()
 STATUS_COLORS = alt.Scale(domain=["done", "failed", "skipped"],
                           range=["#4c78a8", "#e45756", "#bab0ac"])
-PHASE_COLORS = alt.Scale(domain=["load", "quantize", "eval", "other"],
-                         range=["#72b7b2", "#f58518", "#4c78a8", "#d3d3d3"])
+PHASE_COLORS = alt.Scale(domain=["load", "calibrate", "quantize", "eval", "other"],
+                         range=["#72b7b2", "#e45756", "#f58518", "#4c78a8", "#d3d3d3"])
 JOB_TOOLTIP = [alt.Tooltip("model:N"), alt.Tooltip("config_label:N", title="config"),
                alt.Tooltip("backend:N"), alt.Tooltip("config:N", title="options"),
                alt.Tooltip("job_id:N")]
@@ -272,16 +272,19 @@ def memory_chart(results: pl.DataFrame, samples: pl.DataFrame) -> alt.VConcatCha
 
 
 def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
-    """Where each finished job's time went: load, quantize, eval (and the rest of its run)."""
+    """Where each finished job's time went: load, calibrate (a calibrated backend's tuning on
+    data), the rest of quantizing, eval (and the rest of its run)."""
+    calibrate = pl.col("calibrate_s").fill_null(0.0)
     data = with_job_label(results).filter(pl.col("status") == "done").with_columns(
-        pl.col("load_s").alias("load"), pl.col("quantize_s").alias("quantize"),
+        pl.col("load_s").alias("load"), calibrate.alias("calibrate"),
+        (pl.col("quantize_s") - calibrate).clip(lower_bound=0).alias("quantize"),
         pl.col("eval_s").alias("eval"),
         (pl.col("wall_s") - pl.col("load_s") - pl.col("quantize_s") - pl.col("eval_s"))
         .clip(lower_bound=0).alias("other"))
     if data.is_empty():
         return _empty("no finished jobs: no time breakdown")
     long = data.unpivot(index=["job_id", "job", "model", "config_label", "backend", "config",
-                               "wall_s", "source_cached"], on=["load", "quantize", "eval", "other"],
+                               "wall_s", "source_cached"], on=PHASE_COLORS.domain,
                         variable_name="phase", value_name="seconds")
     return alt.Chart(long).mark_bar().encode(
         y=alt.Y("job:N", sort=_job_order(results), title="job"),
@@ -292,7 +295,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
                  alt.Tooltip("wall_s:Q", title="job wall s", format=".2f"),
                  alt.Tooltip("source_cached:N", title="model source cached")],
     ).transform_calculate(
-        phase_order="indexof(['load', 'quantize', 'eval', 'other'], datum.phase)"
+        phase_order=f"indexof({PHASE_COLORS.domain!r}, datum.phase)"
     ).properties(width=560, title="Time per job")
 
 

@@ -168,7 +168,7 @@ def test_every_chart_carries_every_job(mixed_run):
     assert len(timeline) == started.height == 6
     assert {r["status"] for r in timeline} == {"done", "failed", "skipped"}
     breakdown = chart_rows(report.time_breakdown_chart(results))
-    assert len(breakdown) == 4 * len(done)  # load, quantize, eval, other
+    assert len(breakdown) == 5 * len(done)  # load, calibrate, quantize, eval, other
     heat = chart_rows(report.layer_error_heatmap(results, layers))
     assert {r["job_id"] for r in heat} == set(layers["job_id"]) and len(heat) == 2 * layers.height
     memory = chart_rows(report.memory_chart(results, samples))
