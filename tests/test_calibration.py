@@ -164,7 +164,9 @@ def test_autoround_runs_to_done_with_every_metric_and_its_calibration_measured(
     for label in ("autoround 4b g32 rtn", "autoround 4b g32 i20"):
         mine = layers.filter(layers["job_id"] == rows[label]["job_id"])
         assert mine["layer"].to_list() == list(linear)
-        assert 0 < mine["weight_rel_error"].min() and mine["weight_rel_error"].max() < 0.3
+        # Against the checkpoint's weights: AutoRound rounds in place, and a tuner writing into
+        # the held originals made these errors ~1e-4 (the weight compared with itself).
+        assert 0.01 < mine["weight_rel_error"].min() and mine["weight_rel_error"].max() < 0.3
         assert mine["output_rel_error"].drop_nulls().len() == len(linear)
 
 

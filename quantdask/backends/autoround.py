@@ -59,10 +59,12 @@ def config_label(options: dict) -> str:
 
 
 def _is_linear(module_class: type) -> bool:
+    """The classes AutoRound quantizes: exactly ``nn.Linear`` and ``Conv1D`` (a subclass such
+    as Falcon's ``FalconLinear`` is left alone, and the job is skipped with that reason)."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    return issubclass(module_class, (torch.nn.Linear, Conv1D))
+    return module_class in (torch.nn.Linear, Conv1D)
 
 
 def selects(name: str, module_class: type, options: dict) -> bool:
@@ -83,6 +85,12 @@ def quantize_autoround(source, options: dict, device: str, calibration):
     # Its notices (recommended call styles, a faster kernel package) are not the job's news.
     logging.getLogger("autoround").setLevel(logging.ERROR)
     model = source.build(device)
+    # AutoRound rounds the weights in place; the built model's tensors are the job's held
+    # originals (per-layer stats and coverage compare against them): tune a copy.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
+    classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
     # AutoRound looks at the model's directory (for a multimodal processor); built from held
     # weights, the model names none, and AutoRound would try the hub for it.
     model.name_or_path = model.config._name_or_path = source.spec.location
@@ -107,9 +115,13 @@ def quantize_autoround(source, options: dict, device: str, calibration):
         del tuner, model
         # Loaded as a user would load the shipped model (on CPU, AutoRound's torch kernels run
         # it in float16); its weights are read into memory, so the export can go at once.
-        return AutoModelForCausalLM.from_pretrained(export, device_map=device)
+        shipped = AutoModelForCausalLM.from_pretrained(export, device_map=device)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    for name, module in shipped.named_modules():
+        if name in classes and hasattr(module, "qweight"):
+            module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
+    return shipped
 
 
 def weight_bits(options: dict, loaded_bits: int) -> float:
