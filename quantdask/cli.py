@@ -131,6 +131,13 @@ def _run(sweep, args) -> int:
 
     run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
     RunStore(run_dir).check_unlocked()
+    artifacts = sweep.artifacts
+    if args.scheduler and artifacts is not None and artifacts.enabled \
+            and not artifacts.is_url and not artifacts.shared:
+        raise SpecError("artifacts.to", f"{artifacts.to} is a local path, and workers of "
+                        "--scheduler may be on other machines, each writing to its own disk: "
+                        "give a directory every worker shares and set artifacts.shared: "
+                        "true, or an fsspec URL (s3://bucket/prefix)")
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),

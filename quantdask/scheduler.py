@@ -28,6 +28,7 @@ import polars as pl
 from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
+from quantdask.artifacts import prune_to_pareto
 from quantdask.backends import get_backend
 from quantdask.cluster import cluster_capacity, live_workers, restart_worker, retire_worker
 from quantdask.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
@@ -506,6 +507,8 @@ def run_sweep(
         try:
             driver.run(todo)
             session["completed"] = True
+            if sweep.artifacts is not None and sweep.artifacts.keep == "pareto":
+                prune_to_pareto(store, sweep.artifacts)
         finally:
             store.write_session({**session, "finished_at": _now()})
             progress.finish(completed=session["completed"])

@@ -60,6 +60,16 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "kl_tail_mass": pl.Float64(),
     "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
     "eval_tokens": pl.Int64(),
+    # The saved quantized model (artifacts: keep), null when none was asked for: where it went,
+    # its bytes on disk and sha256 (quantdask.artifacts.directory_digest), whether it is still
+    # kept (false: deleted, off the Pareto frontier), the reloaded model's KL minus the
+    # in-memory one's on the first eval windows (verify: true), and why a save failed.
+    "artifact_uri": pl.String(),
+    "artifact_bytes": pl.Int64(),
+    "artifact_sha256": pl.String(),
+    "artifact_kept": pl.Boolean(),
+    "reload_kl_delta": pl.Float64(),
+    "artifact_error": pl.String(),
     "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
     "error_class": pl.String(),  # the exception's type
     "error_message": pl.String(),

@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from quantdask.artifacts import ArtifactSettings
 from quantdask.backends import BASELINE, get_backend
 from quantdask.errors import SpecError
 from quantdask.eval_data import DatasetSource, TextSource
@@ -330,6 +331,7 @@ class Sweep:
     faults: list[dict] = field(default_factory=list)
     layer_stats: bool = True  # per-layer weight and output errors (see README for the cost)
     calibration: CalibrationSettings | None = None  # data for the calibrated backends
+    artifacts: ArtifactSettings | None = None  # which quantized models are kept, and where
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and _NAME.match(self.name)):
@@ -376,6 +378,8 @@ class Sweep:
         if self.calibration is not None:
             _require("calibration", self.calibration, CalibrationSettings,
                      "the calibration settings")
+        if self.artifacts is not None:
+            _require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
         for i, block in enumerate(self.backends):
             if get_backend(block.backend).calibrated and self.calibration is None:
                 raise SpecError(f"backends[{i}].backend",
@@ -434,6 +438,7 @@ class Job:
     # The sweep's calibration data, on every job so that a model's jobs share one reference
     # (which carries its tokens); part of the id only for calibrated backends.
     calibration: CalibrationSettings | None = None
+    artifacts: ArtifactSettings | None = None  # keep the quantized model; not part of the id
 
     @property
     def is_baseline(self) -> bool:
@@ -493,6 +498,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
                     layer_stats=sweep.layer_stats, calibration=sweep.calibration,
+                    artifacts=sweep.artifacts,
                     faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                                  if f["config"] == get_backend(backend).config_label(options)
                                  and f.get("model", model.label) == model.label),

@@ -11,6 +11,7 @@ import os
 from contextlib import contextmanager
 from typing import Any
 
+from quantdask.artifacts import ArtifactSettings
 from quantdask.errors import SpecError
 from quantdask.spec import (
     BackendBlock,
@@ -74,11 +75,16 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
         with _under("calibration"):
             calibration = CalibrationSettings(
                 **_mapping("", data["calibration"], CalibrationSettings), root=root)
+    artifacts = None
+    if data.get("artifacts") is not None:
+        with _under("artifacts"):
+            artifacts = ArtifactSettings(**_mapping("", data["artifacts"], ArtifactSettings),
+                                         root=root)
     rest = {k: v for k, v in data.items()
-            if k not in ("models", "backends", "eval", "calibration")}
+            if k not in ("models", "backends", "eval", "calibration", "artifacts")}
     with _under(""):
         return Sweep(models=models, backends=blocks, eval=evaluation, calibration=calibration,
-                     **rest)
+                     artifacts=artifacts, **rest)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from quantdask import cpu_share
+from quantdask.artifacts import keep_artifact
 from quantdask.calibration import Calibration
 from quantdask.coverage import coverage
 from quantdask.devices import this_workers_sampler
@@ -232,6 +233,9 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             if layers:
                 record["layers"] = add_output_errors(model, layers, originals,
                                                      reference.windows[:PROBE_WINDOWS], device)
+            if job.artifacts is not None and job.artifacts.enabled:
+                record.update(keep_artifact(model, source.tokenizer, backend, job, reference,
+                                            device))
             del model, originals
         peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
                  "peak_device_reserved_bytes": peak.peak_reserved_bytes,

@@ -117,7 +117,10 @@ def test_calibration_windows_are_seeded_slices_of_the_text(calibration_text):
 @pytest.fixture(scope="module")
 def calibrated_run(cluster, calibration_text, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("calibrated-run")
-    sweep = sweep_from_dict(calibrated_sweep(calibration_text))
+    data = calibrated_sweep(calibration_text)
+    # Each model saved and reloaded as a user would, and measured again (artifacts.verify).
+    data["artifacts"] = {"keep": "done", "to": str(run_dir / "models"), "verify": True}
+    sweep = sweep_from_dict(data)
     job = expand_grid(sweep)[0]
     key = reference_key(job.model, job.eval, job.calibration)
 
@@ -159,6 +162,9 @@ def test_autoround_runs_to_done_with_every_metric_and_its_calibration_measured(
         assert 0 < row["calibrate_s"] < row["quantize_s"] < row["wall_s"]
         assert row["calibrate_peak_host_rss_bytes"] > 0
         assert row["calibrate_peak_host_rss_bytes"] <= row["peak_host_rss_bytes"]
+        # The export saved again and reloaded with from_pretrained measures the same.
+        assert row["artifact_kept"] and row["artifact_error"] is None
+        assert abs(row["reload_kl_delta"]) < 1e-4
     assert rows["nf4"]["calibrate_s"] is None and rows["baseline"]["calibrate_s"] is None
     layers = read_layers(run_dir)
     for label in ("autoround 4b g32 rtn", "autoround 4b g32 i20"):

@@ -148,6 +148,7 @@ class Backend:
     selects: Callable[[str, type, dict], bool] | None = None
     stored_bytes: Callable[[torch.Tensor], int] | None = None
     calibrated: bool = False  # quantize(..., calibration=) gets the sweep's calibration data
+    saves: bool = True  # its models save with save_pretrained and reload with from_pretrained
 
     def predicted_share(self, options: dict, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules

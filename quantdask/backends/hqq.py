@@ -143,6 +143,7 @@ hqq_backend = Backend(
     check=check_hqq,
     weight_bits=weight_bits,
     selects=selects,
+    saves=False,  # layer-by-layer HQQLinear models: no from_pretrained format (artifacts)
     description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
                 "pip install 'quantdask[hqq]')",
 )
