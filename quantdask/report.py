@@ -343,6 +343,17 @@ def failures_table(results: pl.DataFrame) -> pl.DataFrame:
             .sort("status", "model", "config_label"))
 
 
+def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:
+    """The saved models (``artifacts:``): kept or deleted, size, the reload check and any save
+    failure, per job that made or tried one."""
+    made = results.filter(pl.col("artifact_uri").is_not_null()
+                          | pl.col("artifact_error").is_not_null())
+    return made.sort("model", pl.col("artifact_kept").not_(), "size_bytes", nulls_last=True) \
+        .select("model", "config_label", "artifact_kept", "artifact_bytes", "kl_divergence",
+                "reload_kl_delta", "artifact_error", "artifact_uri",
+                pl.col("artifact_sha256").str.slice(0, 16).alias("sha256 (first 16)"), "job_id")
+
+
 def jobs_table(results: pl.DataFrame) -> pl.DataFrame:
     """Every job in one table, best quality first per model: the report's full listing."""
     return results.sort(pl.col("model"), pl.col("status") != "done", pl.col("kl_divergence"),

@@ -63,11 +63,11 @@ def pareto_run(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     sweep = sweep_from_dict(artifact_sweep(root / "models", keep="pareto"))
     results = run_sweep(sweep, root / "run", cluster.client)
-    return root / "models", results
+    return root / "models", results, root / "run"
 
 
 def test_pareto_keeps_exactly_the_undominated_artifacts(pareto_run):
-    models, results = pareto_run
+    models, results, _ = pareto_run
     assert set(results["status"]) == {"done"} and results.height == len(BNB) + 1
     rows = results.to_dicts()
     # Dominated, computed here: another job no larger and no worse, better in one.
@@ -87,7 +87,7 @@ def test_pareto_keeps_exactly_the_undominated_artifacts(pareto_run):
 def test_a_kept_artifact_is_what_the_result_says_and_reloads_the_same(pareto_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    models, results = pareto_run
+    models, results, _ = pareto_run
     for row in results.filter(pl.col("artifact_kept")).to_dicts():
         directory = models / row["job_id"]
         assert manifest_digest(directory) == (row["artifact_sha256"], row["artifact_bytes"])
@@ -101,6 +101,20 @@ def test_a_kept_artifact_is_what_the_result_says_and_reloads_the_same(pareto_run
     assert (config.load_in_4bit, config.load_in_8bit) == (row["config_label"] != "int8 t=6",
                                                           row["config_label"] == "int8 t=6")
     assert AutoTokenizer.from_pretrained(models / row["job_id"]).vocab_size > 0
+
+
+def test_the_report_shows_each_saved_model_and_its_reload_check(pareto_run):
+    from quantdask import report
+    from quantdask.html_report import write_report
+
+    _, results, run_dir = pareto_run
+    table = report.artifacts_table(results)
+    assert table.height == results.height  # every done job made one
+    assert table["reload_kl_delta"].null_count() == 0
+    assert table.filter(~pl.col("artifact_kept"))["job_id"].len() > 0
+    html = write_report(run_dir).read_text()
+    assert "Saved models" in html and "reload_kl_delta" in html
+    assert all(job_id in html for job_id in table["job_id"])
 
 
 @pytest.fixture(scope="module")
