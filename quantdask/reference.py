@@ -64,6 +64,7 @@ class Reference:
     rest: torch.Tensor | None = None
     baseline: dict = field(default_factory=dict)
     calibration: torch.Tensor | None = None
+    calibration_error: str | None = None  # why the calibration windows could not be cut
 
     @property
     def distribution(self) -> dict[str, torch.Tensor]:
@@ -222,12 +223,22 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
     compact = {name: torch.cat([shard.compact[name] for shard in shards])
                for name in shards[0].compact}
     key = reference_key(model, settings, calibration)
-    calibration_ids = None
+    calibration_ids, calibration_error = None, None
     if calibration is not None:
-        source, _ = cached_model_source(model)
-        calibration_ids = calibration_windows(
-            source.tokenizer(calibration_text)["input_ids"], calibration.seq_len,
-            calibration.samples, calibration.seed)
+        # Only the tokenizer (not the model source: this small task has no resources), and a
+        # bad calibration text fails the calibrated jobs alone, not the model's reference.
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                model.location, trust_remote_code=model.trust_remote_code,
+                revision=model.revision)
+            calibration_ids = calibration_windows(
+                tokenizer(calibration_text)["input_ids"], calibration.seq_len,
+                calibration.samples, calibration.seed)
+        except Exception as error:  # noqa: BLE001 - recorded for the calibrated jobs
+            calibration_error = f"{type(error).__name__}: {error}"
+            log.error("%s: calibration windows not cut: %s", model.label, calibration_error)
     _announce(key)
     tail_mass = math.fsum(t for shard in shards for t in shard.tail) / meter.tokens
     if tail_mass > TAIL_WARNING:
@@ -240,7 +251,7 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
                 **{name: max(shard.peaks[name] for shard in shards)
                    for name in shards[0].peaks}}
     return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
-                     **compact)
+                     calibration_error=calibration_error, **compact)
 
 
 def _announce(key: str) -> None:

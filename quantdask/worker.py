@@ -200,9 +200,12 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             with watch("quantize"):
                 if backend.calibrated:
                     if reference.calibration is None:
-                        raise ValueError(f"{backend.name} calibrates on data and this job's "
-                                         "reference carries none: give the sweep a "
-                                         "calibration block")
+                        raise ValueError(
+                            f"{backend.name} calibrates on data and this job's reference "
+                            "carries none: " + (f"the calibration windows could not be cut "
+                                                f"({reference.calibration_error})"
+                                                if reference.calibration_error else
+                                                "give the sweep a calibration block"))
                     calibration = Calibration(reference.calibration, cuda)
                     model = backend.quantize(source, job.options, device,
                                              calibration=calibration)

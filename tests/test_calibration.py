@@ -225,3 +225,16 @@ def test_an_inner_peak_block_leaves_the_outer_peak_whole():
             small = np.ones(2**20 // 8)
             del small
     assert outer.peak_rss_bytes - inner.peak_rss_bytes > 150 * 2**20
+
+
+def test_a_calibration_text_too_short_fails_the_calibrated_jobs_only(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    job = [j for j in expand_grid(sweep_from_dict(calibrated_sweep(str(short))))
+           if j.backend == "autoround"][0]
+    reference = compute_reference(job.model, job.eval, job.eval.read_text(),
+                                  calibration=job.calibration)
+    assert reference.calibration is None and reference.baseline["perplexity"] > 1
+    record = run_job(job, get_backend("autoround"), reference=reference)
+    assert record["status"] == "failed"
+    assert "fewer than calibration.seq_len (64)" in record["error_message"]
