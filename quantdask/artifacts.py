@@ -103,8 +103,10 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> dic
     settings = job.artifacts
     try:
         if not backend.saves:
-            raise NotImplementedError(f"{backend.name} models have no save format quantdask "
-                                      "can reload yet")
+            # Not NotImplementedError: with required: true this fails the job (run_job would
+            # skip it as unsupported and drop its measurements).
+            raise RuntimeError(f"{backend.name} models have no save format quantdask can "
+                               "reload yet")
         with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
             local = os.path.join(scratch, job.id)
             model.save_pretrained(local)

@@ -148,7 +148,7 @@ def test_a_backend_without_a_save_format_says_so(tmp_path, hqq_job_and_reference
                                                              "to": str(tmp_path)}}))[1]
     record = run_job(job, get_backend("hqq"), reference=reference)
     assert record["status"] == "done"
-    assert record["artifact_error"] == ("NotImplementedError: hqq models have no save format "
+    assert record["artifact_error"] == ("RuntimeError: hqq models have no save format "
                                         "quantdask can reload yet")
     assert os.listdir(tmp_path) == []
 
