@@ -174,18 +174,11 @@ def dominated(results: pl.DataFrame) -> list[str]:
     dominates: no larger (``size_bytes``) and no worse (``kl_divergence``), better in one."""
     import polars as pl
 
-    kept = results.filter((pl.col("status") == "done") & pl.col("artifact_kept").fill_null(False))
-    out = []
-    for row in kept.iter_rows(named=True):
-        better = kept.filter(
-            (pl.col("model") == row["model"])
-            & (pl.col("size_bytes") <= row["size_bytes"])
-            & (pl.col("kl_divergence") <= row["kl_divergence"])
-            & ((pl.col("size_bytes") < row["size_bytes"])
-               | (pl.col("kl_divergence") < row["kl_divergence"])))
-        if not better.is_empty():
-            out.append(row["job_id"])
-    return out
+    from quantdask.summary import pareto_frontier
+
+    kept = results.filter(pl.col("artifact_kept").fill_null(False))
+    frontier = pareto_frontier(kept, cost="size_bytes")
+    return frontier.filter(~pl.col("pareto"))["job_id"].to_list()
 
 
 def prune_to_pareto(store: RunStore, settings: ArtifactSettings) -> list[str]:

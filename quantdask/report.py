@@ -12,7 +12,7 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 
-from quantdask.summary import device_summary
+from quantdask.summary import device_summary, pareto_frontier  # noqa: F401 - report.pareto_frontier
 
 MIB = 1024 * 1024
 UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the reader's zone
@@ -49,22 +49,6 @@ def _job_order(results: pl.DataFrame) -> list[str]:
         pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
     return list(dict.fromkeys(ordered["job"].to_list()))
-
-
-def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
-                    loss: str = "kl_divergence") -> pl.DataFrame:
-    """``results`` (done jobs) with a ``pareto`` column: True where no other job of the same
-    model is at most as large (``cost``) and strictly better (``loss``), or smaller and as good."""
-    done = results.filter((pl.col("status") == "done") & pl.col(cost).is_not_null()
-                          & pl.col(loss).is_not_null())
-    frontier = []
-    for row in done.iter_rows(named=True):
-        dominated = done.filter(
-            (pl.col("model") == row["model"])
-            & (pl.col(cost) <= row[cost]) & (pl.col(loss) <= row[loss])
-            & ((pl.col(cost) < row[cost]) | (pl.col(loss) < row[loss])))
-        frontier.append(dominated.is_empty())
-    return done.with_columns(pl.Series("pareto", frontier, dtype=pl.Boolean))
 
 
 def quality_chart(results: pl.DataFrame) -> alt.Chart:

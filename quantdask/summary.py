@@ -144,3 +144,19 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
         .select(list(SWEEP_SUMMARY_SCHEMA))
         .cast(SWEEP_SUMMARY_SCHEMA)
     )
+
+
+def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
+                    loss: str = "kl_divergence") -> pl.DataFrame:
+    """``results`` (done jobs) with a ``pareto`` column: True where no other job of the same
+    model is at most as large (``cost``) and strictly better (``loss``), or smaller and as good."""
+    done = results.filter((pl.col("status") == "done") & pl.col(cost).is_not_null()
+                          & pl.col(loss).is_not_null())
+    frontier = []
+    for row in done.iter_rows(named=True):
+        dominated = done.filter(
+            (pl.col("model") == row["model"])
+            & (pl.col(cost) <= row[cost]) & (pl.col(loss) <= row[loss])
+            & ((pl.col(cost) < row[cost]) | (pl.col(loss) < row[loss])))
+        frontier.append(dominated.is_empty())
+    return done.with_columns(pl.Series("pareto", frontier, dtype=pl.Boolean))
