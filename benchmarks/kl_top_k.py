@@ -47,7 +47,7 @@ def models(work: Path) -> dict[str, str]:
 def full_log_probs(model, windows):
     import torch
 
-    from quantdask.logits import sliced_log_probs
+    from quantdask.worker.logits import sliced_log_probs
 
     out = torch.empty(windows.size(0), windows.size(1) - 1, model.config.vocab_size)
     for piece in sliced_log_probs(model, windows, 8, "cpu"):
@@ -56,7 +56,7 @@ def full_log_probs(model, windows):
 
 
 def kl(reference, log_q, windows) -> float:
-    from quantdask.metrics import QualityMeter
+    from quantdask.worker.metrics import QualityMeter
 
     meter = QualityMeter(windows, reference)
     meter.add(slice(0, windows.size(0)), slice(0, windows.size(1) - 1), log_q)
@@ -75,9 +75,9 @@ def main() -> None:
 
     from quantdask.backends import get_backend
     from quantdask.demo_model import DEMO_EVAL_TEXT
-    from quantdask.metrics import eval_windows, reference_slice
-    from quantdask.model_source import load_model_source
-    from quantdask.spec import ModelSpec
+    from quantdask.spec.sweep import ModelSpec
+    from quantdask.worker.metrics import eval_windows, reference_slice
+    from quantdask.worker.model_source import load_model_source
 
     torch.manual_seed(0)
     text = Path(DEMO_EVAL_TEXT).read_text(encoding="utf-8")

@@ -7,7 +7,10 @@
 """
 
 from quantdask.backends import Backend, Option, backend_names, get_backend, register_backend
-from quantdask.cluster import Adapt, ClusterHandle, start_cluster, tls_security
+from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
+from quantdask.driver.placement import estimate_device_memory, place_jobs
+from quantdask.driver.scaling import read_scaling, scale_sweep
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import (
     PlacementError,
     QuantdaskError,
@@ -15,12 +18,10 @@ from quantdask.errors import (
     SpecError,
     UnsupportedHere,
 )
-from quantdask.html_report import execute_notebook, write_report
-from quantdask.placement import estimate_device_memory, place_jobs
-from quantdask.scaling import read_scaling, scale_sweep
-from quantdask.scheduler import run_sweep
-from quantdask.spec import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
-from quantdask.store import (
+from quantdask.report.html import execute_notebook, write_report
+from quantdask.spec.sweep import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
+from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.store.run_store import (
     job_status,
     read_attempts,
     read_device_samples,
@@ -28,8 +29,7 @@ from quantdask.store import (
     read_results,
     read_sessions,
 )
-from quantdask.summary import device_summary, sweep_summary
-from quantdask.sweep_file import load_sweep, sweep_from_dict
+from quantdask.store.summary import device_summary, sweep_summary
 
 __version__ = "0.1.0"
 

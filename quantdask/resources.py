@@ -1,7 +1,7 @@
 """The files that ship with quantdask: notebooks, the report template and the demo.
 
 An installed wheel holds them inside the package: ``quantdask/notebooks``, ``quantdask/data``
-(the demo model, its eval text, the demo sweep) and ``quantdask/report_template``. A source
+(the demo model, its eval text, the demo sweep) and ``quantdask/report/template``. A source
 checkout (an editable install, or the checkout on ``PYTHONPATH``) keeps ``notebooks/`` and
 ``data/`` at the repository's top level, beside the package (pyproject.toml maps them into the
 wheel). Both are found from ``importlib.resources.files("quantdask")``.
@@ -52,7 +52,7 @@ def notebooks_dir() -> Path:
 
 def report_template_dir() -> Path:
     """The nbconvert template of the HTML reports."""
-    return _on_disk("report_template")
+    return _on_disk("report/template")
 
 
 def data_dir() -> Path:

@@ -63,7 +63,7 @@ def overlapping(attempts) -> list[tuple[str, str]]:
 def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
     """Whether every worker advertises its device memory for placement: the total of one of
     the chosen GPUs by NVML, or on a CPU slot the worker's memory limit."""
-    from quantdask.placement import advertised_memory
+    from quantdask.driver.placement import advertised_memory
 
     advertised = advertised_memory(client)
     if dry_run:
@@ -71,7 +71,7 @@ def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tup
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
         ok = bool(advertised) and advertised == limits
     else:
-        from quantdask.devices import NvmlProbe, nvml_uuid
+        from quantdask.worker.devices import NvmlProbe, nvml_uuid
 
         # This process sees every GPU: CUDA index g, looked up in NVML by its UUID.
         totals = {NvmlProbe(nvml_uuid(int(g))).sample()["memory_total_bytes"] for g in gpus}

@@ -40,10 +40,10 @@ def in_process_jobs_run_on_the_cpu():
     what these tests check is the CPU's (a CPU slot's device memory is its RSS; a float32
     model's torchao int4 is skipped on the CPU). The GPU has its own tests (tests/test_gpu.py,
     through real GPU workers, which this does not touch)."""
-    import quantdask.worker
+    import quantdask.worker.job
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantdask.worker, "torch_device", lambda: ("cpu", "cpu", False))
+        patch.setattr(quantdask.worker.job, "torch_device", lambda: ("cpu", "cpu", False))
         yield
 
 
@@ -87,7 +87,7 @@ def write_sweep(tmp_path):
 @pytest.fixture(scope="session")
 def cluster():
     """One real LocalCluster with two single-threaded CPU slots on 127.0.0.1, for the session."""
-    from quantdask.cluster import start_cluster
+    from quantdask.cluster.local import start_cluster
 
     with start_cluster(workers=2) as handle:
         yield handle

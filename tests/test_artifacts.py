@@ -10,13 +10,13 @@ import polars as pl
 import pytest
 
 from quantdask.backends import get_backend
-from quantdask.cli import main
+from quantdask.cli.main import main
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.reference import compute_reference
-from quantdask.scheduler import run_sweep
-from quantdask.spec import expand_grid
-from quantdask.sweep_file import sweep_from_dict
-from quantdask.worker import run_job
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.worker.job import run_job
+from quantdask.worker.reference import compute_reference
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,7 +105,7 @@ def test_a_kept_artifact_is_what_the_result_says_and_reloads_the_same(pareto_run
 
 def test_the_report_shows_each_saved_model_and_its_reload_check(pareto_run):
     from quantdask import report
-    from quantdask.html_report import write_report
+    from quantdask.report.html import write_report
 
     _, results, run_dir = pareto_run
     table = report.artifacts_table(results)

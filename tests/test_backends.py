@@ -10,12 +10,12 @@ import pytest
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend, register_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.reference import compute_reference
-from quantdask.scheduler import run_sweep
-from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
-from quantdask.store import read_layers
-from quantdask.worker import run_job
+from quantdask.spec.sweep import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.store.run_store import read_layers
+from quantdask.worker.job import run_job
+from quantdask.worker.reference import compute_reference
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,7 +129,7 @@ def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_an
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from quantdask.planning import plan_sweep
+    from quantdask.driver.planning import plan_sweep
     from tests.tiny_families import copy_demo_tokenizer
 
     # Width 40, 2 key/value heads of 10: k_proj holds 20 x 40 = 800 weights, no multiple of 64
@@ -170,7 +170,7 @@ def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
     from torchao.quantization import Int4TilePackedTo4dTensor
 
     from quantdask.backends.torchao import stored_bytes
-    from quantdask.metrics import model_size_bytes
+    from quantdask.worker.metrics import model_size_bytes
 
     rows, width, group = 200, 384, 128
     padded_rows, padded_width = 200, 1024

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from quantdask.cli import main
+from quantdask.cli.main import main
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(60)

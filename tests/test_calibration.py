@@ -12,16 +12,16 @@ import pytest
 
 import quantdask.backends
 from quantdask.backends import Backend, get_backend, register_backend
-from quantdask.calibration import calibration_windows
 from quantdask.demo_model import generate_text
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.metrics import PeakMemory
-from quantdask.reference import REFERENCE_TOPIC, compute_reference, reference_key
-from quantdask.scheduler import run_sweep
-from quantdask.spec import expand_grid
-from quantdask.store import read_layers
-from quantdask.sweep_file import sweep_from_dict
-from quantdask.worker import run_job
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_layers
+from quantdask.worker.calibration import calibration_windows
+from quantdask.worker.job import run_job
+from quantdask.worker.metrics import PeakMemory
+from quantdask.worker.reference import REFERENCE_TOPIC, compute_reference, reference_key
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from quantdask.cli import main
+from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_SWEEP
-from quantdask.store import read_results
+from quantdask.store.run_store import read_results
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,8 +87,8 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
 
 
 def test_the_shipped_demo_sweep_has_six_bitsandbytes_configs_and_the_baseline():
-    from quantdask.spec import expand_grid
-    from quantdask.sweep_file import load_sweep
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import load_sweep
 
     jobs = expand_grid(load_sweep(DEMO_SWEEP))
     assert [j.backend for j in jobs] == ["none"] + ["bitsandbytes"] * 6

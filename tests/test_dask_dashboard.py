@@ -7,8 +7,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from quantdask.scheduler import run_sweep
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.driver.sweep import run_sweep
+from quantdask.spec.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

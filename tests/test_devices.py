@@ -10,9 +10,9 @@ import polars as pl
 import psutil
 import pytest
 
-from quantdask.devices import DeviceSampler, NvmlProbe, ProcessProbe
-from quantdask.metrics import physical_gpu_id
-from quantdask.summary import device_summary
+from quantdask.store.summary import device_summary
+from quantdask.worker.devices import DeviceSampler, NvmlProbe, ProcessProbe
+from quantdask.worker.metrics import physical_gpu_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +57,7 @@ def test_nvml_probe_reads_the_physical_gpu():
 def test_a_cuda_device_is_found_in_nvml_by_its_uuid_not_its_index(monkeypatch):
     import torch
 
-    from quantdask.devices import cuda_probe, nvml_uuid
+    from quantdask.worker.devices import cuda_probe, nvml_uuid
 
     # CUDA's device 0 is the GPU that NVML, by PCI bus, numbers 1 (uuid GPU-aaaa).
     cuda_order = ["aaaa", "bbbb"]
@@ -191,7 +191,7 @@ def test_device_summary_busy_idle_and_utilization():
 
 
 def test_a_failed_dask_cuda_import_names_what_is_missing_and_the_extra():
-    from quantdask.cluster import dask_cuda_missing
+    from quantdask.cluster.local import dask_cuda_missing
 
     bindings = ImportError("cannot import name 'bindings' from 'cuda'", name="cuda")
     message = dask_cuda_missing(bindings)
@@ -207,8 +207,7 @@ def test_gpu_workers_may_each_use_the_whole_host_memory(monkeypatch):
     import sys
     from types import ModuleType
 
-    from quantdask import cluster
-
+    from quantdask.cluster import local as cluster
     seen = {}
 
     class FakeLocalCUDACluster:
@@ -228,7 +227,7 @@ def test_gpu_workers_may_each_use_the_whole_host_memory(monkeypatch):
 def test_peaks_of_blocks_that_overlap_in_two_threads_are_flagged_shared():
     import threading
 
-    from quantdask.metrics import PeakMemory
+    from quantdask.worker.metrics import PeakMemory
 
     with PeakMemory(cuda=False) as alone:
         with PeakMemory(cuda=False) as nested:  # the same job (one thread): not shared

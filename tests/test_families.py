@@ -12,10 +12,10 @@ import math
 import polars as pl
 import pytest
 
-from quantdask.planning import plan_sweep
-from quantdask.scheduler import run_sweep
-from quantdask.store import read_layers
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.driver.planning import plan_sweep
+from quantdask.driver.sweep import run_sweep
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_layers
 from tests.conftest import sweep_dict
 from tests.tiny_families import FAMILIES, build_tiny
 

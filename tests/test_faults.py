@@ -20,10 +20,10 @@ import yaml
 
 import quantdask.backends
 from quantdask.backends import Backend
-from quantdask.cluster import start_cluster
-from quantdask.scheduler import run_sweep
-from quantdask.store import RunStore, read_attempts, read_results
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.cluster.local import start_cluster
+from quantdask.driver.sweep import run_sweep
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import RunStore, read_attempts, read_results
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = [pytest.mark.slow]
@@ -95,7 +95,7 @@ def worker_pids(client) -> dict[str, int]:
 def starts_of(client, key: str, since: float) -> int:
     """How many times a worker began the task ``key`` after ``since`` (a ``time.time()``; job
     ids repeat across this module's sweeps)."""
-    from quantdask.worker import JOB_START_TOPIC
+    from quantdask.worker.job import JOB_START_TOPIC
 
     return sum(1 for at, event in client.get_events(JOB_START_TOPIC)
                if event["key"] == key and at >= since)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantdask.cluster import cuda_device_count
+from quantdask.cluster.local import cuda_device_count
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,10 +14,10 @@ pytestmark = [
 
 
 def test_sweep_on_local_cuda_cluster_records_cuda_metrics(tmp_path):
-    from quantdask.cluster import start_cluster
+    from quantdask.cluster.local import start_cluster
     from quantdask.demo_model import DEMO_SWEEP
-    from quantdask.scheduler import run_sweep
-    from quantdask.sweep_file import load_sweep
+    from quantdask.driver.sweep import run_sweep
+    from quantdask.spec.sweep_file import load_sweep
 
     with start_cluster(gpus=[0]) as cluster:
         assert cluster.kind == "cuda"
@@ -28,7 +28,7 @@ def test_sweep_on_local_cuda_cluster_records_cuda_metrics(tmp_path):
         assert row["device"] == "cuda:0"
         assert row["peak_device_mem_bytes"] > 0
         assert row["peak_device_reserved_bytes"] >= row["peak_device_mem_bytes"]
-    from quantdask.store import read_device_samples
+    from quantdask.store.run_store import read_device_samples
 
     samples = read_device_samples(tmp_path / "run")  # real NVML readings
     assert set(samples["device"]) == {"cuda:0"} and samples["memory_used_bytes"].max() > 0

@@ -51,7 +51,7 @@ def _shipped_files(source: Path) -> set[str]:
     files = {p.relative_to(source).as_posix() for p in package.rglob("*.py")
              if "__pycache__" not in p.parts}
     files |= {p.relative_to(source).as_posix()
-              for p in (package / "report_template").iterdir()}
+              for p in (package / "report" / "template").iterdir()}
     files |= {f"quantdask/notebooks/{p.name}" for p in (source / "notebooks").glob("*.ipynb")}
     files |= {f"quantdask/data/{p.relative_to(source / 'data').as_posix()}"
               for p in (source / "data").rglob("*") if p.is_file()}
@@ -119,9 +119,9 @@ print(json.dumps({
 @pytest.mark.timeout(900)
 def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_path):
     from quantdask.demo_model import DEMO_SWEEP
-    from quantdask.spec import expand_grid
-    from quantdask.store import read_results
-    from quantdask.sweep_file import load_sweep
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import load_sweep
+    from quantdask.store.run_store import read_results
 
     # Built from a copy: building in place would write build/ and *.egg-info into the checkout,
     # and a stale build/lib can carry files deleted since into the wheel.

@@ -20,12 +20,12 @@ from conftest import sweep_dict
 from dask_processes import DaskProcesses
 from distributed import Client
 
-from quantdask.cluster import Adapt, start_cluster, tls_security
+from quantdask.cluster.local import Adapt, start_cluster, tls_security
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import PlacementError, SpecError
-from quantdask.scheduler import run_sweep
-from quantdask.spec import DEVICE_MEMORY
-from quantdask.store import read_attempts, read_results
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.spec.sweep import DEVICE_MEMORY
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_attempts, read_results
 
 QUANTDASK = str(Path(sys.executable).parent / "quantdask")
 BNB = "bitsandbytes"
@@ -137,7 +137,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
 @pytest.mark.timeout(300)
 def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_never_retired(
         two_nodes, tmp_path, caplog):
-    from quantdask.cluster import retire_worker
+    from quantdask.cluster.local import retire_worker
 
     nodes, address = two_nodes
     wait_for_workers(address, {"node-1"})  # node-2 was killed by the test above
@@ -170,9 +170,9 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
 @pytest.mark.timeout(240)
 def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_path,
                                                                monkeypatch):
-    import quantdask.scheduler
+    import quantdask.driver.sweep
 
-    monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.driver.sweep, "NO_WORKERS_GRACE_S", 3.0)
     nodes, address = two_nodes  # node-1, taken away below: this test comes last of the three
     wait_for_workers(address, {"node-1"})
     data = sweep_dict(name="gone", retries=1, backends=[
@@ -263,13 +263,13 @@ def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_
     from tiny_families import build_tiny
 
     import quantdask.backends
-    import quantdask.scheduler
+    import quantdask.driver.sweep
     from quantdask.demo_model import DEMO_MODEL_DIR
-    from quantdask.placement import advertised_memory
+    from quantdask.driver.placement import advertised_memory
 
     nodes, address, add_large = placement_nodes
     add_large()  # there already when the test above ran first
-    monkeypatch.setattr(quantdask.scheduler, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.driver.sweep, "NO_WORKERS_GRACE_S", 3.0)
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
         quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
     tiny = build_tiny("llama", tmp_path / "tiny")
@@ -357,9 +357,9 @@ def test_adapt_settings_are_checked_and_parsed():
 
 
 def test_adaptive_never_asks_for_more_gpu_workers_than_gpus(monkeypatch):
-    import quantdask.cluster
+    import quantdask.cluster.local
 
-    monkeypatch.setattr(quantdask.cluster, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(quantdask.cluster.local, "cuda_device_count", lambda: 2)
     with pytest.raises(SpecError) as err:  # refused before dask-cuda is imported
         start_cluster(adapt=Adapt(1, 4))
     assert err.value.field == "adapt.maximum"
@@ -446,7 +446,7 @@ def test_a_sweep_over_tls_with_certificates_made_here(dask_processes, tmp_path):
 
 
 def test_tls_options_name_what_is_missing(tmp_path, capsys, monkeypatch):
-    from quantdask.cli import main
+    from quantdask.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     sweep_file = tmp_path / "sweep.yaml"
@@ -464,7 +464,7 @@ def test_tls_options_name_what_is_missing(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_the_slurm_recipe_renders_a_gpu_worker_job_script():
-    from quantdask.slurm import slurm_cluster
+    from quantdask.cluster.slurm import slurm_cluster
 
     cluster = slurm_cluster(scheduler_host="127.0.0.1", dashboard_address="127.0.0.1:0",
                             queue="gpu", account="ml", cpus_per_gpu=8, memory="64GB",

@@ -15,15 +15,15 @@ import polars as pl
 import pytest
 from rich.console import Console
 
-from quantdask.cli import main
-from quantdask.cluster import start_cluster
-from quantdask.dashboard import LiveDashboard, PlainLog, render, watch
+from quantdask.cli.dashboard import LiveDashboard, PlainLog, render, watch
+from quantdask.cli.main import main
+from quantdask.cluster.local import start_cluster
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.planning import plan_sweep
-from quantdask.progress import PROGRESS_FILE, FailureLine, SweepProgress, read_progress
-from quantdask.scheduler import run_sweep
-from quantdask.store import read_attempts, read_results
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.driver.planning import plan_sweep
+from quantdask.driver.progress import PROGRESS_FILE, FailureLine, SweepProgress, read_progress
+from quantdask.driver.sweep import run_sweep
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_attempts, read_results
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,8 +21,8 @@ import pytest
 
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
-from quantdask.retry import with_more_room
-from quantdask.spec import (
+from quantdask.driver.retry import with_more_room
+from quantdask.spec.sweep import (
     DEFAULT_KL_TOP_K,
     BackendBlock,
     EvalSettings,
@@ -30,7 +30,7 @@ from quantdask.spec import (
     Sweep,
     expand_grid,
 )
-from quantdask.worker import run_job
+from quantdask.worker.job import run_job
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,7 +100,7 @@ def scores(log_model, log_ref, windows) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def records():
-    from quantdask.reference import compute_reference
+    from quantdask.worker.reference import compute_reference
 
     by_label = jobs()
     baseline = by_label["baseline"]
@@ -151,7 +151,7 @@ def test_metrics_do_not_depend_on_the_eval_batch_size(records):
     # An out-of-memory retry halves the eval batch (8 -> 4 -> 2 -> 1) against the same
     # reference; a reference made at another batch size (3: the last batch is short) must
     # give the same numbers too.
-    from quantdask.reference import compute_reference
+    from quantdask.worker.reference import compute_reference
 
     by_label, reference = records
     first = by_label["fp4"]
@@ -178,7 +178,7 @@ def test_the_top_k_kl_is_the_readmes_formula_a_lower_bound_and_within_1pct_at_th
         independent, records, k):
     """With a top-k reference (the default), KL is the README's top-k + rest formula: at most
     the exact KL, within 1% of it at the default k; perplexity and top-1 stay exact."""
-    from quantdask.reference import compute_reference
+    from quantdask.worker.reference import compute_reference
 
     exact, _ = records
     job = jobs(kl_top_k=k)["fp4"]
@@ -208,7 +208,7 @@ def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
     # many parts there were (the cluster's size at the time), nor on the order they came back.
     import torch
 
-    from quantdask.metrics import QualityMeter, reference_slice
+    from quantdask.worker.metrics import QualityMeter, reference_slice
 
     torch.manual_seed(0)
     windows = torch.randint(0, 50, (6, 9))
@@ -242,7 +242,7 @@ def test_scores_are_the_same_bits_at_any_torch_thread_count(top_k):
     # 2 of these 12 cases.)
     import torch
 
-    from quantdask.metrics import QualityMeter, reference_slice
+    from quantdask.worker.metrics import QualityMeter, reference_slice
 
     before = torch.get_num_threads()
     try:
@@ -267,7 +267,7 @@ def test_per_layer_errors_are_the_same_bits_at_any_torch_thread_count():
     # A loaded run saw a rerun's weight_rel_error of one layer differ in its 8th digit.
     import torch
 
-    from quantdask.layers import _sum_of_squares
+    from quantdask.worker.layers import _sum_of_squares
 
     before = torch.get_num_threads()
     try:

@@ -14,20 +14,20 @@ import polars as pl
 import pytest
 
 from quantdask import report
-from quantdask.cli import main
+from quantdask.cli.main import main
+from quantdask.driver.scaling import read_scaling, scale_sweep
+from quantdask.driver.sweep import run_sweep
 from quantdask.errors import RunDirError, SpecError
-from quantdask.html_report import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
-from quantdask.scaling import read_scaling, scale_sweep
-from quantdask.scheduler import run_sweep
-from quantdask.store import (
+from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import (
     read_attempts,
     read_device_samples,
     read_layers,
     read_results,
     read_sessions,
 )
-from quantdask.summary import sweep_summary
-from quantdask.sweep_file import sweep_from_dict
+from quantdask.store.summary import sweep_summary
 from tests.browser import find_chromium, inspect_page
 from tests.conftest import sweep_dict
 
@@ -118,7 +118,7 @@ def _attempt(job, worker, start, end, status="done"):
 def test_sweep_summary_on_a_known_schedule():
     # Two slots: a 4 s job on one, 2 s + 1 s on the other. Work 7 s, makespan 4 s, the lower
     # bound max(4, 7/2) = 4 s: a perfect packing.
-    from quantdask.schema import ATTEMPT_SCHEMA
+    from quantdask.store.schema import ATTEMPT_SCHEMA
 
     attempts = pl.DataFrame([_attempt("a", "0", 0, 4), _attempt("b", "1", 0, 2),
                              _attempt("c", "1", 2, 3, "failed")], schema=ATTEMPT_SCHEMA)
@@ -134,7 +134,7 @@ def test_sweep_summary_on_a_known_schedule():
 
 def test_slots_never_fewer_than_the_workers_that_ran_jobs():
     # An external cluster whose workers joined after the session started: 0 slots recorded.
-    from quantdask.schema import ATTEMPT_SCHEMA, SESSION_SCHEMA
+    from quantdask.store.schema import ATTEMPT_SCHEMA, SESSION_SCHEMA
 
     attempts = pl.DataFrame([_attempt("a", "0", 0, 4), _attempt("b", "1", 0, 2)],
                             schema=ATTEMPT_SCHEMA)
@@ -314,7 +314,7 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
 
 def test_a_chart_that_cannot_draw_is_caught_by_the_browser_check(tmp_path, chromium):
     # The check itself must fail on a broken chart, or a green test would mean nothing.
-    from quantdask.html_report import _chart_html
+    from quantdask.report.html import _chart_html
 
     bundle = _chart_html({"$schema": "https://vega.github.io/schema/vega-lite/v5.json",
                           "mark": "bar"})["text/html"]
@@ -328,7 +328,7 @@ def test_a_chart_that_cannot_draw_is_caught_by_the_browser_check(tmp_path, chrom
 def test_text_that_looks_like_html_cannot_break_a_chart_out_of_its_script(tmp_path, chromium):
     import vl_convert
 
-    from quantdask.html_report import _chart_html
+    from quantdask.report.html import _chart_html
 
     nasty = "</script><script>window.broken = 1</script><!-- \" ' & done"
     chart = _chart_html({"$schema": "https://vega.github.io/schema/vega-lite/v6.json",

@@ -12,7 +12,7 @@ import pytest
 
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
-from quantdask.spec import (
+from quantdask.spec.sweep import (
     DEFAULT_KL_TOP_K,
     BackendBlock,
     EvalSettings,
@@ -72,7 +72,7 @@ def test_defaults_spelled_out_or_repeated_configs_are_one_job():
 
 def test_ids_are_stable_across_processes():
     code = (
-        "from tests.test_spec import make_sweep; from quantdask.spec import expand_grid; "
+        "from tests.test_spec import make_sweep; from quantdask.spec.sweep import expand_grid; "
         "print(' '.join(j.id for j in expand_grid(make_sweep())))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.schema import RESULT_SCHEMA, records_to_frame, validate_record
-from quantdask.store import RunStore, job_status, read_results
+from quantdask.store.run_store import RunStore, job_status, read_results
+from quantdask.store.schema import RESULT_SCHEMA, records_to_frame, validate_record
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,11 +15,11 @@ import yaml
 import quantdask.backends
 from quantdask.backends import Backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP
-from quantdask.reference import REFERENCE_TOPIC, reference_key
-from quantdask.scheduler import run_sweep
-from quantdask.store import read_device_samples, read_layers, read_results
-from quantdask.summary import device_summary
-from quantdask.sweep_file import load_sweep, sweep_from_dict
+from quantdask.driver.sweep import run_sweep
+from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.store.run_store import read_device_samples, read_layers, read_results
+from quantdask.store.summary import device_summary
+from quantdask.worker.reference import REFERENCE_TOPIC, reference_key
 from tests.conftest import sweep_dict
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -276,7 +276,7 @@ def sleeps_then_builds(source, options, device):
 
 
 def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
-    from quantdask.cluster import start_cluster
+    from quantdask.cluster.local import start_cluster
 
     monkeypatch.setitem(quantdask.backends._REGISTRY, "sleepy", Backend(
         "sleepy", sleeps_then_builds, options={"n": quantdask.backends.Option(int)},

@@ -11,12 +11,7 @@ import dataclasses
 
 import pytest
 
-from quantdask.errors import JobTimeout
-from quantdask.reference import ModelReferences, compute_reference, shard_rows
-from quantdask.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
-from quantdask.spec import expand_grid
-from quantdask.sweep_file import sweep_from_dict
-from quantdask.sweep_policy import (
+from quantdask.driver.policy import (
     Grace,
     RetryQueue,
     WorkerWatch,
@@ -24,7 +19,12 @@ from quantdask.sweep_policy import (
     requeue_uncounted,
     stranded,
 )
-from quantdask.worker import failure_class_of, run_job
+from quantdask.driver.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
+from quantdask.errors import JobTimeout
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.worker.job import failure_class_of, run_job
+from quantdask.worker.reference import ModelReferences, compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(60)

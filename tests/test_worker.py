@@ -11,9 +11,9 @@ from safetensors import safe_open
 from quantdask.backends import Backend, get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
-from quantdask.metrics import SCORES
-from quantdask.spec import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
-from quantdask.worker import run_job
+from quantdask.spec.sweep import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.worker.job import run_job
+from quantdask.worker.metrics import SCORES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +29,8 @@ def jobs_for(demo_model, samples: int = 8, **grid) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(demo_model):
-    from quantdask import model_source
-    from quantdask.reference import compute_reference
+    from quantdask.worker import model_source
+    from quantdask.worker.reference import compute_reference
 
     model_source._cache.clear()  # this module measures the cold start
     job = jobs_for(demo_model)["baseline"]
@@ -50,7 +50,7 @@ def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, ref
 
     import torch
 
-    from quantdask.reference import (
+    from quantdask.worker.reference import (
         combine_reference,
         compute_reference,
         compute_reference_shard,
@@ -114,8 +114,7 @@ def test_the_worker_reuses_the_model_source_but_keeps_no_weights(demo_model, rec
     assert all(r["source_cached"] is True for r in records.values())
     import torch
 
-    from quantdask import model_source
-
+    from quantdask.worker import model_source
     # What stays between jobs holds no tensor: the weights are read from the checkpoint per
     # job (memory-mapped, shared by the workers of a machine), never kept as a private copy.
     for source in model_source._cache.values():
@@ -305,7 +304,7 @@ def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model
 
 
 def test_jobs_hold_the_unquantized_weights_only_while_they_run(demo_model):
-    from quantdask.model_source import cached_model_source
+    from quantdask.worker.model_source import cached_model_source
 
     source, _ = cached_model_source(jobs_for(demo_model)["nf4"].model)
     with source.weights() as first:
@@ -323,8 +322,7 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
-    from quantdask import model_source
-
+    from quantdask.worker import model_source
     spec = jobs_for(demo_model)["nf4"].model
     model_source._cache.clear()
     with ThreadPoolExecutor(2) as pool:  # two jobs packed on one worker start at once
@@ -343,8 +341,8 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
 def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, records):
     # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
     # the recorded errors must be those of the quantized weights, not of a repacked layout.
-    from quantdask.layers import weight_errors
-    from quantdask.model_source import cached_model_source
+    from quantdask.worker.layers import weight_errors
+    from quantdask.worker.model_source import cached_model_source
 
     job = jobs_for(demo_model)["nf4"]
     backend = get_backend(job.backend)
@@ -365,7 +363,7 @@ def test_a_model_directory_missing_on_a_worker_node_says_where_and_what_to_do(de
     # The driver validated the path on its machine; a worker on another node may lack it.
     import copy
 
-    from quantdask.model_source import load_model_source
+    from quantdask.worker.model_source import load_model_source
 
     job = jobs_for(demo_model)["nf4"]
     elsewhere = copy.copy(job.model)

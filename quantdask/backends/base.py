@@ -12,7 +12,7 @@ from quantdask.errors import SpecError, UnsupportedHere
 if TYPE_CHECKING:
     import torch
 
-    from quantdask.model_source import ModelSource
+    from quantdask.worker.model_source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Backend:
     when a layout stores more than the weight needs (padding: None counts what is stored).
     A ``calibrated`` backend fits its quantization to data: a sweep of it needs a
     ``calibration`` block, and its ``quantize`` is called with ``calibration=``, a
-    :class:`~quantdask.calibration.Calibration` holding the token windows and the block to
+    :class:`~quantdask.worker.calibration.Calibration` holding the token windows and the block to
     time its data-driven step in (``calibrate_s``).
     """
 

@@ -1,0 +1,468 @@
+"""Start or connect to the Dask cluster that runs the jobs: one worker per GPU (or CPU slot).
+
+>>> with start_cluster(workers=2) as cluster:  # doctest: +SKIP
+...     print(cluster.dashboard_link)
+>>> with start_cluster(address="tls://node0:8786", security=tls_security(  # doctest: +SKIP
+...         "ca.pem", "me.pem", "me-key.pem")) as cluster:
+...     print(cluster.n_workers)
+
+Everything quantdask starts binds to 127.0.0.1 (its dashboard too) unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.security import Security
+
+from quantdask.errors import SpecError
+
+log = logging.getLogger("quantdask.cluster")
+
+CLOSE_TIMEOUT_S = 60
+WORKER_PRELOAD = "quantdask.preload"
+"""Loaded by every worker quantdask starts (and by ``dask worker --preload quantdask.preload``):
+the worker advertises its device memory before it joins."""
+SCHEDULER_OPTIONS = {"allowed_failures": 0}
+"""Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
+retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
+(A scheduler reached by address keeps its own setting.)"""
+
+
+class TorchThreads(WorkerPlugin):
+    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it;
+    with ``share``, a job computing while other slots idle borrows their cores (see
+    ``cpu_share``)."""
+
+    name = "quantdask-torch-threads"
+
+    def __init__(self, threads: int, share: bool = False):
+        self.threads = threads
+        self.share = share
+
+    def setup(self, worker) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        if self.share:
+            from quantdask.worker.cpu_share import share_cores
+
+            share_cores(self.threads)
+
+
+class WarmImports(WorkerPlugin):
+    """Imports the heavy libraries when a worker starts (as dask-cuda's ``pre_import`` does):
+    otherwise each worker's first job pays seconds of imports, counted as its load time."""
+
+    name = "quantdask-warm-imports"
+    # transformers.modeling_utils is what loading any model imports first (about 1.2 s of
+    # CPU: sympy, the quantizers); each architecture's own module is cheap after it.
+    modules = ("torch", "transformers", "transformers.modeling_utils", "bitsandbytes")
+
+    def setup(self, worker) -> None:
+        import importlib
+
+        from quantdask.worker.job import quiet_libraries
+
+        quiet_libraries()  # before bitsandbytes' import-time notices
+        for module in self.modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:  # an optional backend: its jobs are skipped with the reason
+                pass
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (lazy)
+
+
+def cuda_device_count() -> int:
+    """How many CUDA GPUs this machine has (0 when torch has no CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Adapt:
+    """Let a cluster grow while jobs wait and shrink when they are done, between ``minimum``
+    and ``maximum`` workers (Dask's adaptive scaling).
+
+    Dask asks for enough workers to finish the waiting work in about ``target_duration_s``,
+    reconsiders every ``interval_s``, and retires a worker once it has wanted fewer for
+    ``idle_s``. ``Adapt.parse("1:4")`` reads the CLI's ``--adapt MIN:MAX``.
+    """
+
+    minimum: int = 1
+    maximum: int = 4
+    interval_s: float = 1.0
+    idle_s: float = 10.0
+    target_duration_s: float = 5.0
+
+    def __post_init__(self):
+        for name in ("minimum", "maximum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"adapt.{name}", f"must be an integer >= 0, got {value!r}")
+        if self.maximum < max(1, self.minimum):
+            raise SpecError("adapt.maximum", f"must be at least the minimum and 1, got "
+                                             f"{self.minimum}:{self.maximum}")
+        for name in ("interval_s", "idle_s", "target_duration_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise SpecError(f"adapt.{name}", f"must be a number of seconds > 0, got "
+                                                 f"{value!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Adapt:
+        """``"MIN:MAX"``, as in ``--adapt 1:4``."""
+        low, _, high = text.partition(":")
+        try:
+            counts = int(low), int(high)
+        except ValueError:
+            raise SpecError("adapt", f"must be MIN:MAX worker counts such as 1:4, got "
+                                     f"{text!r}") from None
+        return cls(*counts)
+
+    def apply(self, cluster: Any) -> None:
+        """Turn on adaptive scaling on ``cluster`` (any Dask cluster object with ``adapt``)."""
+        if not hasattr(cluster, "adapt"):
+            raise SpecError("adapt", f"{type(cluster).__name__} cannot scale itself; start "
+                                     "workers by hand or use a cluster that can (local, SLURM)")
+        cluster.adapt(minimum=self.minimum, maximum=self.maximum,
+                      interval=f"{self.interval_s}s",
+                      wait_count=max(1, round(self.idle_s / self.interval_s)),
+                      target_duration=f"{self.target_duration_s}s")
+
+
+def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
+    """Dask security settings for mutual TLS: ``ca_file`` signs every certificate; ``cert``
+    (and ``key``, unless the cert file holds it) identify this process. quantdask's local
+    clusters use the same pair for their scheduler and workers; ``require_encryption`` refuses
+    any plain-TCP connection."""
+    for name, path in (("tls_ca_file", ca_file), ("tls_cert", cert), ("tls_key", key)):
+        if path is not None and not os.path.isfile(path):
+            raise SpecError(name, f"no file at {path}; give the PEM file's path")
+    return Security(tls_ca_file=ca_file, tls_client_cert=cert, tls_client_key=key,
+                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
+                    tls_worker_key=key, require_encryption=True)
+
+
+@dataclass
+class ClusterHandle:
+    """A Dask client and, for a cluster started here, the cluster (closed on exit)."""
+
+    client: Client
+    cluster: Any = None
+    kind: str = "external"
+    gpus: list[str] = field(default_factory=list)  # physical GPU ids
+
+    @property
+    def dashboard_link(self) -> str:
+        return self.client.dashboard_link
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cluster is not None:
+            try:
+                # Bounded: a nanny restarting a killed worker can hold a close up; its
+                # processes are children of this one and end with it.
+                self.cluster.close(timeout=CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the local cluster did not close within %ds; its worker "
+                            "processes end with this process", CLOSE_TIMEOUT_S)
+
+    def __enter__(self) -> ClusterHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _parse_gpus(gpus: str | list[int] | None) -> list[int] | None:
+    if gpus is None:
+        return None
+    if isinstance(gpus, str):
+        try:
+            gpus = [int(g) for g in gpus.split(",") if g.strip()]
+        except ValueError:
+            raise SpecError("gpus", f"must be comma-separated GPU ids such as 0,1, "
+                                    f"got {gpus!r}") from None
+    if not gpus or any(not isinstance(g, int) or g < 0 for g in gpus):
+        raise SpecError("gpus", f"must be GPU ids >= 0 such as 0,1, got {gpus!r}")
+    return list(gpus)
+
+
+def start_cluster(
+    workers: int | None = None,
+    gpus: str | list[int] | None = None,
+    address: str | None = None,
+    host: str = "127.0.0.1",
+    dashboard_address: str | None = "127.0.0.1:0",
+    torch_threads: int | None = None,
+    jobs_per_worker: int = 1,
+    adapt: Adapt | None = None,
+    security: Security | None = None,
+    cluster: Any = None,
+    scheduler: str | None = None,
+) -> ClusterHandle:
+    """A cluster to run sweeps on; use it as a context manager.
+
+    - ``address="tcp://host:8786"`` (or ``tls://``; ``scheduler=`` is the same): connect to a
+      running Dask scheduler. Its workers must carry the ``GPU`` resource (``dask worker
+      ADDRESS --nthreads 1 --resources GPU=1 --preload quantdask.preload``; see the README).
+    - ``cluster=``: a Dask cluster object made elsewhere (``dask_jobqueue.SLURMCluster``, see
+      ``quantdask.cluster.slurm``); it is not closed on exit.
+    - With CUDA GPUs: ``dask_cuda.LocalCUDACluster``, one worker per GPU in ``gpus`` (default all).
+    - Without: ``distributed.LocalCluster`` with ``workers`` single-threaded processes (default 2),
+      each holding resource ``GPU=1`` as a CPU slot that stands in for a GPU.
+
+    ``adapt=Adapt(1, 4)`` lets a local (or given) cluster grow and shrink with the queue; on GPUs
+    it never goes past the GPUs chosen. ``security=tls_security(...)`` makes every connection
+    mutual TLS. Servers bind to ``host`` (127.0.0.1 unless you choose otherwise);
+    ``dashboard_address=None`` turns the dashboard off. ``jobs_per_worker`` (a sweep's
+    ``jobs_per_gpu``) is how many jobs one worker may run at once; ``torch_threads`` caps torch's
+    threads on CPU slots.
+    """
+    if isinstance(jobs_per_worker, bool) or not isinstance(jobs_per_worker, int) \
+            or jobs_per_worker < 1:
+        raise SpecError("jobs_per_worker", f"must be a positive integer, got {jobs_per_worker!r}")
+    if address is not None and scheduler is not None and address != scheduler:
+        raise SpecError("scheduler", "give the scheduler's address once (address= or scheduler=)")
+    address = address or scheduler
+    if address is not None or cluster is not None:
+        if workers is not None or gpus is not None:
+            raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
+                                         "with --workers or --gpus")
+        if address is not None and cluster is not None:
+            raise SpecError("cluster", "give a cluster object or an address, not both")
+        if address is not None and adapt is not None:
+            raise SpecError("adapt", "a scheduler reached by address cannot scale its workers "
+                                     "from here; start them adaptively where they run")
+        if cluster is not None:
+            if adapt is not None:
+                adapt.apply(cluster)
+            client = Client(cluster, security=security or getattr(cluster, "security", None))
+        else:
+            client = Client(address, security=security)
+        return ClusterHandle(client=client, kind="external")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers < 1):
+        raise SpecError("workers", f"must be a positive integer, got {workers!r}")
+    if workers is not None and adapt is not None:
+        raise SpecError("adapt", "sets the number of workers itself (MIN:MAX); do not combine "
+                                 "it with --workers")
+    selected = _parse_gpus(gpus)
+    available = cuda_device_count()
+    if selected is not None and available == 0:
+        raise SpecError("gpus", "no CUDA GPU is visible here; use --workers N for CPU slots")
+    if selected is not None and max(selected) >= available:
+        raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
+                                f"{available} (ids 0-{available - 1})")
+    common = {
+        "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
+        jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
+        "scheduler_kwargs": SCHEDULER_OPTIONS, "preload": [WORKER_PRELOAD],
+    }
+    if security is not None:
+        common.update(security=security, protocol="tls://")
+    if available and workers is None:
+        # Ids count the GPUs this process sees: map them through an inherited
+        # CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation) to the physical ones.
+        inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                     if g.strip()]
+        local = selected or list(range(available))
+        physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
+        if adapt is not None and adapt.maximum > len(physical):
+            raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but {len(physical)} "
+                                             f"GPU(s) chosen: one worker per GPU, so at most "
+                                             f"{len(physical)}")
+        return _start_cuda_cluster(physical, common, adapt)
+    n = workers or 2
+    if adapt is not None:
+        # At least one from the start: placement learns the workers' memory from the first.
+        n = max(1, adapt.minimum)
+        import psutil
+
+        # Each slot's share of the host, as if all were running: a slot added later must not
+        # advertise (as its device memory) what the earlier ones already have.
+        common["memory_limit"] = psutil.virtual_memory().total // adapt.maximum
+    threads = torch_threads or max(1, (os.cpu_count() or 1)
+                                   // ((adapt.maximum if adapt else n) * jobs_per_worker))
+    from distributed import LocalCluster
+
+    _fork_cpu_slots_from_a_warm_server()
+    _keep_nannies_of_lost_workers()
+    _keep_glibc_malloc_defaults()
+    local_cluster = LocalCluster(
+        n_workers=n, processes=True,
+        # CPU slots stay on the CPU even on a machine with GPUs.
+        env={"CUDA_VISIBLE_DEVICES": ""}, **common,
+    )
+    if adapt is not None:
+        adapt.apply(local_cluster)
+    client = Client(local_cluster, security=security)
+    client.register_plugin(TorchThreads(threads, share=torch_threads is None))
+    client.register_plugin(WarmImports())
+    log.info("started %d CPU slots%s; dashboard %s", n,
+             f" (adapting {adapt.minimum}-{adapt.maximum})" if adapt else "",
+             client.dashboard_link)
+    return ClusterHandle(client=client, cluster=local_cluster, kind="cpu")
+
+
+def _fork_cpu_slots_from_a_warm_server() -> None:
+    """Start (and restart) CPU slots by forking a server process that imported torch,
+    transformers and bitsandbytes once, instead of spawning an interpreter that imports them
+    again: about 7 s of CPU per worker on a 2-core machine, paid at every start, every restart
+    after a timeout and every slot adaptive scaling adds. (Dask's ``forkserver`` method; the
+    server imports but never computes, so no thread or device state is forked.)
+
+    The setting is process-wide (Dask reads it whenever a nanny starts a worker). dask-cuda
+    workers keep Dask's default ``spawn`` unless this process started CPU slots before.
+    """
+    import dask
+    from distributed.utils import get_mp_context
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    # After Dask's own first call, which sets its preload list once: this one replaces it (it
+    # takes effect when the server first starts). Only libraries that start no thread when
+    # imported: a fork copies just the forking thread, so a lock another thread held (polars'
+    # allocator, say; quantdask imports polars) would stay locked in every worker.
+    get_mp_context().set_forkserver_preload(["distributed", *WarmImports.modules])
+
+
+def _keep_nannies_of_lost_workers() -> None:
+    """Never let the local cluster close a nanny because its worker was once lost.
+
+    A ``SpecCluster`` (LocalCluster, LocalCUDACluster) closes a worker's nanny for good when,
+    ``distributed.deploy.lost-worker-timeout`` (15 s) after the worker left the scheduler, no
+    worker of that name is there. The timer belongs to the earlier loss, but it looks at the
+    present: a worker killed by a job and brought back by its nanny, then restarted by
+    quantdask (a hung job) within 15 s, has its nanny closed in the middle of that restart and
+    the cluster stays a slot short. A local nanny brings its worker back itself, so the timer
+    only does harm here. (Process-wide, like every Dask setting.)
+    """
+    import dask
+
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "24h"})
+
+
+def _keep_glibc_malloc_defaults() -> None:
+    """Start workers with glibc's own malloc tuning, not Dask's ``MALLOC_TRIM_THRESHOLD_``.
+
+    Dask's nanny sets that variable (to 65536) in each worker's environment, to hand freed
+    memory back to the OS at once (dataframe workloads). Any explicit glibc threshold also
+    turns off glibc's dynamic mmap threshold: every tensor over 128 KiB becomes a fresh
+    mapping, page-faulted in again at each batch. A torch eval on one thread took 6.7 s with
+    it and 5.1 s without (the vs_loop model, nf4). The nanny also writes it into the
+    environment of the process that starts the cluster, so a notebook's later subprocesses
+    inherited the slowdown too. (Process-wide, like every Dask setting; a variable the user
+    set in the shell still wins.)
+    """
+    import dask
+
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}))
+    environ["MALLOC_TRIM_THRESHOLD_"] = None  # Dask's way to unset one
+    dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
+
+
+def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
+                        adapt: Adapt | None) -> ClusterHandle:
+    # dask_cuda imports CUDA bindings at import time, so it is imported only when GPUs exist.
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError as err:
+        raise SpecError("gpus", dask_cuda_missing(err)) from None
+    # Adaptive: start the minimum (at least one: dask-cuda refuses none, and placement learns
+    # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
+    _keep_nannies_of_lost_workers()
+    _keep_glibc_malloc_defaults()
+    import psutil
+
+    cluster = LocalCUDACluster(
+        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
+        n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus),
+        # Dask's default splits the host's memory evenly between the workers, and the nanny
+        # pauses a worker at 80% of its share and kills it at 95%. A GPU worker's host memory
+        # is not Dask data: it maps a checkpoint and builds a model before moving it to its
+        # GPU, and one such load can pass a 1/n share while the other workers use little.
+        # Each may use up to the whole host; running out of it for real is a worker lost
+        # (retried), as any process killed by the kernel is.
+        memory_limit=psutil.virtual_memory().total, **common,
+    )
+    if adapt is not None:
+        adapt.apply(cluster)
+    client = Client(cluster, security=common.get("security"))
+    client.register_plugin(WarmImports())
+    log.info("started %d GPU workers on GPUs %s; dashboard %s", len(client.scheduler_info(
+        n_workers=-1)["workers"]), gpus, client.dashboard_link)
+    return ClusterHandle(client=client, cluster=cluster, kind="cuda", gpus=list(gpus))
+
+
+def dask_cuda_missing(error: ImportError) -> str:
+    """What to install when ``import dask_cuda`` failed with ``error``: dask-cuda itself, or
+    the CUDA bindings it imports (``cuda.bindings``, from cuda-core's cu12/cu13 extra), named
+    with the extra that matches this torch's CUDA version."""
+    import torch
+
+    major = (torch.version.cuda or "13").split(".")[0]
+    missing = getattr(error, "name", None) or str(error)
+    if missing.startswith("dask_cuda"):
+        what = "dask-cuda is not installed"
+    else:
+        what = f"dask-cuda is installed but cannot import {missing!r} ({error})"
+    return (f"{what}; GPU workers need it: pip install 'quantdask[gpu-cu{major}]' (dask-cuda "
+            f"with the CUDA {major} bindings, matching torch's CUDA {torch.version.cuda})")
+
+
+def live_workers(client: Client) -> dict[str, str]:
+    """The cluster's workers now: address -> name."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {address: str(w["name"]) for address, w in info.items()}
+
+
+def cluster_capacity(client: Client, jobs_per_gpu: int = 1) -> tuple[int, int]:
+    """(workers, job slots) of the cluster now: a worker runs as many jobs at once as its
+    ``GPU`` resource allows (``jobs_per_gpu`` per unit) and its threads take."""
+    info = client.scheduler_info(n_workers=-1)["workers"].values()
+    slots = sum(min(w.get("nthreads", 1), int(w.get("resources", {}).get("GPU", 0) * jobs_per_gpu))
+                for w in info)
+    return len(info), slots
+
+
+def restart_worker(client: Client, address: str | None, wait: bool = True) -> None:
+    """Replace a worker's process (a hung Python thread cannot be interrupted; only a new
+    process frees its device). Dask removes a worker without a nanny; a slow restart goes on.
+
+    ``wait=False`` restarts it from a thread of its own and returns at once: the driver keeps
+    collecting results and enforcing deadlines while the worker comes back."""
+    if not wait:
+        threading.Thread(target=restart_worker, args=(client, address), daemon=True,
+                         name=f"quantdask-restart-{address}").start()
+        return
+    try:
+        status = client.restart_workers([address], timeout=120, raise_for_error=False)
+    except Exception as error:  # noqa: BLE001 - the worker may be gone already
+        status = {address: repr(error)}
+    if status.get(address) != "OK":
+        log.warning("restarting worker %s: %s", address, status.get(address))
+
+
+def retire_worker(client: Client, name: str) -> bool:
+    """Retire the worker called ``name`` for good, unless it is the last; True if retired."""
+    workers = live_workers(client)
+    addresses = [a for a, n in workers.items() if n == name]
+    if len(workers) <= 1 or not addresses:
+        return False
+    client.retire_workers(addresses, close_workers=True)
+    return True

@@ -1,0 +1,117 @@
+"""A sweep's plan before any GPU time is spent: order, state, and what each job will cost.
+
+>>> plan_sweep(load_sweep("data/demo_sweep.yaml"), "runs/demo")  # doctest: +SKIP
+
+Jobs are listed in the order the scheduler starts them (higher priority first, then the sweep's
+own order). "Here" means this machine: whether it has a CUDA GPU decides the device-dependent
+checks, so plan on the machine (or kind of machine) the workers run on. Each job gets the
+device-memory estimate the scheduler places it by (``placement.estimate_device_memory``), a
+duration from earlier runs in the run directory (the same job, else the same model and backend,
+else the same model), and the reason it cannot run here when a backend's check, or an earlier
+run of the same job, says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from statistics import median
+
+import polars as pl
+
+from quantdask.backends import get_backend
+from quantdask.backends.base import ModelFacts
+from quantdask.driver.model_facts import model_facts
+from quantdask.driver.placement import estimate_device_memory
+from quantdask.spec.sweep import Job, Sweep, expand_grid
+from quantdask.worker.coverage import Coverage, module_role
+
+log = logging.getLogger("quantdask.planning")
+
+PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
+                "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
+                "est_duration_s", "duration_from"]
+
+
+def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
+    """Why a config will quantize nothing: the classes that hold the model's weights."""
+    held: dict[str, int] = {}
+    for name, cls, count in facts.weight_modules:
+        role = module_role(name, cls)
+        held[role] = held.get(role, 0) + count
+    return (f"would quantize no layer: {backend} replaces none of this model's layers (its "
+            f"weights are in {Coverage(0, held).by_class()})")
+
+
+def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
+    from quantdask.store.run_store import read_results
+
+    if run_dir is None or not Path(run_dir).is_dir():
+        return pl.DataFrame()
+    return read_results(run_dir)
+
+
+def _duration(job: Job, done: pl.DataFrame) -> tuple[float | None, str]:
+    """(duration s, what it rests on): the median wall time of this job, else of the same
+    model and backend, else of the same model."""
+    if not done.is_empty():
+        for basis, rows in (
+                ("this job", done.filter(pl.col("job_id") == job.id)),
+                ("same model and backend", done.filter((pl.col("model") == job.model.label)
+                                                       & (pl.col("backend") == job.backend))),
+                ("same model", done.filter(pl.col("model") == job.model.label))):
+            wall = [w for w in rows["wall_s"].to_list() if w is not None]
+            if wall:
+                return float(median(wall)), basis
+    return None, "nothing run yet"
+
+
+def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.DataFrame:
+    """Every job of ``sweep`` in scheduling order with its state (``finished``, ``to run``,
+    ``unsupported``), the reason for an unsupported one, and its estimated device memory and
+    duration (see the module docstring)."""
+    from quantdask.store.run_store import RunStore
+    from quantdask.worker.job import quiet_libraries
+
+    quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
+    jobs = expand_grid(sweep)
+    history = _history(run_dir)
+    finished = RunStore(run_dir).finished_job_ids() if history.height else set()
+    done = history.filter(pl.col("status") == "done") if history.height else history
+    skipped = ({r["job_id"]: r["error_message"] for r in
+                history.filter(pl.col("status") == "skipped").to_dicts()}
+               if history.height else {})
+    facts: dict[str, ModelFacts] = {}
+    rows = []
+    # The scheduler's order: Dask starts higher priorities first, submission order among equals.
+    for order, job in enumerate(sorted(jobs, key=lambda j: -j.priority), start=1):
+        if job.model.label not in facts:
+            facts[job.model.label] = model_facts(job)
+        model = facts[job.model.label]
+        backend = get_backend(job.backend)
+        reason = backend.check(job.options, model) if backend.check is not None else None
+        share = backend.predicted_share(job.options, model)
+        if reason is None and share == 0 and backend.quantizes:
+            reason = _nothing_quantized(job.backend, model)
+        state = ("finished" if job.id in finished else "unsupported" if reason else "to run")
+        if reason is None and job.id in skipped:
+            # A rerun tries it again (it may run on other machines): to run, with the note.
+            reason = f"skipped when it last ran: {skipped[job.id]}"
+        memory = estimate_device_memory(job, model, done)
+        duration, duration_basis = _duration(job, done)
+        rows.append({"order": order, "job_id": job.id, "model": job.model.label,
+                     "backend": job.backend, "config_label": job.config_label,
+                     "priority": job.priority, "state": state, "reason": reason,
+                     "quantized_share": share,
+                     "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
+                     "est_duration_s": duration, "duration_from": duration_basis})
+    return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
+                                      "model": pl.String, "backend": pl.String,
+                                      "config_label": pl.String, "priority": pl.Int64,
+                                      "state": pl.String, "reason": pl.String,
+                                      "quantized_share": pl.Float64,
+                                      "est_device_mem_bytes": pl.Int64,
+                                      "memory_from": pl.String,
+                                      "est_duration_s": pl.Float64,
+                                      "duration_from": pl.String})

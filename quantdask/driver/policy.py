@@ -1,0 +1,118 @@
+"""The sweep driver's decisions that depend on time, kept pure: each takes ``now`` (a reading
+of the driver's monotonic clock) and says what to do; ``scheduler`` does the Dask and disk I/O.
+
+The split follows distributed's ``deploy/adaptive_core.py`` (decisions) beside ``adaptive.py``
+(I/O), so the policy is tested with a fake clock, no cluster and no sleeps.
+
+>>> grace = Grace(grace_s=120)
+>>> grace.overdue({"job-a"}, now=0.0), grace.overdue({"job-a"}, now=120.0)
+(set(), {'job-a'})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from quantdask.spec.sweep import Job
+
+
+@dataclass(frozen=True)
+class DelayedRetry:
+    """A failed attempt's successor, waiting out its backoff until ``due``."""
+
+    due: float
+    job: Job
+    attempt: int  # the number of the attempt to make
+    failed_on: str | None  # the worker the last attempt failed on (the retry avoids it)
+
+
+@dataclass
+class RetryQueue:
+    """Retries waiting for their backoff (see ``retry.decide`` for the delays)."""
+
+    waiting: list[DelayedRetry] = field(default_factory=list)
+
+    def add(self, now: float, delay_s: float, job: Job, attempt: int,
+            failed_on: str | None) -> None:
+        self.waiting.append(DelayedRetry(now + delay_s, job, attempt, failed_on))
+
+    def pop_due(self, now: float) -> list[DelayedRetry]:
+        """The retries whose backoff is over, no longer waiting."""
+        due = [r for r in self.waiting if r.due <= now]
+        self.waiting = [r for r in self.waiting if r.due > now]
+        return due
+
+    def take_all(self) -> list[DelayedRetry]:
+        taken, self.waiting = self.waiting, []
+        return taken
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+
+def past_deadline(running: Mapping[str, tuple[float, float]], now: float) -> list[str]:
+    """The keys of ``running`` (key -> (started, timeout_s)) that have run past their deadline.
+
+    >>> past_deadline({"a": (0.0, 30.0), "b": (0.0, 60.0)}, now=31.0)
+    ['a']
+    """
+    return [key for key, (started, timeout_s) in running.items() if now - started > timeout_s]
+
+
+def stranded(waiting: Mapping[str, Iterable[str]], alive: set[str]) -> list[str]:
+    """Waiting attempts (key -> the worker addresses they may run on, none = any) whose allowed
+    workers are all gone: Dask would hold them forever.
+
+    >>> stranded({"a": ["tcp://w1"], "b": [], "c": ["tcp://w1", "tcp://w2"]}, {"tcp://w2"})
+    ['a']
+    """
+    return [key for key, allowed in waiting.items()
+            if allowed and not alive.intersection(allowed)]
+
+
+@dataclass
+class Grace:
+    """Since when each key has been in some bad state (no worker has room for it, say):
+    ``overdue(keys_in_state, now)`` returns those in it for ``grace_s`` or longer. A key that
+    leaves the state and comes back starts its grace afresh."""
+
+    grace_s: float
+    since: dict[str, float] = field(default_factory=dict)
+
+    def overdue(self, keys: Iterable[str], now: float) -> set[str]:
+        self.since = {key: self.since.get(key, now) for key in keys}
+        return {key for key, since in self.since.items() if now - since >= self.grace_s}
+
+
+@dataclass
+class WorkerWatch:
+    """Whether the cluster is gone: it had workers and has had none for ``grace_s``.
+
+    A cluster that never had one yet (a SLURM queue, adaptive scaling from zero) is waited for.
+    """
+
+    grace_s: float
+    seen_workers: bool = False
+    none_since: float | None = None
+
+    def observe(self, alive: int, now: float) -> None:
+        """Note how many workers are alive now."""
+        self.seen_workers = self.seen_workers or alive > 0
+        if alive or not self.seen_workers:
+            self.none_since = None
+        elif self.none_since is None:
+            self.none_since = now
+
+    def gone(self, now: float) -> bool:
+        return self.none_since is not None and now - self.none_since >= self.grace_s
+
+
+def requeue_uncounted(lost: bool, cut: bool, started: bool, cancelled: bool,
+                      requeues: int, max_requeues: int) -> bool:
+    """Whether an attempt that ended without a result is put back in the queue without
+    counting it: its worker (or its reference's) died before the attempt began, or the
+    scheduler dropped it (a cancellation quantdask did not make). Never for a reference
+    quantdask cut at its deadline, and at most ``max_requeues`` times per job."""
+    dropped = cancelled or not started
+    return lost and not cut and dropped and requeues < max_requeues

@@ -1,0 +1,18 @@
+"""The Python kernel quantdask executes its notebooks in: ipykernel, started as
+``python -m quantdask.report.kernel -f CONNECTION_FILE``.
+
+It differs from the stock ``python3`` kernel in one way: jsonschema's optional IRI format
+checker is left out. Altair imports jsonschema, and jsonschema's format module imports
+``rfc3987-syntax`` when it is installed (Jupyter's own dependencies bring it), which builds an
+Earley parser at import: 1.9 s of CPU in every report, for a string format no chart uses.
+Without it jsonschema treats that format as unchecked, as it does any format it has no checker
+for. A notebook a user opens in JupyterLab runs in their own kernel, unchanged.
+"""
+
+import sys
+
+if __name__ == "__main__":
+    sys.modules.setdefault("rfc3987_syntax", None)  # None: `import` raises ImportError
+    from ipykernel import kernelapp
+
+    kernelapp.launch_new_instance()

@@ -1,0 +1,210 @@
+"""The results schema: one row per job. A record that does not fit is an error, never a null."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import polars as pl
+
+from quantdask.errors import SchemaError
+
+STATUSES = ("done", "failed", "skipped")
+
+_UTC = pl.Datetime("us", "UTC")
+
+RESULT_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "sweep": pl.String(),
+    "model": pl.String(),
+    "backend": pl.String(),
+    "config": pl.String(),  # canonical JSON of the options
+    "config_label": pl.String(),
+    "status": pl.String(),
+    "attempts": pl.Int64(),
+    "priority": pl.Int64(),
+    "worker": pl.String(),
+    "host": pl.String(),
+    "device": pl.String(),
+    "queued_at": _UTC,
+    "started_at": _UTC,
+    "finished_at": _UTC,
+    "wall_s": pl.Float64(),
+    "load_s": pl.Float64(),
+    "quantize_s": pl.Float64(),
+    # A calibrated backend's data-driven step, inside quantize_s, and its peaks (null for a
+    # backend that does not calibrate).
+    "calibrate_s": pl.Float64(),
+    "calibrate_peak_device_mem_bytes": pl.Int64(),
+    "calibrate_peak_host_rss_bytes": pl.Int64(),
+    "eval_s": pl.Float64(),
+    "source_cached": pl.Boolean(),
+    "peak_device_mem_bytes": pl.Int64(),
+    "peak_device_reserved_bytes": pl.Int64(),
+    "peak_host_rss_bytes": pl.Int64(),
+    # The peaks above are the worker's while jobs packed with this one ran too (an upper bound
+    # of this job's own; placement does not learn from them). Null in results from before.
+    "peak_shared": pl.Boolean(),
+    "param_count": pl.Int64(),
+    "size_bytes": pl.Int64(),
+    "bits_per_weight": pl.Float64(),
+    # Weights the backend holds quantized (logical count), and their share of param_count:
+    # 0 for the baseline; a quantized config that quantized nothing is skipped, never done.
+    "quantized_params": pl.Int64(),
+    "quantized_share": pl.Float64(),
+    "full_precision": pl.String(),  # what stayed in full precision, largest share first
+    "layers_unmeasured": pl.Int64(),  # quantized layers the per-layer stats could not measure
+    "perplexity": pl.Float64(),
+    "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
+    # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
+    "kl_tail_mass": pl.Float64(),
+    "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
+    "eval_tokens": pl.Int64(),
+    # The saved quantized model (artifacts: keep), null when none was asked for: where it went,
+    # its bytes on disk and sha256 (quantdask.worker.artifacts.directory_digest), whether it is
+    # still
+    # kept (false: deleted, off the Pareto frontier), the reloaded model's KL minus the
+    # in-memory one's on the first eval windows (verify: true), and why a save failed.
+    "artifact_uri": pl.String(),
+    "artifact_bytes": pl.Int64(),
+    "artifact_sha256": pl.String(),
+    "artifact_kept": pl.Boolean(),
+    "reload_kl_delta": pl.Float64(),
+    "artifact_error": pl.String(),
+    "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
+    "error_class": pl.String(),  # the exception's type
+    "error_message": pl.String(),
+    "traceback": pl.String(),
+}
+
+ALWAYS_REQUIRED = ("job_id", "sweep", "model", "backend", "config", "config_label", "status",
+                   "attempts", "priority", "queued_at", "finished_at")
+METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quantize_s", "eval_s",
+           "source_cached", "peak_device_mem_bytes", "peak_device_reserved_bytes",
+           "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight",
+           "quantized_params", "quantized_share", "perplexity", "kl_divergence",
+           "kl_tail_mass", "top1_agreement", "eval_tokens")
+REQUIRED_BY_STATUS = {
+    "done": ALWAYS_REQUIRED + METRICS,
+    "failed": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
+    "skipped": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
+}
+
+LAYER_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "position": pl.Int64(),  # the layer's order in the network
+    "layer": pl.String(),  # module name, e.g. model.layers.0.self_attn.q_proj
+    "in_features": pl.Int64(),
+    "out_features": pl.Int64(),
+    "weight_rel_error": pl.Float64(),  # ||W_q - W|| / ||W||
+    "weight_sqnr_db": pl.Float64(),  # 10 log10(||W||^2 / ||W_q - W||^2)
+    # Same input, quantized vs original weight, probe batch (null: the output could not be
+    # compared, e.g. a layer whose forward returns more than a tensor).
+    "output_rel_error": pl.Float64(),
+}
+
+FAILURE_CLASSES = ("unsupported", "out_of_memory", "worker_lost", "timeout", "job_error")
+"""How a failed or skipped job is classified, and so what the scheduler does about it."""
+
+ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
+    "run_id": pl.String(),  # the driver session that made the attempt
+    "job_id": pl.String(),
+    "attempt": pl.Int64(),
+    "key": pl.String(),  # its Dask key
+    "worker": pl.String(),
+    "device": pl.String(),
+    "started_at": _UTC,
+    "finished_at": _UTC,
+    "status": pl.String(),  # done, failed or skipped
+    "failure_class": pl.String(),
+    "error_class": pl.String(),
+    "error_message": pl.String(),
+    # What the try ran with (an out-of-memory retry gets a whole device and half the batch).
+    "eval_batch_size": pl.Int64(),
+    "gpu_share": pl.Float64(),
+    "device_memory_request_bytes": pl.Int64(),  # null: placement by memory was off
+}
+
+SESSION_SCHEMA: dict[str, pl.DataType] = {
+    "run_id": pl.String(),  # one driver session: one call of run_sweep on this run directory
+    "sweep": pl.String(),
+    "started_at": _UTC,
+    "finished_at": _UTC,  # null while it runs (or if the driver died)
+    "completed": pl.Boolean(),  # false when the session ended with an error or an interrupt
+    "workers": pl.Int64(),  # workers when it started
+    "slots": pl.Int64(),  # jobs those workers could run at once
+    "jobs_planned": pl.Int64(),
+    "jobs_run": pl.Int64(),  # jobs not yet finished at the start, so submitted this session
+}
+
+SAMPLE_SCHEMA: dict[str, pl.DataType] = {
+    "worker": pl.String(),
+    "device": pl.String(),  # cuda:<physical id> or cpu
+    "time": _UTC,
+    "job_id": pl.String(),  # the job (or reference-...) running when sampled; null when idle
+    "utilization_pct": pl.Float64(),  # GPU utilization (NVML) or the worker process's CPU %
+    "memory_used_bytes": pl.Int64(),  # device memory in use (NVML) or the process's RSS
+    "memory_total_bytes": pl.Int64(),
+}
+
+_PYTHON_TYPES: dict[type, tuple[type, ...]] = {
+    pl.String: (str,),
+    pl.Int64: (int,),
+    pl.Float64: (float, int),
+    pl.Boolean: (bool,),
+    pl.Datetime: (dt.datetime,),
+}
+
+
+def _check_types(record: dict[str, Any], schema: dict[str, pl.DataType], what: str) -> None:
+    unknown = sorted(set(record) - set(schema))
+    if unknown:
+        raise SchemaError(f"unknown {what} columns: {', '.join(unknown)}")
+    for column, dtype in schema.items():
+        value = record.get(column)
+        if value is None:
+            continue
+        allowed = _PYTHON_TYPES[type(dtype)]
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            raise SchemaError(f"{column} must be {dtype}, got {type(value).__name__} {value!r}")
+        if isinstance(value, dt.datetime) and value.tzinfo is None:
+            raise SchemaError(f"{column} must be timezone-aware (UTC), got {value!r}")
+
+
+def validate_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Check ``record`` against the results schema; return it with every column present.
+
+    Raises :class:`SchemaError` for an unknown column, a wrong type, or a metric missing for the
+    record's status.
+    """
+    status = record.get("status")
+    if status not in STATUSES:
+        raise SchemaError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    missing = [c for c in REQUIRED_BY_STATUS[status] if record.get(c) is None]
+    if missing:
+        raise SchemaError(f"{status} record {record.get('job_id')!r} lacks {', '.join(missing)}")
+    if record.get("failure_class") not in (None, *FAILURE_CLASSES):
+        raise SchemaError(f"failure_class must be one of {', '.join(FAILURE_CLASSES)}, "
+                          f"got {record['failure_class']!r}")
+    _check_types(record, RESULT_SCHEMA, "result")
+    return {column: record.get(column) for column in RESULT_SCHEMA}
+
+
+def rows_to_frame(rows: list[dict[str, Any]], schema: dict[str, pl.DataType], what: str,
+                  optional: tuple[str, ...] = ()) -> pl.DataFrame:
+    """Rows of a secondary frame (layers, device samples) checked against ``schema``: every
+    column but ``optional`` is required in every row."""
+    for row in rows:
+        missing = [c for c in schema if c not in optional and row.get(c) is None]
+        if missing:
+            raise SchemaError(f"{what} row lacks {', '.join(missing)}: {row!r}")
+        _check_types(row, schema, what)
+    return pl.DataFrame(rows, schema=schema)
+
+
+def empty_frame(schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    return pl.DataFrame(schema=schema)
+
+
+def records_to_frame(records: list[dict[str, Any]]) -> pl.DataFrame:
+    return pl.DataFrame([validate_record(r) for r in records], schema=RESULT_SCHEMA)

@@ -1,0 +1,204 @@
+"""Saved models: each done job's quantized model kept where the sweep says, checked by reloading.
+
+``artifacts: {keep: done | pareto, to: DIR or URL}`` makes each done job save its quantized model
+in the library's own format (``save_pretrained``; AutoRound's model is its export, reloaded)
+plus the tokenizer, to ``<to>/<job_id>``. ``to`` is a directory (relative to the sweep file) or
+an fsspec URL (``s3://bucket/prefix``, with the filesystem's package installed): workers write
+there, so on several machines it must be shared storage. The result records where it went, its
+bytes on disk and a sha256 (see :func:`directory_digest`). With ``verify: true`` the worker
+reloads the saved directory with ``from_pretrained``, as a user would, and measures KL on the
+first :data:`VERIFY_WINDOWS` eval windows against the reference, for the reloaded model and the
+one in memory: ``reload_kl_delta`` is the difference. ``keep: pareto`` then deletes, once the
+sweep ends, the artifacts of jobs off each model's size/KL Pareto frontier.
+
+A failed save never loses the job's result: the error goes to ``artifact_error``, and the job
+fails (and is retried) only with ``required: true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from quantdask.errors import SpecError
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from quantdask.store.run_store import RunStore
+
+log = logging.getLogger("quantdask.job")
+
+KEEP = ("none", "done", "pareto")
+VERIFY_WINDOWS = 4
+"""Eval windows the reload check measures KL on, for the reloaded and the in-memory model."""
+
+
+@dataclass(frozen=True)
+class ArtifactSettings:
+    """Whether and where done jobs' quantized models are kept (see the module). ``shared``:
+    the user's word that a local ``to`` is on storage every worker machine sees (needed with
+    ``--scheduler``)."""
+
+    keep: str = "none"
+    to: str | None = None
+    verify: bool = False
+    required: bool = False
+    shared: bool = False
+    root: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.keep not in KEEP:
+            raise SpecError("keep", f"must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        for name in ("verify", "required", "shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.keep != "none" and not (isinstance(self.to, str) and self.to):
+            raise SpecError("to", f"is required with keep: {self.keep}: a directory, or an "
+                                  "fsspec URL such as s3://bucket/prefix")
+        object.__setattr__(self, "root", os.path.abspath(self.root or "."))
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep != "none"
+
+    @property
+    def is_url(self) -> bool:
+        return "://" in (self.to or "")
+
+    def location(self, job_id: str) -> str:
+        """Where ``job_id``'s artifact goes: a local path or a URL."""
+        if self.is_url:
+            return f"{self.to.rstrip('/')}/{job_id}"
+        return os.path.join(self.root, self.to, job_id)
+
+
+def directory_digest(directory: str) -> tuple[str, int]:
+    """(sha256, bytes) of a saved model directory: the sha256 of its manifest, one line
+    ``<relative path> <sha256 of the file>`` per file in sorted order, and the files' total
+    size. Recomputable with ``sha256sum`` over the same listing."""
+    lines, total = [], 0
+    for base, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(base, name)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            lines.append(f"{os.path.relpath(path, directory)} {digest.hexdigest()}\n")
+            total += os.path.getsize(path)
+    manifest = "".join(sorted(lines)).encode()
+    return hashlib.sha256(manifest).hexdigest(), total
+
+
+def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> dict[str, Any]:
+    """Save ``model`` as ``job``'s artifact (and reload-check it when asked); the result's
+    artifact columns. A failure is the ``artifact_error`` column, raised again only when the
+    sweep requires artifacts."""
+    settings = job.artifacts
+    try:
+        if not backend.saves:
+            # Not NotImplementedError: with required: true this fails the job (run_job would
+            # skip it as unsupported and drop its measurements).
+            raise RuntimeError(f"{backend.name} models have no save format quantdask can "
+                               "reload yet")
+        with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
+            local = os.path.join(scratch, job.id)
+            model.save_pretrained(local)
+            tokenizer.save_pretrained(local)
+            digest, size = directory_digest(local)
+            saved = _publish(local, settings, job.id)
+            figures = {"artifact_uri": settings.location(job.id), "artifact_bytes": size,
+                       "artifact_sha256": digest, "artifact_kept": True}
+            if settings.verify:
+                # The saved directory itself where it is local; a URL's from the same bytes.
+                figures["reload_kl_delta"] = reload_kl_delta(
+                    model, saved or local, reference, job.eval.batch_size, device)
+        log.info("artifact saved to %s: %d bytes, sha256 %s%s", figures["artifact_uri"], size,
+                 digest, f", reload KL delta {figures['reload_kl_delta']:.3g}"
+                 if "reload_kl_delta" in figures else "")
+        return figures
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        log.error("artifact not kept: %s", message)
+        if settings.required:
+            raise
+        return {"artifact_error": message}
+
+
+def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
+    """Put the saved directory at its location; the local path when it is one (written
+    beside it and renamed into place, so a reader never sees half an artifact)."""
+    target = settings.location(job_id)
+    if settings.is_url:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(target)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        fs.put(local, path, recursive=True)
+        return None
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    partial = f"{target}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(local, partial)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+    return target
+
+
+def reload_kl_delta(model, directory: str, reference, batch_size: int, device: str) -> float:
+    """KL of the model reloaded from ``directory`` minus KL of ``model`` (in memory), both
+    against the reference on its first :data:`VERIFY_WINDOWS` windows."""
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.worker.metrics import quality
+
+    windows = reference.windows[:VERIFY_WINDOWS]
+    distribution = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, device_map=device)
+    reloaded.eval()
+    after = quality(reloaded, windows, distribution, batch_size, device)["kl_divergence"]
+    del reloaded
+    before = quality(model, windows, distribution, batch_size, device)["kl_divergence"]
+    return after - before
+
+
+def dominated(results: pl.DataFrame) -> list[str]:
+    """Job ids of done jobs with a kept artifact that another such job of the same model
+    dominates: no larger (``size_bytes``) and no worse (``kl_divergence``), better in one."""
+    import polars as pl
+
+    from quantdask.store.summary import pareto_frontier
+
+    kept = results.filter(pl.col("artifact_kept").fill_null(False))
+    frontier = pareto_frontier(kept, cost="size_bytes")
+    return frontier.filter(~pl.col("pareto"))["job_id"].to_list()
+
+
+def prune_to_pareto(store: RunStore, settings: ArtifactSettings) -> list[str]:
+    """Delete the artifacts of the dominated jobs (:func:`dominated`) and record them as not
+    kept (``artifact_kept`` false, the location and digest stay as a record of what was
+    made); return their job ids."""
+    results = store.read_results()
+    pruned = dominated(results)
+    for row in results.filter(results["job_id"].is_in(pruned)).iter_rows(named=True):
+        location = settings.location(row["job_id"])
+        if settings.is_url:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(location)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        else:
+            shutil.rmtree(location, ignore_errors=True)
+        store.write_result({k: v for k, v in {**row, "artifact_kept": False}.items()
+                            if v is not None})
+        logging.getLogger("quantdask.artifacts").info(
+            "artifact of %s deleted: off the size/KL Pareto frontier", row["job_id"])
+    return pruned

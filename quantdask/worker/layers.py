@@ -1,0 +1,147 @@
+"""Per-layer error of a quantized model: where in the network the quantization error comes from.
+
+For every quantized linear layer: the dequantized weight against the original (relative error,
+SQNR) and the layer's output on a probe batch against the output the original weight gives for
+the same input (captured with a forward hook, so each layer is judged on its own error).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10.0 * math.log10(signal / noise)
+
+
+def _stored_transposed(module: torch.nn.Module) -> bool:
+    """Whether the checkpoint holds this layer's weight as (in, out): GPT-2's ``Conv1D``, kept
+    by transformers as the replaced module's ``source_cls`` (bitsandbytes stores (out, in))."""
+    from transformers.pytorch_utils import Conv1D
+
+    return issubclass(getattr(module, "source_cls", type(module)), Conv1D)
+
+
+def _oriented(original: torch.Tensor, weight_q: torch.Tensor,
+              transposed: bool) -> tuple[torch.Tensor, bool]:
+    """The original weight as (out_features, in_features), like the dequantized one, and whether
+    the checkpoint stores it transposed (``transposed``, or a shape only the transpose fits).
+
+    Raises ValueError when the two shapes do not correspond (a fused or reshaped layer)."""
+    if original.dim() == 2 and transposed and tuple(weight_q.shape) == tuple(original.t().shape):
+        return original.t(), True
+    if tuple(weight_q.shape) == tuple(original.shape):
+        return original, False
+    if original.dim() == 2 and tuple(weight_q.shape) == tuple(original.t().shape):
+        return original.t(), True
+    raise ValueError(f"dequantized weight {tuple(weight_q.shape)} does not match the "
+                     f"checkpoint's {tuple(original.shape)}")
+
+
+def weight_errors(
+    model: torch.nn.Module,
+    dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None],
+    originals: dict[str, torch.Tensor],
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """One row per layer ``dequantize_layer`` recognizes, in network order, with weight errors;
+    and the layers it recognized but could not measure, with the reason (never an exception:
+    the stats must not cost the job its measurements).
+
+    Call it before the model's first forward pass: kernels may repack weights then (bitsandbytes
+    does on some CPUs). Layers are dequantized one at a time, so memory stays at one layer.
+    """
+    rows, unmeasured = [], {}
+    for name, module in model.named_modules():
+        original = originals.get(f"{name}.weight")
+        if original is None:
+            continue
+        try:
+            weight_q = dequantize_layer(module)
+            if weight_q is None:  # not a layer this backend quantized (e.g. the output head)
+                continue
+            original, transposed = _oriented(original.float(), weight_q,
+                                             _stored_transposed(module))
+            noise = _sum_of_squares(weight_q.float().cpu() - original)
+        except Exception as err:  # noqa: BLE001 - recorded as unmeasured, with the reason
+            unmeasured[name] = f"{type(err).__name__}: {err}"
+            continue
+        signal = _sum_of_squares(original)
+        rows.append({
+            "layer": name,
+            "out_features": int(original.shape[0]),
+            "in_features": int(original.shape[1]),
+            "weight_rel_error": math.sqrt(noise / signal) if signal else 0.0,
+            "weight_sqnr_db": _sqnr_db(signal, noise),
+            "transposed": transposed,
+        })
+    return rows, unmeasured
+
+
+def add_output_errors(
+    model: torch.nn.Module,
+    rows: list[dict[str, Any]],
+    originals: dict[str, torch.Tensor],
+    probe: torch.Tensor,
+    device: str,
+) -> list[dict[str, Any]]:
+    """``rows`` with ``output_rel_error``: each layer's output on ``probe`` (token ids) against
+    the original weight applied to the same input (null for a layer whose output could not be
+    compared, e.g. one that returns more than a tensor)."""
+    import torch
+
+    sums = {row["layer"]: [0.0, 0.0] for row in rows}
+    failed: set[str] = set()
+    transposed = {row["layer"]: row["transposed"] for row in rows}
+
+    def hook(name: str):
+        weight = originals[f"{name}.weight"]
+        bias = originals.get(f"{name}.bias")
+
+        def capture(module, inputs, output):
+            try:
+                x = inputs[0].float()
+                w = weight.float().to(x.device)
+                expected = torch.nn.functional.linear(
+                    x, w.t() if transposed[name] else w,
+                    None if bias is None else bias.float().to(x.device))
+                sums[name][0] += _sum_of_squares(output.float() - expected)
+                sums[name][1] += _sum_of_squares(expected)
+            except Exception:  # noqa: BLE001 - this layer's output error stays null
+                failed.add(name)
+
+        return capture
+
+    handles = [model.get_submodule(name).register_forward_hook(hook(name)) for name in sums]
+    try:
+        # The output head for the last position only, where the model can: every layer sees
+        # the probe, and no probe x seq_len x vocab logits are made (gigabytes at 128k).
+        head_of_last = ({"logits_to_keep": 1} if "logits_to_keep" in
+                        inspect.signature(model.forward).parameters else {})
+        with torch.inference_mode():
+            model(input_ids=probe.to(device), **head_of_last)
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = []
+    for row in rows:
+        error, norm = sums[row["layer"]]
+        measured = None if row["layer"] in failed else (math.sqrt(error / norm) if norm else 0.0)
+        out.append({k: v for k, v in row.items() if k != "transposed"}
+                   | {"output_rel_error": measured})
+    return out
+
+
+def _sum_of_squares(values: torch.Tensor) -> float:
+    """Sum of squares, the same bits at any torch thread count: each row reduced by one thread,
+    then the rows added exactly (torch splits the sum of a whole large tensor by thread)."""
+    from quantdask.worker.metrics import exact_sum
+
+    return exact_sum(values.pow(2).sum(-1))

@@ -1,0 +1,314 @@
+"""Measurements taken on a worker: memory peaks, model size, perplexity."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _vm_hwm_bytes() -> int | None:
+    """The process's peak resident set size (Linux VmHWM), or None where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0), which turns the
+    # process-lifetime peak into a per-job peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+_measuring_lock = threading.Lock()
+_measuring: dict[PeakMemory, int] = {}  # the blocks measuring in this process: their threads
+
+
+class PeakMemory:
+    """Peak device memory and peak host RSS over a ``with`` block.
+
+    On CUDA, device memory is ``torch.cuda.max_memory_allocated`` (reset at entry). On a CPU slot
+    the device is host memory, so both figures are the process's peak RSS.
+
+    A block inside another in the same thread (a job's calibration inside the job) measures
+    its own peak: the outer block keeps its peak so far before the inner one resets the
+    counters, so the outer's figure still covers everything it enclosed.
+
+    Both counters are the process's (per device), so jobs packed on one worker
+    (``jobs_per_gpu`` > 1, one thread each) cannot each have their own. A block that overlaps
+    another thread's is ``shared``: it does not reset the counters (that would cut the other's
+    peak short), and its figures are the peak of everything the worker ran meanwhile, an upper
+    bound of its own. Results say so (``peak_shared``), and placement does not learn a job's
+    memory from such a figure.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.peak_device_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.peak_rss_bytes = 0
+        self.shared = False
+        self._carried = (0, 0, 0)  # (device, reserved, rss) peaks before an inner block's reset
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakMemory:
+        this_thread = threading.get_ident()
+        with _measuring_lock:
+            for other, thread in _measuring.items():
+                if thread != this_thread:
+                    other.shared = self.shared = True
+                else:
+                    other._carry()
+            _measuring[self] = this_thread
+            alone = not self.shared
+            if self.cuda:
+                import torch
+
+                torch.cuda.synchronize()
+                if alone:
+                    torch.cuda.reset_peak_memory_stats()
+            if not ((not alone or _reset_vm_hwm()) and _vm_hwm_bytes() is not None):
+                # No resettable kernel counter: sample RSS instead (coarser, still per job).
+                self._sampler = threading.Thread(target=self._sample, daemon=True)
+                self._sampler.start()
+        self.peak_rss_bytes = current_rss_bytes()
+        return self
+
+    def _carry(self) -> None:
+        """Keep the peaks so far (an inner block in this thread is about to reset them)."""
+        device = reserved = 0
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            device, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        rss = self.peak_rss_bytes if self._sampler is not None else (_vm_hwm_bytes() or 0)
+        self._carried = tuple(map(max, self._carried, (device, reserved, rss)))
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        with _measuring_lock:
+            _measuring.pop(self, None)
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+        else:
+            self.peak_rss_bytes = max(self.peak_rss_bytes, _vm_hwm_bytes() or 0)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, current_rss_bytes(), self._carried[2])
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.peak_device_bytes = max(torch.cuda.max_memory_allocated(), self._carried[0])
+            self.peak_reserved_bytes = max(torch.cuda.max_memory_reserved(), self._carried[1])
+        else:
+            self.peak_device_bytes = self.peak_reserved_bytes = self.peak_rss_bytes
+
+
+class Stopwatch:
+    """Named wall-clock sections: ``with watch("load"): ...`` then ``watch.seconds["load"]``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        return _Section(self, name)
+
+
+class _Section:
+    def __init__(self, watch: Stopwatch, name: str):
+        self.watch, self.name = watch, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        elapsed = time.perf_counter() - self.start
+        self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
+
+
+def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
+    """Bytes of the model's serialized state: quantized weights plus their quantization constants.
+
+    ``state_dict`` is what a checkpoint of the quantized model holds (bitsandbytes adds absmax,
+    quant maps and scales there); shared tensors are counted once. ``stored_bytes(tensor)``
+    (a backend's) counts a tensor whose layout pads it as the weight it holds.
+    """
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) not in seen:  # keep_vars: a tied tensor is the same object twice
+            seen.add(id(tensor))
+            total += (stored_bytes or tensor_nbytes)(tensor)
+    return total
+
+
+def tensor_nbytes(tensor) -> int:
+    """Bytes a tensor stores; for a tensor subclass (torchao), the sum of its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_nbytes(getattr(tensor, n)) for n in names
+                   if getattr(tensor, n) is not None)
+    return tensor.numel() * tensor.element_size()
+
+
+def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tensor:
+    """The first ``samples`` non-overlapping windows of ``seq_len`` tokens, as a 2-D tensor."""
+    import torch
+
+    needed = seq_len * samples
+    if len(token_ids) < needed:
+        raise ValueError(f"eval text has {len(token_ids)} tokens; eval.samples x eval.seq_len "
+                         f"needs {needed}. Lower them or give a longer text")
+    return torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, seq_len)
+
+
+def reference_slice(log_probs: torch.Tensor, k: int | None) -> dict[str, torch.Tensor]:
+    """The reference's compact form of one slice of log-probs (batch x positions x vocab): the
+    ``k`` most likely tokens' ids (int32) and log-probs (float32), most likely first, and the
+    log of the probability mass outside them (``rest``; -inf when there is none). ``k`` None
+    keeps every log-prob (exact KL)."""
+    import torch
+
+    if k is None or k >= log_probs.size(-1):
+        return {"log_probs": log_probs.float().cpu()}
+    top, ids = log_probs.topk(k, dim=-1, sorted=True)
+    return {"log_probs": top.float().cpu(), "ids": ids.to(torch.int32).cpu(),
+            "rest": _log_rest(top).float().cpu()}
+
+
+def _log_rest(top_log_probs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(top))), in float64; -inf where the top entries hold all the mass."""
+    import torch
+
+    covered = torch.logsumexp(top_log_probs.double(), dim=-1).clamp(max=0.0)
+    return torch.log(-torch.expm1(covered))
+
+
+def exact_sum(values: torch.Tensor) -> float:
+    """The exactly rounded sum of ``values`` (any shape), in float64: the same bits whatever
+    the order of the terms or torch's thread count."""
+    return math.fsum(values.double().flatten().tolist())
+
+
+SCORES = ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens")
+"""What :meth:`QualityMeter.scores` returns."""
+
+
+class QualityMeter:
+    """Perplexity, KL divergence and top-1 agreement against a reference, accumulated slice by
+    slice (see :mod:`quantdask.worker.logits`).
+
+    KL is KL(reference || model) per predicted token, averaged over tokens (nats). With a top-k
+    reference it is taken over the reference's k most likely tokens plus one bucket for the
+    rest of the vocabulary: merging outcomes never increases a KL divergence (the log-sum
+    inequality), so it is a lower bound of the exact figure, exact when the bucket is empty.
+    Top-1 agreement is the share of positions where both pick the same most likely next token.
+
+    Sums are exact (:func:`exact_sum`): per-position terms are reduced over the vocabulary
+    only (each position by one thread), then added exactly rounded. The scores are then the
+    same bits whatever torch's thread count (CPU slots lend each other idle cores mid-eval;
+    torch's own sum of a large tensor splits it by thread), the order slices arrive in, or how
+    a reference's windows were split over workers and merged.
+    """
+
+    def __init__(self, windows: torch.Tensor, reference: dict[str, torch.Tensor] | None):
+        self.windows = windows
+        self.reference = reference
+        self.nll: list[float] = []  # one sum per slice
+        self.kl: list[float] = []
+        self.agree = self.tokens = 0
+
+    def add(self, rows: slice, positions: slice, log_q: torch.Tensor) -> None:
+        """Fold in the model's log-probs ``log_q`` for ``rows`` x ``positions``."""
+        import torch
+
+        targets = self.windows[rows, positions.start + 1:positions.stop + 1].to(log_q.device)
+        self.nll.append(-exact_sum(log_q.gather(-1, targets.unsqueeze(-1))))
+        self.tokens += targets.numel()
+        if self.reference is None:  # the reference itself: KL 0, top-1 1
+            self.agree += targets.numel()
+            return
+        ref = {name: t[rows, positions].to(log_q.device) for name, t in self.reference.items()}
+        log_p = ref["log_probs"]
+        if "ids" not in ref:  # exact: every token of the vocabulary
+            # Tokens the reference gives probability 0 add nothing (0 * log 0 = 0), not NaN.
+            self.kl.append(exact_sum(torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q),
+                                                 0.0).double().sum(-1)))
+            self.agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+            return
+        ids = ref["ids"].long()
+        log_p, log_q_top = log_p.double(), log_q.gather(-1, ids).double()
+        kl = torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q_top), 0.0).sum(-1)
+        rest_p = ref["rest"].double()
+        rest_q = _log_rest(log_q_top).clamp(min=math.log(torch.finfo(torch.float64).tiny))
+        kl += torch.where(rest_p > -math.inf, rest_p.exp() * (rest_p - rest_q), 0.0)
+        self.kl.append(exact_sum(kl))
+        self.agree += (ids[..., 0] == log_q.argmax(-1)).sum().item()
+
+    def merge(self, other: QualityMeter) -> None:
+        """Fold in the sums of a meter over other windows (a shard of the same eval)."""
+        self.nll.extend(other.nll)
+        self.kl.extend(other.kl)
+        self.agree += other.agree
+        self.tokens += other.tokens
+
+    def scores(self) -> dict[str, float]:
+        scores = {"perplexity": math.exp(math.fsum(self.nll) / self.tokens),
+                  "kl_divergence": max(math.fsum(self.kl) / self.tokens, 0.0),
+                  "top1_agreement": self.agree / self.tokens, "eval_tokens": self.tokens}
+        broken = [n for n in ("perplexity", "kl_divergence") if not math.isfinite(scores[n])]
+        if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement
+            raise ArithmeticError(f"non-finite {', '.join(broken)} ({scores}); the quantized "
+                                  "model produced inf/nan logits")
+        return scores
+
+
+def quality(model: torch.nn.Module, windows: torch.Tensor,
+            reference: dict[str, torch.Tensor] | None, batch_size: int,
+            device: str) -> dict[str, float]:
+    """Perplexity on ``windows``, and KL divergence and top-1 agreement against ``reference``
+    (see :class:`QualityMeter`), the logits computed a slice of positions at a time."""
+    from quantdask.worker.logits import sliced_log_probs
+
+    meter = QualityMeter(windows, reference)
+    for piece in sliced_log_probs(model, windows, batch_size, device):
+        meter.add(piece.rows, piece.positions, piece.log_probs)
+    return meter.scores()
+
+
+def physical_gpu_id(local_index: int = 0) -> str:
+    """The physical id of this process's ``local_index``-th GPU, respecting CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if local_index < len(ids):
+            return ids[local_index]
+    return str(local_index)

@@ -1,0 +1,155 @@
+"""What a worker keeps of an unquantized model between jobs: its config, tokenizer and class.
+
+Its weights stay in the checkpoint. A job maps them from there for as long as it runs (see
+:meth:`ModelSource.weights`), and safetensors files are memory-mapped: the workers of one
+machine share the OS page cache's one copy instead of each holding a private full-precision
+model between jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.spec.sweep import ModelSpec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+MODEL_CACHE_SIZE = 4
+"""Models whose config and tokenizer a worker process keeps (least recently used dropped)."""
+_cache: OrderedDict[str, ModelSource] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+@dataclass
+class ModelSource:
+    """A model's config, tokenizer and class, loaded once per worker; its weights are mapped
+    from the checkpoint only while a job holds :meth:`weights` (see the module's docstring)."""
+
+    spec: ModelSpec
+    config: Any
+    model_class: type
+    tokenizer: Any
+    dtype: torch.dtype
+    param_count: int
+    _weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    _holders: int = field(default=0, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextlib.contextmanager
+    def weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The unquantized weights on the host, by parameter name, while the block runs: what
+        :meth:`build` makes models from and what a quantized model is compared against.
+
+        Read from the checkpoint when the first job on this worker enters, shared by the jobs
+        packed here meanwhile, released when the last one leaves. Memory-mapped, so the
+        workers of a machine share one copy in the page cache, unless ``dtype`` converts them
+        (then a private copy, for the jobs' duration only)."""
+        with self._lock:
+            if self._holders == 0:
+                fp_model = self._from_checkpoint("cpu")
+                self._weights = {name: t.detach() for name, t in fp_model.state_dict().items()}
+            self._holders += 1
+            weights = self._weights
+        try:
+            yield weights
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    self._weights = None
+
+    def build(self, device: str, quantization_config: Any = None) -> torch.nn.Module:
+        """A new model on ``device``, quantized by ``quantization_config`` as it loads: from
+        the weights a job holds (see :meth:`weights`), else straight from the checkpoint.
+
+        Each call makes its own model, but an unquantized tensor is the held one, not a copy
+        (a quantizer makes new tensors): a backend replaces weights and never writes into
+        them, or packed jobs and the per-layer comparison would see its changes."""
+        weights = self._weights
+        if weights is None:
+            return self._from_checkpoint(device, quantization_config)
+        # Quantizing from the mapped weights, not the file again: a second mapping of the
+        # checkpoint would count its pages twice in the job's peak resident set.
+        model = self.model_class.from_pretrained(
+            None, config=self.config, state_dict=weights, dtype=self.dtype,
+            quantization_config=quantization_config, device_map=device)
+        model.eval()
+        return model
+
+    def _from_checkpoint(self, device: str, quantization_config: Any = None) -> torch.nn.Module:
+        model = self.model_class.from_pretrained(
+            self.spec.location,
+            config=self.config,  # transformers copies it: a quantizer's changes stay there
+            dtype=self.dtype,
+            quantization_config=quantization_config,
+            device_map=device,
+            **_load_options(self.spec),
+        )
+        model.eval()
+        return model
+
+
+def _load_options(spec: ModelSpec) -> dict[str, Any]:
+    return {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+
+
+def load_model_source(spec: ModelSpec) -> ModelSource:
+    """Load ``spec``'s config, tokenizer and class with transformers (local directory or hub
+    id); the weights are read once here, to check that they load and to count them."""
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.path is not None and not os.path.isfile(os.path.join(spec.location, "config.json")):
+        # The driver checked it on its machine; a worker on another node may not have it (and
+        # transformers would go on to read the path as a hub id).
+        raise FileNotFoundError(
+            f"model directory {spec.location} is not on {socket.gethostname()} (where this "
+            "worker runs): put the model at the same path on every node, or use `hub:` with "
+            "each node's Hugging Face cache")
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.location, **_load_options(spec))
+    # In the checkpoint's own dtype: memory-mapped, not converted (only counted and dropped).
+    model = AutoModelForCausalLM.from_pretrained(spec.location, dtype="auto",
+                                                 **_load_options(spec))
+    return ModelSource(
+        spec=spec,
+        config=model.config,
+        model_class=type(model),
+        tokenizer=tokenizer,
+        dtype=model.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype),
+        param_count=count_parameters(model),
+    )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of weights, each shared (tied) tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def cached_model_source(spec: ModelSpec) -> tuple[ModelSource, bool]:
+    """``spec``'s model source from this process's cache, loading it on a miss;
+    (source, was cached). Jobs packed on one worker run in threads: they get one source (and
+    so share the weights it holds)."""
+    key = json.dumps(spec.identity(), sort_keys=True)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key], True
+        _cache[key] = source = load_model_source(spec)
+        # The least recently used go first, never one a running job holds weights of.
+        idle = [k for k, held in _cache.items() if k != key and held._holders == 0]
+        for old in idle[:max(0, len(_cache) - MODEL_CACHE_SIZE)]:
+            del _cache[old]
+        return source, False
