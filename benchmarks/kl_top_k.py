@@ -75,7 +75,7 @@ def main() -> None:
 
     from quantdask.backends import get_backend
     from quantdask.demo_model import DEMO_EVAL_TEXT
-    from quantdask.spec.sweep import ModelSpec
+    from quantdask.spec.model import ModelSpec
     from quantdask.worker.metrics import eval_windows, reference_slice
     from quantdask.worker.model_source import load_model_source
 

@@ -9,6 +9,7 @@
 from quantdask.backends import Backend, Option, backend_names, get_backend, register_backend
 from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
 from quantdask.driver.placement import estimate_device_memory, place_jobs
+from quantdask.driver.progress import read_progress
 from quantdask.driver.scaling import read_scaling, scale_sweep
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import (
@@ -19,7 +20,9 @@ from quantdask.errors import (
     UnsupportedHere,
 )
 from quantdask.report.html import execute_notebook, write_report
-from quantdask.spec.sweep import BackendBlock, EvalSettings, Job, ModelSpec, Sweep, expand_grid
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import EvalSettings
+from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.store.run_store import (
     job_status,
@@ -38,7 +41,7 @@ __all__ = [
     "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep",
-    "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_results",
-    "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
+    "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_progress",
+    "read_results", "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
     "start_cluster", "sweep_from_dict", "sweep_summary", "tls_security", "write_report",
 ]

@@ -55,7 +55,7 @@ class PlacementError(QuantdaskError):
 
     def __init__(self, too_big: list[tuple[str, str, int, str]], largest: float,
                  largest_worker: str):
-        from quantdask.cli.dashboard import format_bytes
+        from quantdask.util import format_bytes
 
         self.too_big, self.largest, self.largest_worker = too_big, largest, largest_worker
         lines = [f"  {label} ({job_id}): needs ~{format_bytes(need)} = {need:,} bytes ({basis})"

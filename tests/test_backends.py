@@ -12,7 +12,9 @@ from quantdask.backends import Backend, Option, get_backend, register_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import EvalSettings
+from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
 from quantdask.store.run_store import read_layers
 from quantdask.worker.job import run_job
 from quantdask.worker.reference import compute_reference

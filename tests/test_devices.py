@@ -11,8 +11,7 @@ import psutil
 import pytest
 
 from quantdask.store.summary import device_summary
-from quantdask.worker.devices import DeviceSampler, NvmlProbe, ProcessProbe
-from quantdask.worker.metrics import physical_gpu_id
+from quantdask.worker.devices import DeviceSampler, NvmlProbe, ProcessProbe, physical_gpu_id
 
 pytestmark = pytest.mark.timeout(60)
 

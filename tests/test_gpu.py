@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantdask.cluster.local import cuda_device_count
+from quantdask.cluster.operations import cuda_device_count
 
 pytestmark = [
     pytest.mark.gpu,

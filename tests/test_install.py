@@ -100,7 +100,8 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 PROBE = """
 import importlib.metadata, importlib.resources, json, quantdask
-from quantdask import demo_model, html_report
+from quantdask import demo_model
+from quantdask.report import html as html_report
 print(json.dumps({
     "package": quantdask.__file__,
     "notebooks": str(importlib.resources.files("quantdask.notebooks") / "report.ipynb"),

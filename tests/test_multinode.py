@@ -137,7 +137,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
 @pytest.mark.timeout(300)
 def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_never_retired(
         two_nodes, tmp_path, caplog):
-    from quantdask.cluster.local import retire_worker
+    from quantdask.cluster.operations import retire_worker
 
     nodes, address = two_nodes
     wait_for_workers(address, {"node-1"})  # node-2 was killed by the test above

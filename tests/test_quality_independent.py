@@ -22,14 +22,9 @@ import pytest
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.driver.retry import with_more_room
-from quantdask.spec.sweep import (
-    DEFAULT_KL_TOP_K,
-    BackendBlock,
-    EvalSettings,
-    ModelSpec,
-    Sweep,
-    expand_grid,
-)
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import DEFAULT_KL_TOP_K, EvalSettings
+from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
 from quantdask.worker.job import run_job
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,14 +12,9 @@ import pytest
 
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import (
-    DEFAULT_KL_TOP_K,
-    BackendBlock,
-    EvalSettings,
-    ModelSpec,
-    Sweep,
-    expand_grid,
-)
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import DEFAULT_KL_TOP_K, EvalSettings
+from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,12 +19,13 @@ from quantdask.driver.policy import (
     requeue_uncounted,
     stranded,
 )
+from quantdask.driver.references import ModelReferences
 from quantdask.driver.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
 from quantdask.errors import JobTimeout
 from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.worker.job import failure_class_of, run_job
-from quantdask.worker.reference import ModelReferences, compute_reference, shard_rows
+from quantdask.worker.reference import compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,9 @@ from safetensors import safe_open
 from quantdask.backends import Backend, get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
-from quantdask.spec.sweep import BackendBlock, EvalSettings, ModelSpec, Sweep, expand_grid
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import EvalSettings
+from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
 from quantdask.worker.job import run_job
 from quantdask.worker.metrics import SCORES
 

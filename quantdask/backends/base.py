@@ -188,3 +188,14 @@ class Backend:
         if self.label is not None:
             return self.label(options)
         return " ".join(f"{k}={v}" for k, v in sorted(options.items())) or self.name
+
+
+def tensor_nbytes(tensor) -> int:
+    """Bytes a tensor stores; for a tensor subclass (torchao), the sum of its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_nbytes(getattr(tensor, n)) for n in names
+                   if getattr(tensor, n) is not None)
+    return tensor.numel() * tensor.element_size()

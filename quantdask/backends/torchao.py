@@ -14,6 +14,7 @@ from quantdask.backends.base import (
     require_library,
     skip_label,
     skip_modules_option,
+    tensor_nbytes,
 )
 from quantdask.errors import SpecError, UnsupportedHere
 
@@ -130,7 +131,6 @@ def stored_bytes(tensor) -> int:
     a multiple of 1024 and a height that is a multiple of 8, and its packed weights and scales
     both grow with the padded area: the weight's own share is its area over the padded one.
     (Device memory holds the padding: the job's peaks include it.)"""
-    from quantdask.worker.metrics import tensor_nbytes
 
     stored = tensor_nbytes(tensor)
     if type(tensor).__name__ != "Int4TilePackedTo4dTensor":

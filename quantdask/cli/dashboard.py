@@ -23,30 +23,13 @@ from rich.table import Table
 from rich.text import Text
 
 from quantdask.driver.progress import SweepProgress, read_progress
+from quantdask.util import format_bytes, format_duration
 
 QUEUE_SHOWN = 6
 
 
 def _since(iso: str, now: dt.datetime) -> float:
     return max(0.0, (now - dt.datetime.fromisoformat(iso)).total_seconds())
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-def format_bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def summary_line(progress: SweepProgress, now: dt.datetime | None = None) -> str:

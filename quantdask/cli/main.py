@@ -1,4 +1,4 @@
-"""The ``quantdask`` command: thin argument parsing over the library functions.
+"""The ``quantdask`` command's arguments: thin parsing over the commands (``commands``).
 
 Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran).
 """
@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from typing import Any
 
+from quantdask.cli.commands import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED_JOBS,
+    cmd_demo,
+    cmd_logs,
+    cmd_plan,
+    cmd_report,
+    cmd_run,
+    cmd_scale,
+    cmd_status,
+)
 from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
-
-EXIT_FAILED_JOBS = 1
-EXIT_BAD_INPUT = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,20 +47,6 @@ def _adapt(text: str):
         raise argparse.ArgumentTypeError(err.message) from None
 
 
-def _security(args):
-    """Dask security settings from the ``--tls-*`` options (None without them)."""
-    from quantdask.cluster.local import tls_security
-
-    given = [args.tls_ca_file, args.tls_cert]
-    if not any(given) and not args.tls_key:
-        return None
-    if not all(given):
-        raise SpecError("--tls-ca-file" if not args.tls_ca_file else "--tls-cert",
-                        "TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless "
-                        "the cert file holds the key)")
-    return tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
-
-
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -63,193 +55,6 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
     return value
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return str(value)
-
-    cells = [[cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
-
-
-def _check_run_dir(path: str) -> str:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise RunDirError(f"--run-dir {path} exists and is not a directory; give a directory")
-    return path
-
-
-def cmd_plan(args) -> int:
-    import json
-
-    from quantdask.cli.dashboard import format_bytes, format_duration
-    from quantdask.driver.planning import plan_sweep
-    from quantdask.spec.sweep_file import load_sweep
-
-    sweep = load_sweep(args.sweep)
-    run_dir = args.run_dir or os.path.join("runs", sweep.name)
-    plan = plan_sweep(sweep, run_dir)
-    states = {s: plan.filter(plan["state"] == s).height
-              for s in ("to run", "finished", "unsupported")}
-    to_run = plan.filter(plan["state"] == "to run")
-    known = to_run["est_duration_s"].drop_nulls()
-    if args.json:
-        print(json.dumps({"sweep": sweep.name, "run_dir": run_dir, "jobs": plan.to_dicts(),
-                          "counts": states,
-                          "est_work_s": float(known.sum()) if len(known) else None},
-                         indent=1))
-        return 0
-    rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
-             "est_time": format_duration(row["est_duration_s"]),
-             "quantized": "-" if row["quantized_share"] is None or row["backend"] == "none"
-             else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
-    print(_table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
-                        "quantized", "est_memory", "memory_from", "est_time"]))
-    for row in plan.filter(plan["state"] == "unsupported").to_dicts():
-        print(f"unsupported: {row['config_label']}: {row['reason']}")
-    work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "
-            "estimate" if len(known) else "")
-    print(f"{plan.height} jobs: {states['to run']} to run, {states['finished']} finished, "
-          f"{states['unsupported']} unsupported here{work}")
-    return 0
-
-
-def _run(sweep, args) -> int:
-    import polars as pl
-
-    from quantdask.cli.dashboard import LiveDashboard, PlainLog
-    from quantdask.cluster.local import start_cluster
-    from quantdask.driver.sweep import run_sweep
-    from quantdask.store.run_store import RunStore, read_attempts
-
-    run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
-    RunStore(run_dir).check_unlocked()
-    artifacts = sweep.artifacts
-    if args.scheduler and artifacts is not None and artifacts.enabled \
-            and not artifacts.is_url and not artifacts.shared:
-        raise SpecError("artifacts.to", f"{artifacts.to} is a local path, and workers of "
-                        "--scheduler may be on other machines, each writing to its own disk: "
-                        "give a directory every worker shares and set artifacts.shared: "
-                        "true, or an fsspec URL (s3://bucket/prefix)")
-    with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
-                       host=args.host, dashboard_address=args.dashboard_address,
-                       adapt=args.adapt, security=_security(args),
-                       jobs_per_worker=1 if args.scheduler else sweep.jobs_per_gpu) as cluster:
-        print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
-              f"Dask dashboard: {cluster.dashboard_link}", flush=True)
-        # A terminal gets the live dashboard; a pipe or a log file, timestamped lines.
-        if sys.stdout.isatty():
-            with LiveDashboard() as dashboard:
-                results = run_sweep(sweep, run_dir, cluster.client,
-                                    on_progress=dashboard.update)
-        else:
-            results = run_sweep(sweep, run_dir, cluster.client,
-                                on_progress=PlainLog().update)
-    rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
-                        pl.col("config_label"), descending=[False, False, True, False],
-                        nulls_last=True)
-    print(_table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "quantized_share", "perplexity",
-                                   "kl_divergence", "top1_agreement", "wall_s"]))
-    counts = {s: results.filter(pl.col("status") == s).height
-              for s in ("done", "failed", "skipped")}
-    attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
-    retried = attempts.filter(pl.col("status") == "failed").height
-    print(f"{results.height} jobs: {counts['done']} done, {counts['failed']} failed, "
-          f"{counts['skipped']} skipped ({retried} failed attempts in this run directory)")
-    for excluded in RunStore(run_dir).read_excluded_workers():
-        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    print(f"results: {os.path.join(run_dir, 'results')}  "
-          f"(python: quantdask.read_results({run_dir!r}))")
-    print(f"logs: {os.path.join(run_dir, 'logs')}")
-    for row in results.filter(pl.col("status") != "done").to_dicts():
-        log_path = os.path.join(run_dir, "logs", "jobs", f"{row['job_id']}.log")
-        message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
-        print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
-              f"{row['error_class']}: {message} (log: {log_path})")
-    if counts["failed"]:
-        print(f"{counts['failed']} jobs failed; their logs are in "
-              f"{os.path.join(run_dir, 'logs', 'jobs')}")
-        return EXIT_FAILED_JOBS
-    return 0
-
-
-def _write_report(run_dir: str, output: str | None = None) -> int:
-    from quantdask.report.html import write_report
-
-    print(f"report: running the report notebook on {run_dir} ...", flush=True)
-    path = write_report(run_dir, output)
-    print(f"report: {path} (opens offline; executed notebook: {path.with_suffix('.ipynb')})")
-    return 0
-
-
-def _run_and_report(sweep, args, scaling: bool = False) -> int:
-    run_dir = args.run_dir = args.run_dir or os.path.join("runs", sweep.name)
-    status = _run(sweep, args)
-    if scaling:
-        _demo_scaling(sweep, os.path.join(run_dir, "scaling"), args.host)
-    if args.no_report:
-        return status
-    try:
-        _write_report(run_dir)
-    except QuantdaskError as err:
-        # The results are safe on disk; say what failed and how to retry just the report.
-        print(f"quantdask: error: the report failed ({err}); the results are kept: "
-              f"`quantdask report {run_dir}` tries again", file=sys.stderr)
-        return status or EXIT_FAILED_JOBS
-    return status
-
-
-def _demo_scaling(sweep, scaling_dir: str, host: str) -> None:
-    """The demo's scaling measurement at 1 and 2 workers (1 on a one-GPU machine). It never
-    costs the report: a problem is printed and the report goes on without it."""
-    from quantdask.driver.scaling import SCALING_FILE, worker_counts_here
-
-    if os.path.exists(os.path.join(scaling_dir, SCALING_FILE)):
-        print(f"scaling: kept the earlier measurement in {scaling_dir} (delete it to measure "
-              "again)")
-        return
-    if os.path.isdir(scaling_dir) and os.listdir(scaling_dir):
-        print(f"scaling: {scaling_dir} holds an unfinished measurement; delete it to measure "
-              "again")
-        return
-    try:
-        _scale(sweep, worker_counts_here([1, 2]), scaling_dir, host)
-    except QuantdaskError as err:
-        print(f"scaling: skipped ({err})", file=sys.stderr)
-
-
-def cmd_run(args) -> int:
-    from quantdask.spec.sweep_file import load_sweep
-
-    return _run_and_report(load_sweep(args.sweep), args)
-
-
-def cmd_demo(args) -> int:
-    from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_SWEEP, build_demo_model
-    from quantdask.spec.sweep_file import load_sweep
-
-    if not os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")):
-        print(f"quantdask: building the demo model in {DEMO_MODEL_DIR} (once)", flush=True)
-        build_demo_model()
-    args.run_dir = args.run_dir or os.path.join("runs", "demo")
-    return _run_and_report(load_sweep(DEMO_SWEEP), args, scaling=not args.no_scaling)
-
-
-def cmd_report(args) -> int:
-    if not os.path.isdir(args.run_dir):
-        raise RunDirError(f"no run directory at {args.run_dir}")
-    if not os.path.isdir(os.path.join(args.run_dir, "results")):
-        raise RunDirError(f"{args.run_dir} is not a run directory (it has no results/); "
-                          "give the --run-dir of a sweep")
-    return _write_report(args.run_dir, args.output)
 
 
 def _worker_counts(text: str) -> list[int]:
@@ -261,86 +66,6 @@ def _worker_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"must be positive counts like 1,2,4; got {text!r}")
     return counts
-
-
-def _scale(sweep, counts: list[int], out: str, host: str) -> int:
-    import polars as pl
-
-    from quantdask.driver.scaling import scale_sweep
-    from quantdask.store.run_store import read_results
-
-    def announce(n, run_dir):
-        print(f"scaling: {n} worker{'s' if n > 1 else ''} -> {run_dir}", flush=True)
-
-    frame = scale_sweep(sweep, out, counts, host=host, on_count=announce)
-    print(_table(frame.with_columns(pl.col("scaling_efficiency") * 100).to_dicts(),
-                 ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
-                  "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound"]))
-    print(f"scaling: {os.path.join(out, 'scaling.parquet')} "
-          f"(python: quantdask.read_scaling({out!r}); notebook: {_notebook('scaling')})")
-    failed = sum(read_results(run_dir).filter(pl.col("status") == "failed").height
-                 for run_dir in frame["run_dir"])
-    if failed:
-        print(f"scaling: {failed} jobs failed (see each run directory's logs/jobs)")
-    return EXIT_FAILED_JOBS if failed else 0
-
-
-def _notebook(name: str) -> str:
-    from quantdask.resources import notebooks_dir
-
-    return os.path.join(notebooks_dir(), f"{name}.ipynb")
-
-
-def cmd_scale(args) -> int:
-    from quantdask.spec.sweep_file import load_sweep
-
-    sweep = load_sweep(args.sweep)
-    out = args.out or os.path.join("runs", f"{sweep.name}-scaling")
-    return _scale(sweep, args.workers, out, args.host)
-
-
-def cmd_status(args) -> int:
-    from quantdask.store.run_store import RunStore, job_status
-
-    if not os.path.isdir(args.run_dir):
-        raise RunDirError(f"no run directory at {args.run_dir}")
-    if args.watch:
-        from quantdask.cli.dashboard import watch
-
-        try:
-            return watch(args.run_dir, interval_s=args.interval)
-        except KeyboardInterrupt:
-            return 0
-    frame = job_status(args.run_dir)
-    print(_table(frame.to_dicts(), [c for c in ("job_id", "model", "config_label", "status",
-                                                 "attempts", "worker", "perplexity",
-                                                 "failure_class", "error_message")
-                                     if c in frame.columns]))
-    counts = frame.group_by("status").len().sort("status").rows()
-    print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
-    for excluded in RunStore(args.run_dir).read_excluded_workers():
-        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    return 0
-
-
-def cmd_logs(args) -> int:
-    from quantdask.store.run_store import RunStore
-
-    store = RunStore(args.run_dir)
-    if not store.job_logs_dir.is_dir():
-        raise RunDirError(f"no job logs in {args.run_dir} (no logs/jobs/); give a run directory")
-    ids = sorted(p.stem for p in store.job_logs_dir.glob("*.log"))
-    matches = [i for i in ids if i == args.job_id] or [i for i in ids if i.startswith(args.job_id)]
-    planned = {row["job_id"] for row in store.read_plan()}
-    if not matches and args.job_id in planned:
-        raise RunDirError(f"job {args.job_id} has no log yet: it has not started in "
-                          f"{args.run_dir}")
-    if len(matches) != 1:
-        listed = ", ".join(matches or ids[:20]) + (" ..." if not matches and len(ids) > 20 else "")
-        what = "matches several jobs" if matches else "matches no job"
-        raise RunDirError(f"JOB_ID {args.job_id!r} {what} in {args.run_dir}; job ids: {listed}")
-    sys.stdout.write((store.job_logs_dir / f"{matches[0]}.log").read_text(encoding="utf-8"))
-    return 0
 
 
 def _version() -> str:
@@ -376,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--adapt", type=_adapt, metavar="MIN:MAX",
                        help="let the local cluster grow while jobs wait and shrink when idle, "
                             "between MIN and MAX workers (on GPUs: at most one per GPU)")
-        tls = p.add_argument_group("TLS (mutual; see the README's 'Secure transport')")
+        tls = p.add_argument_group(
+            "TLS (mutual; see docs/beyond-one-machine.md, 'Secure transport')")
         tls.add_argument("--tls-ca-file", help="CA certificate (PEM) that signed every cert")
         tls.add_argument("--tls-cert", help="this driver's certificate (PEM); a local cluster "
                                             "uses it for its scheduler and workers too")

@@ -1,2 +1,7 @@
-"""Clusters: local CPU slots and dask-cuda GPU workers, adaptive scaling and TLS settings,
-worker operations (restart, retire, capacity) and the SLURM recipe."""
+"""Clusters: local CPU slots and dask-cuda GPU workers, adaptive scaling and TLS settings
+(``local``), worker operations such as restart, retire and capacity (``operations``), and the
+SLURM recipe (``slurm``; ``from quantdask.cluster import slurm_cluster``)."""
+
+from quantdask.cluster.slurm import slurm_cluster
+
+__all__ = ["slurm_cluster"]

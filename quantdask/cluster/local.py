@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Client
-from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.security import Security
 
+from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import SpecError
+from quantdask.worker.runtime import TorchThreads, WarmImports
 
 log = logging.getLogger("quantdask.cluster")
 
@@ -33,60 +33,6 @@ SCHEDULER_OPTIONS = {"allowed_failures": 0}
 """Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
 retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
 (A scheduler reached by address keeps its own setting.)"""
-
-
-class TorchThreads(WorkerPlugin):
-    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it;
-    with ``share``, a job computing while other slots idle borrows their cores (see
-    ``cpu_share``)."""
-
-    name = "quantdask-torch-threads"
-
-    def __init__(self, threads: int, share: bool = False):
-        self.threads = threads
-        self.share = share
-
-    def setup(self, worker) -> None:
-        import torch
-
-        torch.set_num_threads(self.threads)
-        if self.share:
-            from quantdask.worker.cpu_share import share_cores
-
-            share_cores(self.threads)
-
-
-class WarmImports(WorkerPlugin):
-    """Imports the heavy libraries when a worker starts (as dask-cuda's ``pre_import`` does):
-    otherwise each worker's first job pays seconds of imports, counted as its load time."""
-
-    name = "quantdask-warm-imports"
-    # transformers.modeling_utils is what loading any model imports first (about 1.2 s of
-    # CPU: sympy, the quantizers); each architecture's own module is cheap after it.
-    modules = ("torch", "transformers", "transformers.modeling_utils", "bitsandbytes")
-
-    def setup(self, worker) -> None:
-        import importlib
-
-        from quantdask.worker.job import quiet_libraries
-
-        quiet_libraries()  # before bitsandbytes' import-time notices
-        for module in self.modules:
-            try:
-                importlib.import_module(module)
-            except ImportError:  # an optional backend: its jobs are skipped with the reason
-                pass
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (lazy)
-
-
-def cuda_device_count() -> int:
-    """How many CUDA GPUs this machine has (0 when torch has no CUDA)."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
 
 
 @dataclass(frozen=True)
@@ -220,7 +166,8 @@ def start_cluster(
 
     - ``address="tcp://host:8786"`` (or ``tls://``; ``scheduler=`` is the same): connect to a
       running Dask scheduler. Its workers must carry the ``GPU`` resource (``dask worker
-      ADDRESS --nthreads 1 --resources GPU=1 --preload quantdask.preload``; see the README).
+      ADDRESS --nthreads 1 --resources GPU=1 --preload quantdask.preload``; see
+      docs/beyond-one-machine.md).
     - ``cluster=``: a Dask cluster object made elsewhere (``dask_jobqueue.SLURMCluster``, see
       ``quantdask.cluster.slurm``); it is not closed on exit.
     - With CUDA GPUs: ``dask_cuda.LocalCUDACluster``, one worker per GPU in ``gpus`` (default all).
@@ -423,46 +370,3 @@ def dask_cuda_missing(error: ImportError) -> str:
         what = f"dask-cuda is installed but cannot import {missing!r} ({error})"
     return (f"{what}; GPU workers need it: pip install 'quantdask[gpu-cu{major}]' (dask-cuda "
             f"with the CUDA {major} bindings, matching torch's CUDA {torch.version.cuda})")
-
-
-def live_workers(client: Client) -> dict[str, str]:
-    """The cluster's workers now: address -> name."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return {address: str(w["name"]) for address, w in info.items()}
-
-
-def cluster_capacity(client: Client, jobs_per_gpu: int = 1) -> tuple[int, int]:
-    """(workers, job slots) of the cluster now: a worker runs as many jobs at once as its
-    ``GPU`` resource allows (``jobs_per_gpu`` per unit) and its threads take."""
-    info = client.scheduler_info(n_workers=-1)["workers"].values()
-    slots = sum(min(w.get("nthreads", 1), int(w.get("resources", {}).get("GPU", 0) * jobs_per_gpu))
-                for w in info)
-    return len(info), slots
-
-
-def restart_worker(client: Client, address: str | None, wait: bool = True) -> None:
-    """Replace a worker's process (a hung Python thread cannot be interrupted; only a new
-    process frees its device). Dask removes a worker without a nanny; a slow restart goes on.
-
-    ``wait=False`` restarts it from a thread of its own and returns at once: the driver keeps
-    collecting results and enforcing deadlines while the worker comes back."""
-    if not wait:
-        threading.Thread(target=restart_worker, args=(client, address), daemon=True,
-                         name=f"quantdask-restart-{address}").start()
-        return
-    try:
-        status = client.restart_workers([address], timeout=120, raise_for_error=False)
-    except Exception as error:  # noqa: BLE001 - the worker may be gone already
-        status = {address: repr(error)}
-    if status.get(address) != "OK":
-        log.warning("restarting worker %s: %s", address, status.get(address))
-
-
-def retire_worker(client: Client, name: str) -> bool:
-    """Retire the worker called ``name`` for good, unless it is the last; True if retired."""
-    workers = live_workers(client)
-    addresses = [a for a, n in workers.items() if n == name]
-    if len(workers) <= 1 or not addresses:
-        return False
-    client.retire_workers(addresses, close_workers=True)
-    return True

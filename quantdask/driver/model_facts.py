@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from quantdask.backends.base import ModelFacts
-from quantdask.cluster.local import cuda_device_count
+from quantdask.cluster.operations import cuda_device_count
 from quantdask.spec.sweep import Job
 
 log = logging.getLogger("quantdask.model_facts")

@@ -24,7 +24,8 @@ from distributed import Client
 from quantdask.backends import BASELINE, get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.errors import PlacementError
-from quantdask.spec.sweep import DEVICE_MEMORY, EvalSettings, Job
+from quantdask.spec.settings import EvalSettings
+from quantdask.spec.sweep import DEVICE_MEMORY, Job
 from quantdask.worker.logits import SLICE_BUDGET_BYTES
 
 log = logging.getLogger("quantdask.placement")

@@ -72,7 +72,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     ``unsupported``), the reason for an unsupported one, and its estimated device memory and
     duration (see the module docstring)."""
     from quantdask.store.run_store import RunStore
-    from quantdask.worker.job import quiet_libraries
+    from quantdask.worker.runtime import quiet_libraries
 
     quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
     jobs = expand_grid(sweep)

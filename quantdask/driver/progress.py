@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantdask.util import atomic_write, utcnow
+
 PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0
 RECENT_FAILURES = 5
@@ -42,9 +44,6 @@ def describe_result(record: dict) -> str:
     message = (record.get("error_message") or "").strip().splitlines()
     return f"{record.get('error_class')}: {message[0] if message else ''}"
 
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
 
 
 @dataclass
@@ -85,7 +84,7 @@ class SweepProgress:
     slots: int = 1
     workers: list[str] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)  # worker -> its device
-    started_at: str = field(default_factory=lambda: _now().isoformat())
+    started_at: str = field(default_factory=lambda: utcnow().isoformat())
     updated_at: str = ""
     finished: bool = False
     completed: bool = False  # finished with every job settled (not an error or an interrupt)
@@ -108,7 +107,7 @@ class SweepProgress:
     def _event(self, text: str) -> None:
         """Note a line for plain logs and watchers (call under the lock)."""
         seq = self.events[-1]["seq"] + 1 if self.events else 1
-        self.events.append({"seq": seq, "at": _now().isoformat(), "text": text})
+        self.events.append({"seq": seq, "at": utcnow().isoformat(), "text": text})
         del self.events[:-EVENTS_KEPT]
 
     # -- updates, from the driver (any thread) --------------------------------------------
@@ -129,7 +128,7 @@ class SweepProgress:
         with self._lock:
             self.queued.pop(job_id, None)
             self.running[key] = RunningJob(key, job_id, label, priority, attempt, worker,
-                                           _now().isoformat())
+                                           utcnow().isoformat())
             self._event(f"start   {label} (attempt {attempt}, priority {priority}) on worker "
                         f"{worker}")
 
@@ -155,7 +154,7 @@ class SweepProgress:
             if running is not None and record["status"] == "done":
                 # Only done attempts set the pace: a skip or a crash is no measure of a job.
                 started = dt.datetime.fromisoformat(running.started_at)
-                self.done_seconds += (_now() - started).total_seconds()
+                self.done_seconds += (utcnow() - started).total_seconds()
                 self.done_attempts += 1
             if final:
                 self.queued.pop(job_id, None)
@@ -165,7 +164,7 @@ class SweepProgress:
                 self._event(f"done    {label} (attempt {attempt}){where}: "
                             f"{describe_result(record)}")
                 return
-            failure = FailureLine(_now().isoformat(), job_id, label, attempt,
+            failure = FailureLine(utcnow().isoformat(), job_id, label, attempt,
                                   record.get("failure_class") or "job_error",
                                   describe_result(record), retrying=not final)
             self.failures.append(failure)
@@ -199,7 +198,7 @@ class SweepProgress:
             return 0.0
         if not self.done_attempts:
             return None
-        now = now or _now()
+        now = now or utcnow()
         mean = self.done_seconds / self.done_attempts
         with self._lock:
             elapsed = [(now - dt.datetime.fromisoformat(r.started_at)).total_seconds()
@@ -254,11 +253,9 @@ class SweepProgress:
         if not force and now - self._written < WRITE_EVERY_S:
             return
         self._written = now
-        self.updated_at = _now().isoformat()
-        path = Path(self.run_dir) / PROGRESS_FILE
-        tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        self.updated_at = utcnow().isoformat()
+        body = json.dumps(self.to_dict(), indent=1).encode()
+        atomic_write(Path(self.run_dir) / PROGRESS_FILE, lambda f: f.write(body), durable=False)
 
 
 def read_progress(run_dir: str | os.PathLike) -> SweepProgress | None:

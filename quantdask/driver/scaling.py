@@ -14,7 +14,8 @@ from typing import Any
 
 import polars as pl
 
-from quantdask.cluster.local import cuda_device_count, start_cluster
+from quantdask.cluster.local import start_cluster
+from quantdask.cluster.operations import cuda_device_count
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import RunDirError, SpecError
 from quantdask.spec.sweep import Sweep

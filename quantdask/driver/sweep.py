@@ -29,7 +29,13 @@ from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
-from quantdask.cluster.local import cluster_capacity, live_workers, restart_worker, retire_worker
+from quantdask.cluster.operations import (
+    cluster_capacity,
+    live_workers,
+    restart_worker,
+    retire_worker,
+)
+from quantdask.driver.artifacts import prune_to_pareto
 from quantdask.driver.placement import Placement, advertised_memory, place_jobs, workers_with_room
 from quantdask.driver.policy import (
     Grace,
@@ -40,14 +46,15 @@ from quantdask.driver.policy import (
     stranded,
 )
 from quantdask.driver.progress import SweepProgress
+from quantdask.driver.references import ModelReferences
 from quantdask.driver.retry import DeviceHealth, RetryDecision, decide
 from quantdask.errors import UnsupportedHere
 from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
-from quantdask.worker.artifacts import prune_to_pareto
+from quantdask.util import utcnow
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
-from quantdask.worker.job import JOB_START_TOPIC, failure_class_of, run_job
-from quantdask.worker.reference import ModelReferences
+from quantdask.worker.job import failure_class_of, run_job
+from quantdask.worker.runtime import JOB_START_TOPIC
 
 log = logging.getLogger("quantdask.scheduler")
 
@@ -84,15 +91,12 @@ def _label(job: Job) -> str:
     return f"{job.model.label} {job.config_label}"
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
 
 def _failed_outside(failure_class: str, error_class: str, message: str,
                     tb: str = "") -> dict[str, Any]:
     """The record of an attempt that ended outside run_job (worker lost, timed out)."""
     return {"status": "failed", "failure_class": failure_class, "error_class": error_class,
-            "error_message": message, "traceback": tb or None, "finished_at": _now(), "log": ""}
+            "error_message": message, "traceback": tb or None, "finished_at": utcnow(), "log": ""}
 
 
 class _SweepDriver:
@@ -166,7 +170,7 @@ class _SweepDriver:
         elsewhere = ([a for a, name in workers_with_room(
             self.client, job.device_memory_bytes).items() if name != avoid] if avoid else [])
         with self._lock:
-            self.attempts[key] = _Attempt(job, number, _now(), key, restricted_to=elsewhere,
+            self.attempts[key] = _Attempt(job, number, utcnow(), key, restricted_to=elsewhere,
                                           reference_key=reference.key)
         self.pending.add(self.client.submit(
             run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
@@ -182,7 +186,7 @@ class _SweepDriver:
             attempt = self.attempts.get(message["key"])
             if attempt is not None:
                 attempt.started = self.clock()
-                attempt.started_at = _now()
+                attempt.started_at = utcnow()
                 attempt.worker_address = message["address"]
                 attempt.worker_name = message["name"]
                 self.progress.job_started(attempt.key, attempt.job.id, _label(attempt.job),
@@ -294,7 +298,7 @@ class _SweepDriver:
         for key in overdue & set(unfit_references):
             log.error("reference %s: no worker has room for it", key)
             for job, number, _, _ in self.references.abandon(key):
-                self._finish(_Attempt(job, number, _now(), job.id),
+                self._finish(_Attempt(job, number, utcnow(), job.id),
                              failed("its model's reference needs", unfit_references[key]),
                              final=True)
 
@@ -384,9 +388,9 @@ class _SweepDriver:
         with self._lock:
             left = list(self.attempts.items())
             self.attempts.clear()
-        left += [(r.job.id, _Attempt(r.job, r.attempt, _now(), r.job.id))
+        left += [(r.job.id, _Attempt(r.job, r.attempt, utcnow(), r.job.id))
                  for r in self.delayed.take_all()]
-        left += [(attempt_job.id, _Attempt(attempt_job, number, _now(), attempt_job.id))
+        left += [(attempt_job.id, _Attempt(attempt_job, number, utcnow(), attempt_job.id))
                  for attempt_job, number, _, _ in self.references.take_parked()]
         self.client.cancel([Future(k, self.client) for k, _ in left])
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
@@ -418,7 +422,7 @@ class _SweepDriver:
                               self.sweep.retry_backoff_s)
             if final:
                 decision = RetryDecision(False, reason="not retried: no worker left")
-            note = (f"{_now().isoformat()} WARNING {job.id} attempt={attempt.number} "
+            note = (f"{utcnow().isoformat()} WARNING {job.id} attempt={attempt.number} "
                     f"{record['failure_class']}: {decision.reason}\n")
             self.store.append_job_log(job.id, note)
             if decision.retry:
@@ -500,7 +504,7 @@ def run_sweep(
                               placement)
         progress.run_id = driver.run_id
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
-        session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": _now(),
+        session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": utcnow(),
                    "finished_at": None, "completed": False, "workers": workers, "slots": slots,
                    "jobs_planned": len(jobs), "jobs_run": len(todo)}
         store.write_session(session)
@@ -510,7 +514,7 @@ def run_sweep(
             if sweep.artifacts is not None and sweep.artifacts.keep == "pareto":
                 prune_to_pareto(store, sweep.artifacts)
         finally:
-            store.write_session({**session, "finished_at": _now()})
+            store.write_session({**session, "finished_at": utcnow()})
             progress.finish(completed=session["completed"])
             driver.show_progress(final=True)
         ids = [job.id for job in jobs]

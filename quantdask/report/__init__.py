@@ -2,28 +2,24 @@
 and exported to one self-contained HTML file (``html``, with its kernel and template).
 
 ``from quantdask import report`` gives the chart and table functions, as the notebooks use them.
+They load on first use, so ``import quantdask`` (and the HTML export) never needs Altair.
 """
 
-from quantdask.report.charts import (
-    artifacts_table,
-    device_memory_chart,
-    failures_table,
-    job_memory_chart,
-    jobs_table,
-    layer_error_heatmap,
-    memory_chart,
-    memory_timeline_chart,
-    quality_chart,
-    scaling_chart,
-    time_breakdown_chart,
-    timeline_chart,
-    with_job_label,
-)
-from quantdask.store.summary import device_summary, pareto_frontier
+import importlib
 
-__all__ = [
-    "artifacts_table", "device_memory_chart", "device_summary", "failures_table",
-    "job_memory_chart", "jobs_table", "layer_error_heatmap", "memory_chart",
-    "memory_timeline_chart", "pareto_frontier", "quality_chart", "scaling_chart",
-    "time_breakdown_chart", "timeline_chart", "with_job_label",
-]
+_CHARTS = (
+    "artifacts_table", "device_memory_chart", "failures_table", "job_memory_chart", "jobs_table",
+    "layer_error_heatmap", "memory_chart", "memory_timeline_chart", "quality_chart",
+    "scaling_chart", "time_breakdown_chart", "timeline_chart", "with_job_label",
+)
+_SUMMARIES = ("device_summary", "pareto_frontier", "sweep_summary")
+
+__all__ = [*_CHARTS, *_SUMMARIES]
+
+
+def __getattr__(name: str):
+    if name in _CHARTS:
+        return getattr(importlib.import_module("quantdask.report.charts"), name)
+    if name in _SUMMARIES:
+        return getattr(importlib.import_module("quantdask.store.summary"), name)
+    raise AttributeError(f"module 'quantdask.report' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from typing import Any
 
 from quantdask import resources
 from quantdask.errors import QuantdaskError
-from quantdask.store.run_store import atomic_write
+from quantdask.util import atomic_write
 
 NOTEBOOKS_DIR = resources.notebooks_dir()
 """The project's notebooks (quickstart, report, scaling, memory, quality): ``notebooks/`` of a

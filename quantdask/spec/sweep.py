@@ -17,22 +17,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
-import re
-import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from quantdask.backends import BASELINE, get_backend
 from quantdask.errors import SpecError
-from quantdask.spec.text_source import DatasetSource, TextSource
-from quantdask.worker.artifacts import ArtifactSettings
-from quantdask.worker.model_source import DTYPES
+from quantdask.spec.fields import NAME, positive_int, require
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang")
-DEFAULT_KL_TOP_K = 64
-"""The reference's tokens per position for KL (eval.kl_top_k), chosen by measurement: see
-benchmarks/kl_top_k.py and its figures in benchmarks/RESULTS.md."""
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
 the worker process killed (SIGKILL), or a hang past any deadline."""
 
@@ -40,234 +34,6 @@ DEVICE_MEMORY = "DEVICE_MEMORY"
 """The Dask resource a worker advertises for its device's memory in bytes (``dask worker
 --resources GPU=1,DEVICE_MEMORY=80e9``, or measured by the ``quantdask.preload`` preload)."""
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_NAME = re.compile(r"^[\w.-]+$")
-
-
-def _require(field_name: str, value: Any, kind: type | tuple, what: str) -> Any:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise SpecError(field_name, f"must be {what}, got {value!r}")
-    return value
-
-
-def _positive_int(field_name: str, value: Any, what: str = "a positive integer") -> int:
-    _require(field_name, value, int, what)
-    if value < 1:
-        raise SpecError(field_name, f"must be {what}, got {value!r}")
-    return value
-
-
-def _resolve_root(root: str) -> str:
-    return os.path.abspath(root or ".")
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def _fingerprint(directory: str) -> str:
-    """A cheap content fingerprint of a model directory (no weights are read)."""
-    digest = hashlib.sha256()
-    with open(os.path.join(directory, "config.json"), "rb") as f:
-        digest.update(f.read())
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(_WEIGHT_SUFFIXES):
-            size = os.path.getsize(os.path.join(directory, name))
-            digest.update(f"{name}:{size}".encode())
-    return digest.hexdigest()[:16]
-
-
-def _safetensors_problem(path: str) -> str | None:
-    """What is wrong with a safetensors file, from its header and size alone, or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"holds {size} bytes, less than a safetensors header"
-        header_bytes = struct.unpack("<Q", head)[0]
-        if 8 + header_bytes > size:
-            return (f"its header claims {header_bytes:,} bytes but the file holds {size:,} "
-                    "(incomplete metadata)")
-        try:
-            header = json.loads(f.read(header_bytes))
-            end = max((int(entry["data_offsets"][1]) for key, entry in header.items()
-                       if key != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError):
-            return "its header is not a safetensors header (not the JSON it should be)"
-    if 8 + header_bytes + end > size:
-        return f"holds {size:,} bytes, but its tensors need {8 + header_bytes + end:,} (truncated)"
-    return None
-
-
-def check_model_files(directory: str) -> None:
-    """Refuse a model directory with a damaged config.json or a cut-short safetensors file,
-    reading only the config and the weight files' headers (cheap, on the driver), so that a
-    broken checkpoint stops the sweep before a cluster starts instead of failing every job."""
-    config = os.path.join(directory, "config.json")
-    try:
-        with open(config, encoding="utf-8") as f:
-            json.load(f)
-    except ValueError as err:
-        raise SpecError("path", f"{config} is not valid JSON ({err}); restore the model's "
-                                "config.json") from None
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                shards = set(json.load(f)["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise SpecError("path", f"{index} is not a safetensors index (a JSON weight_map); "
-                                    "restore it") from None
-        missing = sorted(s for s in shards if not os.path.isfile(os.path.join(directory, s)))
-        if missing:
-            more = f" ({len(missing)} shards missing)" if len(missing) > 1 else ""
-            raise SpecError("path", f"{index} lists {missing[0]}, which is not in "
-                                    f"{directory}{more}; copy the whole checkpoint")
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            problem = _safetensors_problem(os.path.join(directory, name))
-            if problem:
-                raise SpecError("path", f"{os.path.join(directory, name)} {problem}; the file is "
-                                        "damaged or incomplete: copy or download it again")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model to quantize: a local directory (``path``) or a Hugging Face hub id (``hub``).
-
-    Relative paths are resolved against ``root`` (the sweep file's directory, or the current one).
-    """
-
-    path: str | None = None
-    hub: str | None = None
-    name: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    root: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        if (self.path is None) == (self.hub is None):
-            raise SpecError("path", "give exactly one of `path` (a local model directory) "
-                                    "or `hub` (a Hugging Face id such as org/name)")
-        object.__setattr__(self, "root", _resolve_root(self.root))
-        if self.path is not None:
-            _require("path", self.path, str, "a directory path")
-            if not os.path.isfile(os.path.join(self.location, "config.json")):
-                raise SpecError("path", f"no model directory at {self.location} (a directory with "
-                                        "config.json); fix the path, or use `hub:` for a hub id")
-            check_model_files(self.location)
-        else:
-            _require("hub", self.hub, str, "a hub id such as org/name")
-            if not _HUB_ID.match(self.hub):
-                raise SpecError("hub", f"must be a hub id such as org/name, got {self.hub!r}")
-        if self.name is not None and not (isinstance(self.name, str) and _NAME.match(self.name)):
-            raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
-        if self.revision is not None:
-            _require("revision", self.revision, str, "a branch, tag or commit")
-        if self.dtype not in DTYPES:
-            raise SpecError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _require("trust_remote_code", self.trust_remote_code, bool, "true or false")
-
-    @property
-    def location(self) -> str:
-        """Where transformers loads it from: an absolute directory or the hub id."""
-        return self.hub if self.hub else os.path.join(self.root, self.path)
-
-    @property
-    def label(self) -> str:
-        ref = self.hub or os.path.normpath(self.path)
-        return self.name or os.path.basename(ref.rstrip("/"))
-
-    def identity(self) -> dict:
-        """The fields that decide what the model is: for a local directory, its name and a
-        fingerprint of its files (config.json's content, each weight file's name and size), so
-        a model retrained in place gets new ids and the same model at two paths the same."""
-        if self.hub:
-            ref = {"hub": self.hub, "revision": self.revision}
-        else:
-            ref = {"path": os.path.basename(os.path.normpath(self.path)),
-                   "fingerprint": _fingerprint(self.location)}
-        return {**ref, "dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
-
-
-@dataclass(frozen=True)
-class EvalSettings(TextSource):
-    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from the eval text,
-    which is a UTF-8 text file (``text``) or a ``datasets`` dataset's text column
-    (``dataset``: see :class:`~quantdask.spec.text_source.DatasetSource`; read locally only).
-
-    ``kl_top_k``: KL divergence against the reference's ``k`` most likely tokens at each
-    position plus one bucket for the rest (a lower bound; see ``QualityMeter``), or ``"all"``
-    for the exact figure over the whole vocabulary (a reference of samples x seq_len x vocab
-    floats)."""
-
-    text: str | None = None
-    seq_len: int = 128
-    samples: int = 32
-    batch_size: int = 8
-    kl_top_k: int | str = DEFAULT_KL_TOP_K
-    dataset: DatasetSource | dict | None = None
-    root: str = field(default="", compare=False)
-    text_sha256: str = field(default="", init=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "root", _resolve_root(self.root))
-        self._read_source("eval text")
-        _positive_int("seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
-        _positive_int("samples", self.samples)
-        _positive_int("batch_size", self.batch_size)
-        if self.kl_top_k != "all":
-            _positive_int("kl_top_k", self.kl_top_k,
-                          f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
-
-    @property
-    def top_k(self) -> int | None:
-        """The reference's tokens per position (None: every token, exact KL)."""
-        return None if self.kl_top_k == "all" else self.kl_top_k
-
-    def identity(self) -> dict:
-        # batch_size only changes how the same tokens are grouped, not what is measured. The
-        # exact KL (all) is what every run measured before kl_top_k: its jobs keep their ids.
-        identity = {"text_sha256": self.text_sha256, "seq_len": self.seq_len,
-                    "samples": self.samples}
-        if self.top_k is not None:
-            identity["kl_top_k"] = self.top_k
-        return identity
-
-
-@dataclass(frozen=True)
-class CalibrationSettings(TextSource):
-    """Calibration data for the backends that fit their quantization to it (``calibrated``
-    backends such as AutoRound): ``samples`` windows of ``seq_len`` tokens at offsets drawn with
-    ``seed`` from a UTF-8 text file (``text``) or a local dataset's text column (``dataset``, as
-    for the eval). Tokenized once per model with its reference; its content, samples, seq_len
-    and seed are part of the calibrated jobs' ids (no other job's id changes)."""
-
-    text: str | None = None
-    dataset: DatasetSource | dict | None = None
-    samples: int = 128
-    seq_len: int = 2048
-    seed: int = 0
-    root: str = field(default="", compare=False)
-    text_sha256: str = field(default="", init=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "root", _resolve_root(self.root))
-        self._read_source("calibration text")
-        _positive_int("samples", self.samples)
-        _positive_int("seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
-        _require("seed", self.seed, int, "an integer")
-        if not 0 <= self.seed < 2**63:
-            raise SpecError("seed", f"must be between 0 and 2**63 - 1, got {self.seed}")
-
-    def identity(self) -> dict:
-        return {"text_sha256": self.text_sha256, "samples": self.samples,
-                "seq_len": self.seq_len, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -284,8 +50,8 @@ class BackendBlock:
         if self.backend == BASELINE:
             raise SpecError("backend", "the unquantized baseline is part of every sweep; "
                                        "remove this block")
-        _require("grid", self.grid, dict, "a mapping of option to a list of values")
-        _require("configs", self.configs, (list, tuple), "a list of option mappings")
+        require("grid", self.grid, dict, "a mapping of option to a list of values")
+        require("configs", self.configs, (list, tuple), "a list of option mappings")
         if not self.grid and not self.configs:
             raise SpecError("grid", "empty: give `grid` (option: [values]) and/or `configs`")
         for name, values in self.grid.items():
@@ -294,7 +60,7 @@ class BackendBlock:
             if not values:
                 raise SpecError(f"grid.{name}", "is an empty list; give at least one value")
         if self.priority is not None:
-            _require("priority", self.priority, int, "an integer")
+            require("priority", self.priority, int, "an integer")
         # Normalizing validates every option; the result is cached for expand_grid.
         object.__setattr__(self, "_option_sets", [
             backend.normalize(options, where) for options, where in self._raw_option_sets()
@@ -329,21 +95,21 @@ class Sweep:
     retry_backoff_s: float = 2.0
     exclude_device_after: int = 3
     faults: list[dict] = field(default_factory=list)
-    layer_stats: bool = True  # per-layer weight and output errors (see README for the cost)
+    layer_stats: bool = True  # per-layer weight and output errors (cost: docs/results.md)
     calibration: CalibrationSettings | None = None  # data for the calibrated backends
     artifacts: ArtifactSettings | None = None  # which quantized models are kept, and where
 
     def __post_init__(self):
-        if not (isinstance(self.name, str) and _NAME.match(self.name)):
+        if not (isinstance(self.name, str) and NAME.match(self.name)):
             raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
         for attr, kind, what in (("models", ModelSpec, "model"),
                                  ("backends", BackendBlock, "backend block")):
             items = getattr(self, attr)
-            _require(attr, items, (list, tuple), f"a non-empty list of {what}s")
+            require(attr, items, (list, tuple), f"a non-empty list of {what}s")
             if not items:
                 raise SpecError(attr, f"is empty; give at least one {what}")
             for i, item in enumerate(items):
-                _require(f"{attr}[{i}]", item, kind, f"a {kind.__name__}")
+                require(f"{attr}[{i}]", item, kind, f"a {kind.__name__}")
             object.__setattr__(self, attr, tuple(items))
         labels = [m.label for m in self.models]
         for i, label in enumerate(labels):
@@ -357,29 +123,29 @@ class Sweep:
                 raise SpecError(f"models[{i}]", f"is the same model as models[{first}] "
                                                 f"({labels[first]!r}: the same files and dtype), "
                                                 "so its jobs would run only once; remove one")
-        _require("eval", self.eval, EvalSettings, "the eval settings")
-        _require("seed", self.seed, int, "an integer")
+        require("eval", self.eval, EvalSettings, "the eval settings")
+        require("seed", self.seed, int, "an integer")
         if not 0 <= self.seed < 2**63:
             raise SpecError("seed", f"must be between 0 and 2**63 - 1, got {self.seed}")
-        _require("retries", self.retries, int, "an integer >= 0")
+        require("retries", self.retries, int, "an integer >= 0")
         if self.retries < 0:
             raise SpecError("retries", f"must be an integer >= 0, got {self.retries}")
-        _require("timeout_s", self.timeout_s, (int, float), "a number of seconds > 0")
+        require("timeout_s", self.timeout_s, (int, float), "a number of seconds > 0")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # also rejects NaN
             raise SpecError("timeout_s", f"must be a finite number of seconds > 0, "
                                          f"got {self.timeout_s}")
-        _require("priority", self.priority, int, "an integer")
-        _positive_int("jobs_per_gpu", self.jobs_per_gpu)
-        _require("retry_backoff_s", self.retry_backoff_s, (int, float), "a number of seconds >= 0")
+        require("priority", self.priority, int, "an integer")
+        positive_int("jobs_per_gpu", self.jobs_per_gpu)
+        require("retry_backoff_s", self.retry_backoff_s, (int, float), "a number of seconds >= 0")
         if self.retry_backoff_s < 0:
             raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
-        _positive_int("exclude_device_after", self.exclude_device_after)
-        _require("layer_stats", self.layer_stats, bool, "true or false")
+        positive_int("exclude_device_after", self.exclude_device_after)
+        require("layer_stats", self.layer_stats, bool, "true or false")
         if self.calibration is not None:
-            _require("calibration", self.calibration, CalibrationSettings,
+            require("calibration", self.calibration, CalibrationSettings,
                      "the calibration settings")
         if self.artifacts is not None:
-            _require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
+            require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
         for i, block in enumerate(self.backends):
             if get_backend(block.backend).calibrated and self.calibration is None:
                 raise SpecError(f"backends[{i}].backend",
@@ -389,13 +155,13 @@ class Sweep:
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
     def _checked_faults(self):
-        _require("faults", self.faults, (list, tuple), "a list of fault mappings")
+        require("faults", self.faults, (list, tuple), "a list of fault mappings")
         labels = {"baseline"} | {get_backend(b.backend).config_label(o)
                                  for b in self.backends for o in b.option_sets()}
         models = {m.label for m in self.models}
         for i, fault in enumerate(self.faults):
             where = f"faults[{i}]"
-            _require(where, fault, dict, "a mapping with config, kind and optionally attempt "
+            require(where, fault, dict, "a mapping with config, kind and optionally attempt "
                                          "and model")
             unknown = sorted(set(fault) - {"config", "kind", "attempt", "model"})
             if unknown:
@@ -410,7 +176,7 @@ class Sweep:
             if "model" in fault and fault["model"] not in models:
                 raise SpecError(f"{where}.model", f"no model is named {fault['model']!r}; "
                                                   f"models: {', '.join(sorted(models))}")
-            _positive_int(f"{where}.attempt", fault.get("attempt", 1))
+            positive_int(f"{where}.attempt", fault.get("attempt", 1))
             yield {"attempt": 1, **fault}
 
 

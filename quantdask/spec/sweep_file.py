@@ -12,15 +12,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import (
-    BackendBlock,
-    CalibrationSettings,
-    EvalSettings,
-    ModelSpec,
-    Sweep,
-    field_names,
-)
-from quantdask.worker.artifacts import ArtifactSettings
+from quantdask.spec.model import ModelSpec
+from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
+from quantdask.spec.sweep import BackendBlock, Sweep, field_names
 
 
 @contextmanager

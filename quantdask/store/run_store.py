@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from quantdask.store.schema import (
     rows_to_frame,
     validate_record,
 )
+from quantdask.util import atomic_write
 
 FINAL_STATUSES = ("done",)
 """Statuses a rerun keeps. Failed jobs are tried again by the next run of their sweep, and so
@@ -49,32 +49,6 @@ are skipped ones: what is unsupported depends on the machine (a library installe
 
 _SAFE_NAME = re.compile(r"[^\w.-]+")
 log = logging.getLogger("quantdask.store")
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)  # read once: mkstemp makes files private, a report is there to be shared
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~_UMASK)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        # The rename itself must reach the disk too, or a power cut can forget it.
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_parquet(path: Path, frame: pl.DataFrame) -> None:

@@ -22,61 +22,16 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from quantdask.errors import SpecError
-
 if TYPE_CHECKING:
-    import polars as pl
 
-    from quantdask.store.run_store import RunStore
+    from quantdask.spec.settings import ArtifactSettings
 
 log = logging.getLogger("quantdask.job")
 
-KEEP = ("none", "done", "pareto")
 VERIFY_WINDOWS = 4
 """Eval windows the reload check measures KL on, for the reloaded and the in-memory model."""
-
-
-@dataclass(frozen=True)
-class ArtifactSettings:
-    """Whether and where done jobs' quantized models are kept (see the module). ``shared``:
-    the user's word that a local ``to`` is on storage every worker machine sees (needed with
-    ``--scheduler``)."""
-
-    keep: str = "none"
-    to: str | None = None
-    verify: bool = False
-    required: bool = False
-    shared: bool = False
-    root: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        if self.keep not in KEEP:
-            raise SpecError("keep", f"must be one of {', '.join(KEEP)}, got {self.keep!r}")
-        for name in ("verify", "required", "shared"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
-        if self.keep != "none" and not (isinstance(self.to, str) and self.to):
-            raise SpecError("to", f"is required with keep: {self.keep}: a directory, or an "
-                                  "fsspec URL such as s3://bucket/prefix")
-        object.__setattr__(self, "root", os.path.abspath(self.root or "."))
-
-    @property
-    def enabled(self) -> bool:
-        return self.keep != "none"
-
-    @property
-    def is_url(self) -> bool:
-        return "://" in (self.to or "")
-
-    def location(self, job_id: str) -> str:
-        """Where ``job_id``'s artifact goes: a local path or a URL."""
-        if self.is_url:
-            return f"{self.to.rstrip('/')}/{job_id}"
-        return os.path.join(self.root, self.to, job_id)
-
 
 def directory_digest(directory: str) -> tuple[str, int]:
     """(sha256, bytes) of a saved model directory: the sha256 of its manifest, one line
@@ -167,38 +122,3 @@ def reload_kl_delta(model, directory: str, reference, batch_size: int, device: s
     del reloaded
     before = quality(model, windows, distribution, batch_size, device)["kl_divergence"]
     return after - before
-
-
-def dominated(results: pl.DataFrame) -> list[str]:
-    """Job ids of done jobs with a kept artifact that another such job of the same model
-    dominates: no larger (``size_bytes``) and no worse (``kl_divergence``), better in one."""
-    import polars as pl
-
-    from quantdask.store.summary import pareto_frontier
-
-    kept = results.filter(pl.col("artifact_kept").fill_null(False))
-    frontier = pareto_frontier(kept, cost="size_bytes")
-    return frontier.filter(~pl.col("pareto"))["job_id"].to_list()
-
-
-def prune_to_pareto(store: RunStore, settings: ArtifactSettings) -> list[str]:
-    """Delete the artifacts of the dominated jobs (:func:`dominated`) and record them as not
-    kept (``artifact_kept`` false, the location and digest stay as a record of what was
-    made); return their job ids."""
-    results = store.read_results()
-    pruned = dominated(results)
-    for row in results.filter(results["job_id"].is_in(pruned)).iter_rows(named=True):
-        location = settings.location(row["job_id"])
-        if settings.is_url:
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(location)
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        else:
-            shutil.rmtree(location, ignore_errors=True)
-        store.write_result({k: v for k, v in {**row, "artifact_kept": False}.items()
-                            if v is not None})
-        logging.getLogger("quantdask.artifacts").info(
-            "artifact of %s deleted: off the size/KL Pareto frontier", row["job_id"])
-    return pruned

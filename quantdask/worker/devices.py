@@ -75,7 +75,6 @@ def nvml_uuid(cuda_index: int = 0) -> str:
     is."""
     import torch
 
-    from quantdask.worker.metrics import physical_gpu_id
 
     visible = physical_gpu_id(cuda_index)
     if visible.startswith(("GPU-", "MIG-")):
@@ -86,7 +85,6 @@ def nvml_uuid(cuda_index: int = 0) -> str:
 def cuda_probe(cuda_index: int = 0, nvml: Any = None) -> NvmlProbe:
     """The NVML probe of this process's ``cuda_index``-th CUDA device, labelled as results
     label it (``cuda:<id in CUDA_VISIBLE_DEVICES>``)."""
-    from quantdask.worker.metrics import physical_gpu_id
 
     return NvmlProbe(nvml_uuid(cuda_index), nvml=nvml,
                      device=f"cuda:{physical_gpu_id(cuda_index)}")
@@ -240,3 +238,13 @@ def drain_this_worker() -> list[dict[str, Any]]:
     """For ``client.run``: the calling worker's undrained samples."""
     sampler = this_workers_sampler()
     return sampler.drain() if sampler is not None else []
+
+
+def physical_gpu_id(local_index: int = 0) -> str:
+    """The physical id of this process's ``local_index``-th GPU, respecting CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if local_index < len(ids):
+            return ids[local_index]
+    return str(local_index)

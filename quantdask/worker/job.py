@@ -9,12 +9,10 @@ configs pays the cold start once.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import io
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from quantdask.errors import JobTimeout, UnsupportedHere
+from quantdask.util import utcnow
 from quantdask.worker import cpu_share
 from quantdask.worker.artifacts import keep_artifact
 from quantdask.worker.calibration import Calibration
@@ -34,10 +33,10 @@ from quantdask.worker.metrics import (
     PeakMemory,
     Stopwatch,
     model_size_bytes,
-    physical_gpu_id,
     quality,
 )
 from quantdask.worker.model_source import cached_model_source
+from quantdask.worker.runtime import announce_start, quiet_libraries, torch_device
 
 if TYPE_CHECKING:
     from quantdask.backends.base import Backend
@@ -46,66 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quantdask.job")
 
-JOB_START_TOPIC = "quantdask-job-start"
-"""Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
-
 PROBE_WINDOWS = 4
 """Eval windows in the probe batch that per-layer output error is measured on."""
-
-
-def announce_start() -> tuple[str, str]:
-    """Tell the driver the running task (a job attempt or a reference) began, so its deadline
-    starts now; returns (worker name, host)."""
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
-        return "local", socket.gethostname()
-    worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
-                                       "address": worker.address, "name": str(worker.name)})
-    return str(worker.name), socket.gethostname()
-
-
-def torch_device() -> tuple[str, str, bool]:
-    """(torch device, recorded device label with the physical GPU id, is CUDA)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda:0", f"cuda:{physical_gpu_id(0)}", True
-    return "cpu", "cpu", False
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-# Library notices that are noise, not news: bitsandbytes logs one per 8-bit matmul of a float32
-# model, and one saying its optional hub-downloaded CPU kernel is absent (we want it so);
-# torchao (imported by transformers when installed) says its CUDA-only extensions are absent.
-_LIBRARY_NOISE = {
-    "bitsandbytes.autograd._functions": "inputs will be cast",
-    "bitsandbytes.backends.cpu.ops": "from kernels-community",
-    "torchao": "Failed to load",
-    "torchao.kernel.intmm": "Detected no triton",
-    "torch.utils._pytree": "is an Enum subclass",
-}
-
-
-def _drop_library_noise(record: logging.LogRecord) -> bool:
-    return _LIBRARY_NOISE.get(record.name, "\0") not in record.getMessage()
-
-
-def quiet_libraries() -> None:
-    """Silence progress bars and known notices of transformers, bitsandbytes and torchao."""
-    for name in _LIBRARY_NOISE:
-        logger = logging.getLogger(name)
-        if _drop_library_noise not in logger.filters:
-            logger.addFilter(_drop_library_noise)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 def inject_fault(kind: str, attempt: int) -> None:
@@ -172,7 +113,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     log.setLevel(logging.INFO)
     worker, host = announce_start()
     began = time.monotonic()  # the deadline counts from here, as the driver's does
-    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": _now(), "layers": []}
+    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": utcnow(), "layers": []}
     sampler = this_workers_sampler()
     if sampler is not None:  # mark the job's samples, and take one even if the job is short
         sampler.job_started(job.id)
@@ -292,11 +233,11 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         # must not depend on how busy the driver was. The measurements are dropped with it.
         late = JobTimeout("the attempt", elapsed, job.timeout_s)
         log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
-        buffer.write(f"{_now().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
+        buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
         record = {k: record[k] for k in ("worker", "host", "started_at", "device",
                                          "device_samples") if k in record}
         record.update(status="failed", failure_class="timeout", error_class="JobTimeout",
                       error_message=str(late), layers=[])
-    record["finished_at"] = _now()
+    record["finished_at"] = utcnow()
     record["log"] = buffer.getvalue()
     return record

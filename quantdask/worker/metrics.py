@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
+
+from quantdask.backends.base import tensor_nbytes
 
 if TYPE_CHECKING:
     import torch
@@ -168,17 +169,6 @@ def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
     return total
 
 
-def tensor_nbytes(tensor) -> int:
-    """Bytes a tensor stores; for a tensor subclass (torchao), the sum of its inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_nbytes(getattr(tensor, n)) for n in names
-                   if getattr(tensor, n) is not None)
-    return tensor.numel() * tensor.element_size()
-
-
 def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tensor:
     """The first ``samples`` non-overlapping windows of ``seq_len`` tokens, as a 2-D tensor."""
     import torch
@@ -302,13 +292,3 @@ def quality(model: torch.nn.Module, windows: torch.Tensor,
     for piece in sliced_log_probs(model, windows, batch_size, device):
         meter.add(piece.rows, piece.positions, piece.log_probs)
     return meter.scores()
-
-
-def physical_gpu_id(local_index: int = 0) -> str:
-    """The physical id of this process's ``local_index``-th GPU, respecting CUDA_VISIBLE_DEVICES."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if local_index < len(ids):
-            return ids[local_index]
-    return str(local_index)

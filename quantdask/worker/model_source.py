@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from quantdask.spec.sweep import ModelSpec
+    from quantdask.spec.model import ModelSpec
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 MODEL_CACHE_SIZE = 4
 """Models whose config and tokenizer a worker process keeps (least recently used dropped)."""

@@ -1,0 +1,136 @@
+"""How a sweep measures and keeps: the eval (windows, reference top-k), the calibration text of
+calibrated backends, and where done jobs' quantized models are saved."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from quantdask.errors import SpecError
+from quantdask.spec.fields import positive_int, require, resolve_root
+from quantdask.spec.text_source import DatasetSource, TextSource
+
+DEFAULT_KL_TOP_K = 64
+"""The reference's tokens per position for KL (eval.kl_top_k), chosen by measurement: see
+benchmarks/kl_top_k.py and its figures in benchmarks/RESULTS.md."""
+
+
+@dataclass(frozen=True)
+class EvalSettings(TextSource):
+    """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from the eval text,
+    which is a UTF-8 text file (``text``) or a ``datasets`` dataset's text column
+    (``dataset``: see :class:`~quantdask.spec.text_source.DatasetSource`; read locally only).
+
+    ``kl_top_k``: KL divergence against the reference's ``k`` most likely tokens at each
+    position plus one bucket for the rest (a lower bound; see ``QualityMeter``), or ``"all"``
+    for the exact figure over the whole vocabulary (a reference of samples x seq_len x vocab
+    floats)."""
+
+    text: str | None = None
+    seq_len: int = 128
+    samples: int = 32
+    batch_size: int = 8
+    kl_top_k: int | str = DEFAULT_KL_TOP_K
+    dataset: DatasetSource | dict | None = None
+    root: str = field(default="", compare=False)
+    text_sha256: str = field(default="", init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", resolve_root(self.root))
+        self._read_source("eval text")
+        positive_int("seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
+        positive_int("samples", self.samples)
+        positive_int("batch_size", self.batch_size)
+        if self.kl_top_k != "all":
+            positive_int("kl_top_k", self.kl_top_k,
+                          f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
+
+    @property
+    def top_k(self) -> int | None:
+        """The reference's tokens per position (None: every token, exact KL)."""
+        return None if self.kl_top_k == "all" else self.kl_top_k
+
+    def identity(self) -> dict:
+        # batch_size only changes how the same tokens are grouped, not what is measured. The
+        # exact KL (all) is what every run measured before kl_top_k: its jobs keep their ids.
+        identity = {"text_sha256": self.text_sha256, "seq_len": self.seq_len,
+                    "samples": self.samples}
+        if self.top_k is not None:
+            identity["kl_top_k"] = self.top_k
+        return identity
+
+
+@dataclass(frozen=True)
+class CalibrationSettings(TextSource):
+    """Calibration data for the backends that fit their quantization to it (``calibrated``
+    backends such as AutoRound): ``samples`` windows of ``seq_len`` tokens at offsets drawn with
+    ``seed`` from a UTF-8 text file (``text``) or a local dataset's text column (``dataset``, as
+    for the eval). Tokenized once per model with its reference; its content, samples, seq_len
+    and seed are part of the calibrated jobs' ids (no other job's id changes)."""
+
+    text: str | None = None
+    dataset: DatasetSource | dict | None = None
+    samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+    root: str = field(default="", compare=False)
+    text_sha256: str = field(default="", init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", resolve_root(self.root))
+        self._read_source("calibration text")
+        positive_int("samples", self.samples)
+        positive_int("seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise SpecError("seq_len", f"must be at least 2 tokens, got {self.seq_len}")
+        require("seed", self.seed, int, "an integer")
+        if not 0 <= self.seed < 2**63:
+            raise SpecError("seed", f"must be between 0 and 2**63 - 1, got {self.seed}")
+
+    def identity(self) -> dict:
+        return {"text_sha256": self.text_sha256, "samples": self.samples,
+                "seq_len": self.seq_len, "seed": self.seed}
+
+
+KEEP = ("none", "done", "pareto")
+
+
+@dataclass(frozen=True)
+class ArtifactSettings:
+    """Whether and where done jobs' quantized models are kept (see the module). ``shared``:
+    the user's word that a local ``to`` is on storage every worker machine sees (needed with
+    ``--scheduler``)."""
+
+    keep: str = "none"
+    to: str | None = None
+    verify: bool = False
+    required: bool = False
+    shared: bool = False
+    root: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.keep not in KEEP:
+            raise SpecError("keep", f"must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        for name in ("verify", "required", "shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.keep != "none" and not (isinstance(self.to, str) and self.to):
+            raise SpecError("to", f"is required with keep: {self.keep}: a directory, or an "
+                                  "fsspec URL such as s3://bucket/prefix")
+        object.__setattr__(self, "root", os.path.abspath(self.root or "."))
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep != "none"
+
+    @property
+    def is_url(self) -> bool:
+        return "://" in (self.to or "")
+
+    def location(self, job_id: str) -> str:
+        """Where ``job_id``'s artifact goes: a local path or a URL."""
+        if self.is_url:
+            return f"{self.to.rstrip('/')}/{job_id}"
+        return os.path.join(self.root, self.to, job_id)

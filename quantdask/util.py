@@ -1,0 +1,64 @@
+"""Small helpers every layer uses: one clock reading for records, one atomic write, one way to
+format durations and byte counts. Standard library only, so any module may import it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import tempfile
+from pathlib import Path
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: mkstemp makes files private, a report is there to be shared
+
+
+def utcnow() -> dt.datetime:
+    """Now, timezone-aware in UTC: every timestamp quantdask records."""
+    return dt.datetime.now(dt.UTC)
+
+
+def atomic_write(path: Path, write, durable: bool = True) -> None:
+    """Write through a temporary file in the same directory, then rename: all or nothing.
+
+    ``write`` gets the open binary file. ``durable`` syncs the file and the rename to disk (a
+    record); a live view that is rewritten every second skips it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if durable:  # the rename itself must reach the disk too, or a power cut can forget it
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def format_duration(seconds: float | None) -> str:
+    """``0:05``, ``12:30`` or ``1:02:03``; ``-`` for unknown."""
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def format_bytes(value: int | None) -> str:
+    """``512 B``, ``1.5 MiB``, ``3.2 GiB``; ``-`` for unknown."""
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

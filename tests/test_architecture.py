@@ -1,0 +1,98 @@
+"""The package's shape holds: imports point one way (the import-linter contract in
+pyproject.toml), no import cycles, no module past about 400 lines, and the public API imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+MAX_LINES = 420  # "about 400": a module past it has more than one role
+
+
+def _import_graph() -> dict[str, set[str]]:
+    import grimp
+
+    graph = grimp.build_graph("quantdask", exclude_type_checking_imports=True)
+    return {module: set(graph.find_modules_directly_imported_by(module))
+            for module in graph.modules}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_imports_point_one_way():
+    run = subprocess.run([str(LINT_IMPORTS)], cwd=REPO, capture_output=True, text=True,
+                         timeout=110)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 kept, 0 broken" in run.stdout
+
+
+@pytest.mark.timeout(60)
+def test_no_import_cycle():
+    graph = _import_graph()
+    assert "quantdask.driver.sweep" in graph and "quantdask.worker.job" in graph
+    assert _cycles(graph) == []
+
+
+@pytest.mark.timeout(10)
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+@pytest.mark.timeout(10)
+def test_no_module_is_past_about_400_lines():
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "quantdask").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+@pytest.mark.timeout(60)
+def test_every_public_name_imports():
+    import quantdask as qd
+
+    missing = [name for name in qd.__all__ if not hasattr(qd, name)]
+    assert missing == [] and len(qd.__all__) == len(set(qd.__all__))
+    from quantdask import report
+    from quantdask.cluster import slurm_cluster  # the SLURM recipe's import
+
+    assert callable(slurm_cluster)
+    assert all(callable(getattr(report, name)) for name in report.__all__)
