@@ -170,9 +170,9 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
 @pytest.mark.timeout(240)
 def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_path,
                                                                monkeypatch):
-    import quantdask.driver.sweep
+    import quantdask.driver.loop
 
-    monkeypatch.setattr(quantdask.driver.sweep, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
     nodes, address = two_nodes  # node-1, taken away below: this test comes last of the three
     wait_for_workers(address, {"node-1"})
     data = sweep_dict(name="gone", retries=1, backends=[
@@ -263,13 +263,13 @@ def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_
     from tiny_families import build_tiny
 
     import quantdask.backends
-    import quantdask.driver.sweep
+    import quantdask.driver.loop
     from quantdask.demo_model import DEMO_MODEL_DIR
     from quantdask.driver.placement import advertised_memory
 
     nodes, address, add_large = placement_nodes
     add_large()  # there already when the test above ran first
-    monkeypatch.setattr(quantdask.driver.sweep, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
         quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
     tiny = build_tiny("llama", tmp_path / "tiny")

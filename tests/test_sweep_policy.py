@@ -376,3 +376,47 @@ def test_a_done_job_clears_the_devices_streak():
     health.failed("w1", "j2", "job_error")
     assert health.succeeded("w2", "j1") == [] and health.succeeded("w2", "j2") == []
     assert health.excluded == {}
+
+
+# The attempt table and the recorder ---------------------------------------------------------
+
+def test_the_attempt_table_settles_each_attempt_once(jobs):
+    from quantdask.driver.attempts import Attempt, AttemptTable
+    from quantdask.util import utcnow
+
+    table = AttemptTable()
+    for number, (config, key) in enumerate([("nf4", "a"), ("fp4", "b"), ("baseline", "c")], 1):
+        table.add(Attempt(jobs[config], number, utcnow(), key))
+    assert table.note_start("b", 5.0, "tcp://w1", "w1").worker_name == "w1"
+    assert table.note_start("not-an-attempt", 5.0, "tcp://w1", "w1") is None
+    assert set(table.waiting()) == {"a", "c"} and set(table.running()) == {"b"}
+    # A selection sees the table as it is and takes only what it picks.
+    taken = table.take(lambda t: [k for k, a in t.items() if a.started is None and k != "c"])
+    assert [key for key, _ in taken] == ["a"]
+    assert table.pop("a") is None and table.take(lambda t: ["a"]) == []  # never twice
+    assert sorted(key for key, _ in table.take_all()) == ["b", "c"]
+    assert table.take_all() == []
+
+
+def test_the_recorder_writes_the_attempt_the_decision_and_the_result(jobs, tmp_path):
+    from quantdask.driver.attempts import Attempt, failed_outside
+    from quantdask.driver.recorder import Recorder
+    from quantdask.store.run_store import RunStore
+    from quantdask.util import utcnow
+
+    store = RunStore(tmp_path / "run").create()
+    recorder = Recorder(store, "run-1")
+    attempt = Attempt(jobs["nf4"], 2, utcnow(), "key-2")
+    record = {**failed_outside("timeout", "JobTimeout", "no result after 30s"), "worker": "w1"}
+    recorder.attempt(attempt, record)
+    recorder.decision(attempt, "timeout", "not retried: no attempts left")
+    recorder.result(attempt, record, layers=[])
+    row = store.read_attempts().row(0, named=True)
+    assert (row["run_id"], row["job_id"], row["attempt"], row["key"], row["worker"]) == \
+        ("run-1", jobs["nf4"].id, 2, "key-2", "w1")
+    assert (row["failure_class"], row["eval_batch_size"]) == ("timeout",
+                                                              jobs["nf4"].eval.batch_size)
+    result = store.read_results().row(0, named=True)
+    assert (result["status"], result["attempts"], result["config_label"]) == ("failed", 2, "nf4")
+    log = (store.job_logs_dir / f"{jobs['nf4'].id}.log").read_text()
+    assert "attempt=2 timeout: not retried: no attempts left" in log

@@ -1,0 +1,388 @@
+"""The driver's loop over one sweep session: submit every attempt, collect outcomes as they
+complete, and act on what the policy (``policy``, ``retry``) decides, with the attempts in an
+``AttemptTable`` and every record written by the ``Recorder``. Dask's scheduler places the
+attempts by resources and priority; this loop only does the client and disk I/O."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from typing import Any
+
+import cloudpickle
+from distributed import Client, Future, as_completed
+from distributed.scheduler import KilledWorker
+
+from quantdask.backends import get_backend
+from quantdask.cluster.operations import (
+    cluster_capacity,
+    live_workers,
+    restart_worker,
+    retire_worker,
+)
+from quantdask.driver.attempts import Attempt, AttemptTable, failed_outside, label
+from quantdask.driver.placement import Placement, advertised_memory, workers_with_room
+from quantdask.driver.policy import (
+    Grace,
+    RetryQueue,
+    WorkerWatch,
+    past_deadline,
+    requeue_uncounted,
+    stranded,
+)
+from quantdask.driver.progress import SweepProgress
+from quantdask.driver.recorder import Recorder
+from quantdask.driver.references import ModelReferences
+from quantdask.driver.retry import DeviceHealth, RetryDecision, decide
+from quantdask.errors import UnsupportedHere
+from quantdask.spec.sweep import Job, Sweep
+from quantdask.store.run_store import RunStore
+from quantdask.util import utcnow
+from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
+from quantdask.worker.job import failure_class_of, run_job
+from quantdask.worker.runtime import JOB_START_TOPIC
+
+log = logging.getLogger("quantdask.scheduler")
+
+POLL_S = 0.05
+"""How often the driver checks deadlines and due retries while no result is ready."""
+
+PROGRESS_EVERY_S = 0.25
+"""How often the live progress is shown (and written, at most once a second)."""
+
+NO_WORKERS_GRACE_S = 120.0
+"""How long a sweep waits for workers to come back when none is left before failing the rest."""
+
+MAX_REQUEUES = 10
+"""Times a job may be put back in the queue, uncounted, because the worker it waited on died
+(other jobs' crashes spend it too, so it is generous; it only bounds a job that kills its
+worker before its start is announced)."""
+
+
+class SweepDriver:
+    """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
+
+    def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result,
+                 progress: SweepProgress, on_progress, placement: Placement,
+                 clock: Callable[[], float] = time.monotonic):
+        self.client = client
+        self.clock = clock  # every deadline, backoff and grace is measured on it
+        self.placement = placement
+        self.store = store
+        self.sweep = sweep
+        self.on_result = on_result
+        self.progress = progress
+        self.on_progress = on_progress
+        self._progress_shown = 0.0
+        self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+        self.attempts = AttemptTable()
+        self.recorder = Recorder(store, self.run_id)
+        self.references = ModelReferences(client, self.run_id, placement.reference_resources,
+                                          clock, slots=lambda: cluster_capacity(
+                                              client, sweep.jobs_per_gpu)[1])
+        self.delayed = RetryQueue()
+        self.health = DeviceHealth(limit=sweep.exclude_device_after)
+        self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)
+        self.requeues: dict[str, int] = {}
+        self._submissions = 0
+        self._backends: dict[str, bytes] = {}
+        self._next_stranded_check = 0.0
+        self._workers = WorkerWatch(NO_WORKERS_GRACE_S)
+        self._submitted: set[str] = set()
+        self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
+
+    def _pickled_backend(self, name: str) -> bytes:
+        if name not in self._backends:
+            self._backends[name] = cloudpickle.dumps(get_backend(name))
+        return self._backends[name]
+
+    def submit(self, job: Job, number: int, avoid: str | None = None) -> None:
+        """Submit an attempt of ``job``; a retry runs on workers other than ``avoid`` (the one
+        its last attempt failed on) when there are others with room for it.
+
+        An attempt whose model reference is still being computed waits here until it is done
+        (see ``_release_parked``)."""
+        job = self.placement.capped(job)
+        reference = self.references.future_for(job)
+        self.progress.job_queued(job.id, label(job), job.priority)
+        if not reference.done():
+            self.references.park(job, number, avoid, reference)
+            return
+        self._submit_attempt(job, number, avoid, reference)
+
+    def _release_parked(self) -> None:
+        """Submit the attempts whose reference is done (see ``ModelReferences.unpark_done``),
+        the reference copied first to the workers with room for the smallest of them."""
+        def with_room(jobs: list[Job]) -> list[str]:
+            return list(workers_with_room(self.client,
+                                          min(j.device_memory_bytes for j in jobs)))
+
+        for job, number, avoid, reference in self.references.unpark_done(with_room):
+            self._submit_attempt(job, number, avoid, reference)
+
+    def _submit_attempt(self, job: Job, number: int, avoid: str | None,
+                        reference: Future) -> None:
+        # A Dask key names one computation: each resubmission needs a key of its own, or Dask
+        # hands back the earlier (failed) result.
+        self._submissions += 1
+        key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
+        self._submitted.add(job.id)
+        elsewhere = ([a for a, name in workers_with_room(
+            self.client, job.device_memory_bytes).items() if name != avoid] if avoid else [])
+        self.attempts.add(Attempt(job, number, utcnow(), key, restricted_to=elsewhere,
+                                  reference_key=reference.key))
+        self.pending.add(self.client.submit(
+            run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
+            resources=job.resources, priority=job.priority, pure=False, retries=0,
+            workers=elsewhere or None,
+        ))
+
+    def _on_job_start(self, event) -> None:
+        # Runs on the client's event loop thread: only note when and where a task began (again,
+        # if a scheduler of its own re-ran it after a worker died).
+        _, message = event
+        attempt = self.attempts.note_start(message["key"], self.clock(), message["address"],
+                                           message["name"])
+        if attempt is not None:
+            self.progress.job_started(attempt.key, attempt.job.id, label(attempt.job),
+                                      attempt.job.priority, attempt.number, message["name"])
+        else:
+            self.references.started(message["key"], message["address"])
+
+    def run(self, jobs: list[Job]) -> None:
+        self.client.register_plugin(DeviceSampler())
+        # Samples from before this sweep are not its own.
+        self.client.run(drain_this_worker, on_error="ignore")
+        self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
+        self.client.subscribe_topic(TELEMETRY_TOPIC, self._on_telemetry)
+        try:
+            for job in jobs:
+                self.submit(job, 1)
+            while not self.pending.is_empty() or self.delayed or self.references.parked:
+                ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
+                for future, result in ready:
+                    self._collect(future, result)
+                self._release_parked()
+                self._enforce_deadlines()
+                self._submit_due_retries()
+                self._release_stranded()
+                self._give_up_without_workers()
+                self.show_progress()
+                if not ready:
+                    time.sleep(POLL_S)
+        except BaseException:
+            # On an error (or an interrupt in a notebook) nothing may keep running unseen.
+            self._take_and_cancel(lambda table: list(table))
+            self.client.cancel(self.references.all_futures())
+            raise
+        finally:
+            self.client.unsubscribe_topic(JOB_START_TOPIC)
+            self.client.unsubscribe_topic(TELEMETRY_TOPIC)
+            self.references.release()
+        # The idle time since each worker's last job.
+        for samples in self.client.run(drain_this_worker, on_error="ignore").values():
+            self.recorder.samples(samples)
+
+    def _take_and_cancel(self, select) -> list[tuple[str, Attempt]]:
+        """Take the attempts ``select`` picks out of the table and cancel their futures."""
+        taken = self.attempts.take(select)
+        if taken:
+            self.client.cancel([Future(key, self.client) for key, _ in taken])
+        return taken
+
+    def _on_telemetry(self, event) -> None:
+        _, sample = event  # on the client's event loop thread: note it, nothing more
+        self.progress.telemetry(sample["name"], sample["device"], sample.get("job_id"),
+                                sample.get("memory_used_bytes"))
+
+    def show_progress(self, final: bool = False) -> None:
+        """Write ``progress.json`` and call ``on_progress``, a few times a second at most."""
+        now = self.clock()
+        if not final and now - self._progress_shown < PROGRESS_EVERY_S:
+            return
+        self._progress_shown = now
+        try:
+            self.progress.write(force=final)
+            if self.on_progress is not None:
+                # A copy: the view may read it from its own thread while this one goes on.
+                self.on_progress(self.progress.snapshot())
+        except Exception as error:  # noqa: BLE001 - a view must never stop the sweep
+            log.error("progress not shown: %s", error)
+
+    def _release_stranded(self) -> None:
+        """Resubmit, unrestricted, a waiting retry whose allowed workers are all gone (a worker
+        restarted under a new address): Dask would hold it forever."""
+        now = self.clock()
+        if now < self._next_stranded_check:
+            return
+        self._next_stranded_check = now + 2.0
+        alive = set(live_workers(self.client))
+        self._workers.observe(len(alive), now)
+        lost = self._take_and_cancel(lambda table: stranded(
+            {k: a.restricted_to for k, a in table.items() if a.started is None}, alive))
+        for key, attempt in lost:
+            self.progress.attempt_dropped(key)
+            self.submit(attempt.job, attempt.number)
+        self._fail_unfit(now)
+
+    def _fail_unfit(self, now: float) -> None:
+        """Fail what no live worker has the device memory for (its large worker left): a
+        waiting attempt, or a model reference with the attempts parked on it, after
+        NO_WORKERS_GRACE_S for such a worker to come (back)."""
+        if not self.placement.largest:
+            return
+        room = max((m or 0 for m in advertised_memory(self.client).values()), default=0)
+        waiting = {k: a for k, a in self.attempts.waiting().items()
+                   if a.job.device_memory_bytes > room}
+        unfit_references = self.references.unfit(room)
+        overdue = self._unfit.overdue([*waiting, *unfit_references], now)
+
+        def failed(what: str, need: float) -> dict[str, Any]:
+            message = (f"{what} {int(need):,} bytes of device memory; no worker has had that "
+                       f"much for {NO_WORKERS_GRACE_S:g}s (the most now: {int(room):,})")
+            return failed_outside("worker_lost", "NoWorkerFits", message)
+
+        for key, attempt in self._take_and_cancel(lambda table: overdue & set(waiting)):
+            log.error("%s: no worker has room for it", key)
+            self._finish(attempt, failed("needs", attempt.job.device_memory_bytes), final=True)
+        for key in overdue & set(unfit_references):
+            log.error("reference %s: no worker has room for it", key)
+            for job, number, _, _ in self.references.abandon(key):
+                self._finish(Attempt.unsubmitted(job, number),
+                             failed("its model's reference needs", unfit_references[key]),
+                             final=True)
+
+    def _submit_due_retries(self) -> None:
+        for retry in self.delayed.pop_due(self.clock()):
+            self.submit(retry.job, retry.attempt, avoid=retry.failed_on)
+
+    def _collect(self, future: Future, result: Any) -> None:
+        """Handle one completed future; ``result`` was gathered on the client's event loop (so a
+        result whose worker dies meanwhile never blocks this loop)."""
+        attempt = self.attempts.pop(future.key)
+        # Read the status before releasing: releasing the last reference marks it cancelled.
+        status = future.status
+        future.release()
+        if attempt is None:  # an attempt already given up on (timed out) and cancelled
+            return
+        if status == "finished" and isinstance(result, dict):
+            self._finish(attempt, result)
+            return
+        error = result[1] if status == "error" else CancelledError(
+            f"{future.key} was cancelled")
+        job = attempt.job
+        lost = isinstance(error, (KilledWorker, CancelledError)) \
+            or "CommClosed" in type(error).__name__
+        cut = self.references.was_cut(attempt.reference_key)
+        if requeue_uncounted(lost, cut, started=attempt.started is not None,
+                             cancelled=isinstance(error, CancelledError),
+                             requeues=self.requeues.get(job.id, 0), max_requeues=MAX_REQUEUES):
+            # The worker it was queued on (or its reference's) died before it began, or the
+            # scheduler dropped it (a cancellation quantdask did not make): not an attempt of
+            # this job, so it is requeued uncounted.
+            self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
+            log.info("%s was dropped before it started (%s); resubmitting", job.id,
+                     type(error).__name__)
+            self.progress.attempt_dropped(future.key)
+            self.submit(job, attempt.number)
+            return
+        if cut:
+            record = failed_outside(
+                "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
+                f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted")
+        elif isinstance(error, UnsupportedHere):
+            record = {**failed_outside("unsupported", type(error).__name__, str(error)),
+                      "status": "skipped"}
+        else:
+            # A failed reference fails each of its model's jobs: one failed attempt each.
+            where = ("in its model's reference: "
+                     if self.references.failed(job, attempt.reference_key) else "")
+            record = failed_outside(
+                "worker_lost" if lost else failure_class_of(error), type(error).__name__,
+                where + (str(error) or type(error).__name__),
+                "".join(traceback.format_exception(error)))
+        record["worker"] = attempt.worker_name
+        self._finish(attempt, record)
+
+    def _enforce_deadlines(self) -> None:
+        for _, address in self.references.overdue():
+            restart_worker(self.client, address, wait=False)
+        now = self.clock()
+        late = self._take_and_cancel(lambda table: past_deadline(
+            {k: (a.started, a.job.timeout_s) for k, a in table.items() if a.started is not None},
+            now))
+        for key, attempt in late:
+            message = (f"no result after timeout_s={attempt.job.timeout_s:g}s on worker "
+                       f"{attempt.worker_name}; the worker was restarted")
+            log.warning("%s: %s", key, message)
+            restart_worker(self.client, attempt.worker_address, wait=False)
+            self._finish(attempt, {**failed_outside("timeout", "JobTimeout", message),
+                                   "worker": attempt.worker_name})
+
+    def _exclude(self, name: str) -> None:
+        """Take a worker whose device keeps failing out of rotation, unless it is the last."""
+        reason = self.health.excluded[name]
+        if retire_worker(self.client, name):
+            log.error("worker %s %s: taken out of rotation", name, reason)
+            self.recorder.excluded(name, reason)
+        else:
+            log.error("worker %s %s, but it is the last one (or gone): kept", name, reason)
+
+    def _give_up_without_workers(self) -> None:
+        """With no worker left for NO_WORKERS_GRACE_S, fail what is left instead of waiting."""
+        if not self._workers.gone(self.clock()):
+            return
+        left = self._take_and_cancel(lambda table: list(table))
+        left += [(r.job.id, Attempt.unsubmitted(r.job, r.attempt))
+                 for r in self.delayed.take_all()]
+        left += [(attempt_job.id, Attempt.unsubmitted(attempt_job, number))
+                 for attempt_job, number, _, _ in self.references.take_parked()]
+        message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
+        log.error("%s: failing %d jobs", message, len(left))
+        for _, attempt in left:
+            self._finish(attempt, failed_outside("worker_lost", "NoWorkers", message),
+                         final=True)
+
+    def _finish(self, attempt: Attempt, record: dict[str, Any], final: bool = False) -> None:
+        """Settle an attempt: record it; then retry it (a failure its class retries), or
+        record the job's result."""
+        job = attempt.job
+        samples = record.pop("device_samples", None) or []
+        layers = record.pop("layers", None) or []
+        self.recorder.attempt(attempt, record)
+        worker = record.get("worker") or attempt.worker_name
+        if record["status"] == "failed":
+            if worker:
+                self.health.failed(worker, job.id, record["failure_class"])
+            decision = decide(job, attempt.number, record["failure_class"],
+                              self.sweep.retry_backoff_s)
+            if final:
+                decision = RetryDecision(False, reason="not retried: no worker left")
+            self.recorder.decision(attempt, record["failure_class"], decision.reason)
+            if decision.retry:
+                log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
+                            record["failure_class"], record["error_class"],
+                            record["error_message"], decision.reason)
+                self.delayed.add(self.clock(), decision.delay_s, decision.job,
+                                 attempt.number + 1, worker)
+                self.progress.attempt_ended(attempt.key, job.id, label(job), attempt.number,
+                                            record, final=False)
+                self.recorder.samples(samples)
+                return
+        record = self.recorder.result(attempt, record, layers)
+        if record["status"] == "done" and worker:  # after the result is safe on disk
+            for bad in self.health.succeeded(worker, job.id):
+                try:
+                    self._exclude(bad)
+                except Exception as error:  # noqa: BLE001 - the sweep goes on regardless
+                    log.error("could not take worker %s out of rotation: %s", bad, error)
+        self.recorder.samples(samples)
+        self.progress.attempt_ended(attempt.key, job.id, label(job), attempt.number, record,
+                                    final=True)
+        if self.on_result is not None:
+            self.on_result(record)

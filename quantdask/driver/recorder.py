@@ -1,0 +1,69 @@
+"""What the driver persists as a sweep goes: each attempt's row and log, each job's note on what
+was decided after a failure, each final result with its per-layer rows, device samples, and the
+workers taken out of rotation. Telemetry never costs a result."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from quantdask.driver.attempts import Attempt
+from quantdask.store.run_store import RunStore
+from quantdask.util import utcnow
+
+log = logging.getLogger("quantdask.scheduler")
+
+
+class Recorder:
+    """Writes one driver session's records (``run_id``) to its run directory."""
+
+    def __init__(self, store: RunStore, run_id: str):
+        self.store = store
+        self.run_id = run_id
+
+    def attempt(self, attempt: Attempt, record: dict[str, Any]) -> None:
+        """The attempt's row in the attempts frame and its log under the job's logs."""
+        job = attempt.job
+        self.store.append_attempt_log(job.id, attempt.number, record)
+        self.store.write_attempt({
+            "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
+            "key": attempt.key, "worker": record.get("worker"),
+            "device": record.get("device"), "started_at": record.get("started_at")
+            or attempt.started_at, "finished_at": record["finished_at"],
+            "status": record["status"], "failure_class": record.get("failure_class"),
+            "error_class": record.get("error_class"), "error_message": record.get("error_message"),
+            # What this try ran with: an out-of-memory retry asks for more room.
+            "eval_batch_size": job.eval.batch_size, "gpu_share": job.gpu_share,
+            "device_memory_request_bytes": job.device_memory_bytes or None,
+        })
+
+    def decision(self, attempt: Attempt, failure_class: str, reason: str) -> None:
+        """What was decided after a failed attempt, in the job's log."""
+        self.store.append_job_log(attempt.job.id, (
+            f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt={attempt.number} "
+            f"{failure_class}: {reason}\n"))
+
+    def result(self, attempt: Attempt, record: dict[str, Any],
+               layers: list[dict[str, Any]]) -> dict[str, Any]:
+        """The job's final result (with its per-layer rows when done); returns the record."""
+        job = attempt.job
+        record.update(
+            job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
+            config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
+            priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
+        )
+        if record["status"] == "done":
+            self.store.write_layers(job.id, layers)
+        self.store.write_result(record)
+        log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
+        return record
+
+    def samples(self, samples: list[dict[str, Any]]) -> None:
+        try:
+            self.store.write_samples(samples)
+        except Exception as error:  # noqa: BLE001 - a bad batch is logged and dropped
+            log.error("dropped %d device samples: %s", len(samples), error)
+
+    def excluded(self, worker: str, reason: str) -> None:
+        self.store.record_excluded_worker(worker, reason)
