@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from quantdask.spec.sweep import DEVICE_MEMORY
 from quantdask.worker.reference import (
@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("quantdask.reference")
+
+
+class Parked(NamedTuple):
+    """An attempt waiting for its model's reference before it is submitted."""
+
+    job: Job
+    number: int  # the attempt's number
+    avoid: str | None  # the worker its last attempt failed on, for a retry
+    reference: Future
 
 @dataclass
 class ModelReferences:
@@ -46,7 +55,7 @@ class ModelReferences:
     slots: Callable[[], int] = lambda: 1
     futures: dict[str, Future] = field(default_factory=dict)  # reference_key -> current future
     # Attempts waiting for their model's reference: Dask key -> [(job, attempt, avoid, future)].
-    parked: dict[str, list[tuple[Job, int, str | None, Future]]] = field(default_factory=dict)
+    parked: dict[str, list[Parked]] = field(default_factory=dict)
     _parts: dict[str, list[Future]] = field(default_factory=dict)  # Dask key -> its parts
     _whole: dict[str, str] = field(default_factory=dict)  # a part's Dask key -> the reference's
     _deadlines: dict[str, float] = field(default_factory=dict)  # part's Dask key -> timeout_s
@@ -109,10 +118,10 @@ class ModelReferences:
         return future is not None and future.key == dask_key and future.status == "error"
 
     def park(self, job: Job, attempt: int, avoid: str | None, future: Future) -> None:
-        self.parked.setdefault(future.key, []).append((job, attempt, avoid, future))
+        self.parked.setdefault(future.key, []).append(Parked(job, attempt, avoid, future))
 
     def unpark_done(self, spread_to: Callable[[list[Job]], list[str]]
-                    ) -> list[tuple[Job, int, str | None, Future]]:
+                    ) -> list[Parked]:
         """The parked attempts whose reference is done, highest priority first, after copying
         a finished reference to the workers ``spread_to(jobs)`` names.
 
@@ -124,20 +133,20 @@ class ModelReferences:
         """
         ready = []
         for key, entries in list(self.parked.items()):
-            future = entries[0][3]
+            future = entries[0].reference
             if not future.done():
                 continue
             del self.parked[key]
             if future.status == "finished":
                 try:
                     self.client.replicate([future],
-                                          workers=spread_to([e[0] for e in entries]) or None)
+                                          workers=spread_to([e.job for e in entries]) or None)
                 except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
                     log.info("reference %s not copied to every worker (%s)", key, error)
-            ready += sorted(entries, key=lambda e: -e[0].priority)
+            ready += sorted(entries, key=lambda e: -e.job.priority)
         return ready
 
-    def take_parked(self) -> list[tuple[Job, int, str | None, Future]]:
+    def take_parked(self) -> list[Parked]:
         """Every parked attempt, no longer parked."""
         taken = [entry for entries in self.parked.values() for entry in entries]
         self.parked = {}
@@ -194,7 +203,7 @@ class ModelReferences:
                 if part.key in self._requests and not part.done()
                 and part.key not in self._starts and self._requests[part.key] > room}
 
-    def abandon(self, dask_key: str) -> list[tuple[Job, int, str | None, Future]]:
+    def abandon(self, dask_key: str) -> list[Parked]:
         """Cancel the reference that ``dask_key`` (a part of it) belongs to; return the
         attempts that were parked on it."""
         whole = self._whole.get(dask_key, dask_key)
