@@ -45,7 +45,6 @@ def describe_result(record: dict) -> str:
     return f"{record.get('error_class')}: {message[0] if message else ''}"
 
 
-
 @dataclass
 class RunningJob:
     """An attempt running on a worker now."""

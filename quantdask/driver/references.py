@@ -35,6 +35,7 @@ class Parked(NamedTuple):
     avoid: str | None  # the worker its last attempt failed on, for a retry
     reference: Future
 
+
 @dataclass
 class ModelReferences:
     """The driver's side of one sweep's references: one future per model (submitted again

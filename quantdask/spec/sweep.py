@@ -35,7 +35,6 @@ DEVICE_MEMORY = "DEVICE_MEMORY"
 --resources GPU=1,DEVICE_MEMORY=80e9``, or measured by the ``quantdask.preload`` preload)."""
 
 
-
 @dataclass(frozen=True)
 class BackendBlock:
     """Configs of one backend: the cartesian product of ``grid`` plus explicit ``configs``."""

@@ -33,6 +33,7 @@ log = logging.getLogger("quantdask.job")
 VERIFY_WINDOWS = 4
 """Eval windows the reload check measures KL on, for the reloaded and the in-memory model."""
 
+
 def directory_digest(directory: str) -> tuple[str, int]:
     """(sha256, bytes) of a saved model directory: the sha256 of its manifest, one line
     ``<relative path> <sha256 of the file>`` per file in sorted order, and the files' total

@@ -75,7 +75,6 @@ def nvml_uuid(cuda_index: int = 0) -> str:
     is."""
     import torch
 
-
     visible = physical_gpu_id(cuda_index)
     if visible.startswith(("GPU-", "MIG-")):
         return visible

@@ -14,6 +14,7 @@ from quantdask.worker.devices import physical_gpu_id
 JOB_START_TOPIC = "quantdask-job-start"
 """Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
 
+
 def announce_start() -> tuple[str, str]:
     """Tell the driver the running task (a job attempt or a reference) began, so its deadline
     starts now; returns (worker name, host)."""
@@ -35,7 +36,6 @@ def torch_device() -> tuple[str, str, bool]:
     if torch.cuda.is_available():
         return "cuda:0", f"cuda:{physical_gpu_id(0)}", True
     return "cpu", "cpu", False
-
 
 
 # Library notices that are noise, not news: bitsandbytes logs one per 8-bit matmul of a float32
