@@ -64,17 +64,12 @@ class AttemptTable:
             return [(key, self._by_key.pop(key)) for key in keys if key in self._by_key]
 
     def take_all(self) -> list[tuple[str, Attempt]]:
-        return self.take(lambda table: list(table))
+        return self.take(list)  # every key
 
     def waiting(self) -> dict[str, Attempt]:
         """The attempts no worker has begun yet (a copy)."""
         with self._lock:
             return {k: a for k, a in self._by_key.items() if a.started is None}
-
-    def running(self) -> dict[str, Attempt]:
-        """The attempts a worker has begun (a copy)."""
-        with self._lock:
-            return {k: a for k, a in self._by_key.items() if a.started is not None}
 
     def note_start(self, key: str, now: float, address: str, name: str) -> Attempt | None:
         """Note that a worker began ``key``; None if it is no attempt of this table."""

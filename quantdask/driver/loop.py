@@ -177,7 +177,7 @@ class SweepDriver:
                     time.sleep(POLL_S)
         except BaseException:
             # On an error (or an interrupt in a notebook) nothing may keep running unseen.
-            self._take_and_cancel(lambda table: list(table))
+            self._take_and_cancel(list)
             self.client.cancel(self.references.all_futures())
             raise
         finally:
@@ -337,7 +337,7 @@ class SweepDriver:
         """With no worker left for NO_WORKERS_GRACE_S, fail what is left instead of waiting."""
         if not self._workers.gone(self.clock()):
             return
-        left = self._take_and_cancel(lambda table: list(table))
+        left = self._take_and_cancel(list)
         left += [(r.job.id, Attempt.unsubmitted(r.job, r.attempt))
                  for r in self.delayed.take_all()]
         left += [(attempt_job.id, Attempt.unsubmitted(attempt_job, number))
