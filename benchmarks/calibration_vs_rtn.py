@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                                       calibration=jobs[0].calibration)
         results = {}
         for job in jobs[1:]:
-            record = run_job(job, get_backend(job.backend), reference=reference)
+            record = run_job(job, get_backend(job.backend), reference=reference).record
             assert record["status"] == "done", record.get("error_message")
             results[(job.options["bits"], job.options["group_size"], job.options["iters"])] = record
         for b in bits:

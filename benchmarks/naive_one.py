@@ -31,7 +31,7 @@ def main() -> None:
     job = jobs[args.index]
     from quantdask.worker.job import run_job
 
-    record = run_job(job, get_backend(job.backend), 1)
+    record = run_job(job, get_backend(job.backend), 1).record
     print(json.dumps({"config": job.config_label, "status": record["status"],
                       "perplexity": record.get("perplexity"),
                       "error": record.get("error_message")}))

@@ -132,13 +132,14 @@ def test_a_failed_save_keeps_the_result_unless_artifacts_are_required(tmp_path,
     data = {**data, "backends": [{"backend": "bitsandbytes", "configs": [BNB[0]]}],
             "artifacts": {"keep": "done", "to": str(blocked / "models")}}
     job = expand_grid(sweep_from_dict(data))[1]
-    record = run_job(job, get_backend(job.backend), reference=reference)
+    outcome = run_job(job, get_backend(job.backend), reference=reference)
+    record = outcome.record
     assert record["status"] == "done" and record["perplexity"] > 1
     assert record["artifact_error"].startswith(("NotADirectoryError", "FileExistsError"))
-    assert "artifact not kept" in record["log"]
+    assert "artifact not kept" in outcome.log
     data["artifacts"]["required"] = True
     job = expand_grid(sweep_from_dict(data))[1]
-    record = run_job(job, get_backend(job.backend), reference=reference)
+    record = run_job(job, get_backend(job.backend), reference=reference).record
     assert (record["status"], record["failure_class"]) == ("failed", "job_error")
 
 
@@ -146,7 +147,7 @@ def test_a_backend_without_a_save_format_says_so(tmp_path, hqq_job_and_reference
     data, reference = hqq_job_and_reference
     job = expand_grid(sweep_from_dict({**data, "artifacts": {"keep": "done",
                                                              "to": str(tmp_path)}}))[1]
-    record = run_job(job, get_backend("hqq"), reference=reference)
+    record = run_job(job, get_backend("hqq"), reference=reference).record
     assert record["status"] == "done"
     assert record["artifact_error"] == ("RuntimeError: hqq models have no save format "
                                         "quantdask can reload yet")

@@ -28,7 +28,7 @@ def sweep_of(demo_model, *blocks: BackendBlock) -> Sweep:
 
 
 @pytest.fixture(scope="module")
-def torchao_records(demo_model):
+def torchao_outcomes(demo_model):
     sweep = sweep_of(demo_model, BackendBlock(
         "torchao", grid={"mode": ["int4_weight_only"], "group_size": [32, 128, 256]},
         configs=[{"mode": "int8_weight_only"}]))
@@ -39,25 +39,25 @@ def torchao_records(demo_model):
             for job in jobs}
 
 
-def test_torchao_quantizes_for_real(torchao_records):
-    r = torchao_records
-    assert {k: v["status"] for k, v in r.items()} == {
+def test_torchao_quantizes_for_real(torchao_outcomes):
+    r = torchao_outcomes
+    assert {k: v.status for k, v in r.items()} == {
         "baseline": "done", "ao int4wo g32": "done", "ao int4wo g128": "done",
         "ao int4wo g256": "skipped", "ao int8wo": "done"}
-    assert r["ao int4wo g128"]["size_bytes"] < r["ao int4wo g32"]["size_bytes"] \
-        < r["ao int8wo"]["size_bytes"] < r["baseline"]["size_bytes"]
-    assert 0 < r["ao int8wo"]["kl_divergence"] < r["ao int4wo g32"]["kl_divergence"]
+    assert r["ao int4wo g128"].record["size_bytes"] < r["ao int4wo g32"].record["size_bytes"] \
+        < r["ao int8wo"].record["size_bytes"] < r["baseline"].record["size_bytes"]
+    assert 0 < r["ao int8wo"].record["kl_divergence"] < r["ao int4wo g32"].record["kl_divergence"]
     for label in ("ao int4wo g32", "ao int4wo g128", "ao int8wo"):
-        assert len(r[label]["layers"]) == 28
-    g32 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g32"]["layers"]}
-    g128 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g128"]["layers"]}
+        assert len(r[label].layers) == 28
+    g32 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g32"].layers}
+    g128 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g128"].layers}
     assert all(g32[name] < g128[name] for name in g32)  # smaller groups, smaller error
     # The baseline ran after torchao in this process: the cached weights were left intact.
-    assert r["baseline"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+    assert r["baseline"].record["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_a_group_size_that_does_not_divide_a_layer_skips_the_job(torchao_records):
-    skipped = torchao_records["ao int4wo g256"]
+def test_a_group_size_that_does_not_divide_a_layer_skips_the_job(torchao_outcomes):
+    skipped = torchao_outcomes["ao int4wo g256"].record
     assert skipped["failure_class"] == "unsupported"
     assert skipped["error_class"] == "UnsupportedHere"
     assert "group_size=256 does not divide model.layers.0.self_attn.q_proj.in_features=128" \
@@ -68,13 +68,13 @@ def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, monkey
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock(
         "torchao", configs=[{"mode": "int8_weight_only"}])))[1]
-    record = run_job(job, get_backend("torchao"))
+    record = run_job(job, get_backend("torchao")).record
     assert record["status"] == "skipped"
     assert "pip install 'quantdask[torchao]'" in record["error_message"]
 
 
 @pytest.fixture(scope="module")
-def hqq_records(demo_model):
+def hqq_outcomes(demo_model):
     sweep = sweep_of(demo_model, BackendBlock("hqq", grid={"bits": [2, 4], "group_size": [64]}))
     jobs = expand_grid(sweep)
     with open(jobs[0].eval.text_path) as f:
@@ -83,12 +83,12 @@ def hqq_records(demo_model):
             for job in jobs}
 
 
-def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_records, demo_model):
+def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_outcomes, demo_model):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    r = hqq_records
-    assert {k: v["status"] for k, v in r.items()} == {
+    r = hqq_outcomes
+    assert {k: v.status for k, v in r.items()} == {
         "baseline": "done", "hqq 2b g64": "done", "hqq 4b g64": "done"}
     # Counted independently: the demo model's linear layers but lm_head, from its config.
     with torch.device("meta"):
@@ -97,7 +97,8 @@ def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_records, dem
               if isinstance(m, torch.nn.Linear) and name != "lm_head"}
     total = sum(p.numel() for p in model.parameters())
     for bits in (2, 4):
-        record = r[f"hqq {bits}b g64"]
+        outcome = r[f"hqq {bits}b g64"]
+        record = outcome.record
         assert record["quantized_params"] == sum(linear.values())
         assert record["quantized_share"] == pytest.approx(sum(linear.values()) / total)
         # Packed codes (bits a weight) and a float32 scale and zero per group of 64; the rest
@@ -105,10 +106,10 @@ def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_records, dem
         expected = (sum(n * bits // 8 + 2 * (n // 64) * 4 for n in linear.values())
                     + 4 * (total - sum(linear.values())))
         assert expected <= record["size_bytes"] <= expected + 200 * len(linear)
-        assert [row["layer"] for row in record["layers"]] == list(linear)
-    assert 0 < r["hqq 4b g64"]["kl_divergence"] < r["hqq 2b g64"]["kl_divergence"]
-    two = {row["layer"]: row["weight_rel_error"] for row in r["hqq 2b g64"]["layers"]}
-    four = {row["layer"]: row["weight_rel_error"] for row in r["hqq 4b g64"]["layers"]}
+        assert [row["layer"] for row in outcome.layers] == list(linear)
+    assert 0 < r["hqq 4b g64"].record["kl_divergence"] < r["hqq 2b g64"].record["kl_divergence"]
+    two = {row["layer"]: row["weight_rel_error"] for row in r["hqq 2b g64"].layers}
+    four = {row["layer"]: row["weight_rel_error"] for row in r["hqq 4b g64"].layers}
     assert all(0 < four[name] < two[name] < 1 for name in linear)  # fewer bits, more error
 
 
@@ -151,7 +152,7 @@ def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_an
               "choose a group size that divides every layer's")
     assert plan["reason"].to_list()[1] == reason
     job = next(j for j in expand_grid(sweep) if j.config_label == "hqq 4b g64")
-    record = run_job(job, get_backend("hqq"))  # a worker decides alike
+    record = run_job(job, get_backend("hqq")).record  # a worker decides alike
     assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
     assert record["error_message"] == reason
 
@@ -159,7 +160,7 @@ def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_an
 def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[{"bits": 4}])))[1]
-    record = run_job(job, get_backend("hqq"))
+    record = run_job(job, get_backend("hqq")).record
     assert record["status"] == "skipped"
     assert "pip install 'quantdask[hqq]'" in record["error_message"]
 

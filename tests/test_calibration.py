@@ -199,9 +199,10 @@ def test_out_of_memory_in_calibration_is_classified_out_of_memory(calibration_te
     job = expand_grid(sweep_from_dict(data))[1]
     reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                   calibration=job.calibration)
-    record = run_job(job, get_backend("greedy"), reference=reference)
+    outcome = run_job(job, get_backend("greedy"), reference=reference)
+    record = outcome.record
     assert (record["status"], record["failure_class"]) == ("failed", "out_of_memory")
-    assert "calibration failed after" in record["log"]
+    assert "calibration failed after" in outcome.log
 
 
 def test_a_missing_autoround_skips_the_job_with_an_install_hint(calibration_text, monkeypatch):
@@ -210,7 +211,7 @@ def test_a_missing_autoround_skips_the_job_with_an_install_hint(calibration_text
            if j.backend == "autoround"][0]
     reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                   calibration=job.calibration)
-    record = run_job(job, get_backend("autoround"), reference=reference)
+    record = run_job(job, get_backend("autoround"), reference=reference).record
     assert record["status"] == "skipped"
     assert "pip install 'quantdask[autoround]'" in record["error_message"]
 
@@ -235,6 +236,6 @@ def test_a_calibration_text_too_short_fails_the_calibrated_jobs_only(tmp_path):
     reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                   calibration=job.calibration)
     assert reference.calibration is None and reference.baseline["perplexity"] > 1
-    record = run_job(job, get_backend("autoround"), reference=reference)
+    record = run_job(job, get_backend("autoround"), reference=reference).record
     assert record["status"] == "failed"
     assert "fewer than calibration.seq_len (64)" in record["error_message"]

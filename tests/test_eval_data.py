@@ -54,7 +54,7 @@ def test_a_json_lines_dataset_with_another_column_runs_a_job(tmp_path, rows):
     sweep = with_eval(tmp_path, dataset={"path": "json", "data_files": ["eval.jsonl"],
                                          "split": "train", "column": "content"})
     job = next(j for j in expand_grid(sweep) if not j.is_baseline)
-    record = run_job(job, get_backend(job.backend))  # its reference from the dataset's text
+    record = run_job(job, get_backend(job.backend)).record  # its reference from the dataset's text
     assert record["status"] == "done" and record["eval_tokens"] == 8 * 31
     text_job = next(j for j in expand_grid(with_eval(tmp_path, text=DEMO_EVAL_TEXT))
                     if not j.is_baseline)

@@ -101,7 +101,7 @@ def records():
     baseline = by_label["baseline"]
     with open(baseline.eval.text_path, encoding="utf-8") as f:
         reference = compute_reference(baseline.model, baseline.eval, f.read())
-    out = {label: run_job(job, get_backend(job.backend), reference=reference)
+    out = {label: run_job(job, get_backend(job.backend), reference=reference).record
            for label, job in by_label.items()}
     assert {label: r["status"] for label, r in out.items()} == {"baseline": "done", "fp4": "done"}
     return out, reference
@@ -154,7 +154,7 @@ def test_metrics_do_not_depend_on_the_eval_batch_size(records):
     backend = get_backend(job.backend)
     for _ in range(3):
         job = with_more_room(job)
-        record = run_job(job, backend, reference=reference)
+        record = run_job(job, backend, reference=reference).record
         assert record["status"] == "done"
         for metric in ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens"):
             assert record[metric] == pytest.approx(first[metric], rel=1e-5), (
@@ -163,7 +163,7 @@ def test_metrics_do_not_depend_on_the_eval_batch_size(records):
     odd = jobs(batch_size=3)["fp4"]
     with open(odd.eval.text_path, encoding="utf-8") as f:
         odd_reference = compute_reference(odd.model, odd.eval, f.read())
-    record = run_job(odd, backend, reference=odd_reference)
+    record = run_job(odd, backend, reference=odd_reference).record
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "eval_tokens"):
         assert record[metric] == pytest.approx(first[metric], rel=1e-5), (metric, 3)
 
@@ -180,7 +180,7 @@ def test_the_top_k_kl_is_the_readmes_formula_a_lower_bound_and_within_1pct_at_th
     with open(job.eval.text_path, encoding="utf-8") as f:
         reference = compute_reference(job.model, job.eval, f.read())
     assert reference.ids.shape == (SAMPLES, SEQ_LEN - 1, k)
-    record = run_job(job, get_backend(job.backend), reference=reference)
+    record = run_job(job, get_backend(job.backend), reference=reference).record
     log_p, log_q = independent["log_p"], independent["log_q"]
     expected = top_k_kl(log_q, log_p, k)
     exact_kl = scores(log_q, log_p, independent["windows"])["kl_divergence"]

@@ -1,23 +1,29 @@
 """The driver's time-dependent policy, alone: a fake clock, fake futures, no cluster, no sleeps.
 
 Backoff, attempt and reference deadlines, the grace for jobs no worker has room for and for a
-cluster with no worker left, stranded retries, uncounted requeues and device health. The
+cluster with no worker left, stranded retries, uncounted requeues, what an attempt that ended
+without a result counts as, and device health. The
 real-cluster tests (test_faults, test_multinode) check that the driver acts on these.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
+from quantdask.driver import policy
 from quantdask.driver.policy import (
     Grace,
     RetryQueue,
     WorkerWatch,
+    after_failure,
+    outcome_of_error,
     past_deadline,
     requeue_uncounted,
     stranded,
+    worker_went_away,
 )
 from quantdask.driver.references import ModelReferences
 from quantdask.driver.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
@@ -250,12 +256,13 @@ def test_the_worker_discards_a_result_that_came_after_the_deadline(demo_model, j
 
     job = dataclasses.replace(jobs["nf4"], timeout_s=0.001,
                               eval=dataclasses.replace(jobs["nf4"].eval, samples=2))
-    record = run_job(job, get_backend(job.backend))
+    outcome = run_job(job, get_backend(job.backend))
+    record = outcome.record
     assert (record["status"], record["failure_class"], record["error_class"]) == (
         "failed", "timeout", "JobTimeout")
     assert "past timeout_s=0.001s" in record["error_message"]
-    assert "perplexity" not in record and record["layers"] == []
-    assert "past timeout_s=0.001s" in record["log"]
+    assert "perplexity" not in record and outcome.layers == []
+    assert "past timeout_s=0.001s" in outcome.log
 
 
 def test_a_reference_that_ends_after_its_deadline_fails_as_timeout(demo_model, jobs):
@@ -346,6 +353,56 @@ def test_which_endings_are_requeued_without_counting_an_attempt(lost, cut, start
     assert requeue_uncounted(lost, cut, started, cancelled, requeues, max_requeues=10) is expected
 
 
+def test_an_attempt_that_ended_without_a_result_gets_the_outcome_of_its_cause(jobs):
+    from concurrent.futures import CancelledError
+
+    from distributed.scheduler import KilledWorker
+
+    from quantdask.errors import UnsupportedHere
+
+    job = jobs["nf4"]
+    died = KilledWorker("key", types.SimpleNamespace(address="tcp://w1"), 0)  # as Dask raises it
+    assert worker_went_away(died)
+    assert worker_went_away(CancelledError("key"))
+    assert not worker_went_away(RuntimeError("the backend broke"))
+
+    def outcome(error, **how):
+        made = outcome_of_error(error, job, **{"lost": False, "cut": False,
+                                               "in_reference": False, "worker": "w1", **how})
+        return made.record
+
+    lost = outcome(died, lost=True)
+    assert (lost["status"], lost["failure_class"], lost["error_class"], lost["worker"]) == (
+        "failed", "worker_lost", "KilledWorker", "w1")
+    cut = outcome(died, lost=True, cut=True)
+    assert (cut["failure_class"], cut["error_class"]) == ("timeout", "JobTimeout")
+    assert f"ran past timeout_s={job.timeout_s:g}s" in cut["error_message"]
+    skipped = outcome(UnsupportedHere("no kernel for this layer"))
+    assert (skipped["status"], skipped["failure_class"]) == ("skipped", "unsupported")
+    try:
+        raise MemoryError("cannot allocate 2 GiB")
+    except MemoryError as raised:
+        oom = outcome(raised, in_reference=True)
+    assert (oom["failure_class"], oom["error_class"]) == ("out_of_memory", "MemoryError")
+    assert oom["error_message"] == "in its model's reference: cannot allocate 2 GiB"
+    assert oom["traceback"].startswith("Traceback") and "raise MemoryError" in oom["traceback"]
+    assert outcome(ValueError())["error_message"] == "ValueError"  # never an empty message
+
+
+def test_a_failure_settled_as_final_is_never_retried(jobs):
+    job = jobs["nf4"]
+    assert after_failure(job, 1, "worker_lost", 1.0, final=False).retry
+    final = after_failure(job, 1, "worker_lost", 1.0, final=True)
+    assert not final.retry and final.reason == "not retried: no worker left"
+    assert after_failure(job, 1, "job_error", 1.0, final=False) == decide(job, 1, "job_error", 1.0)
+
+
+def test_the_policys_examples_hold():
+    import doctest
+
+    assert doctest.testmod(policy).failed == 0
+
+
 # Device health -------------------------------------------------------------------------------
 
 def test_a_device_is_excluded_once_its_failed_jobs_ran_fine_elsewhere():
@@ -400,18 +457,19 @@ def test_the_attempt_table_settles_each_attempt_once(jobs):
 
 
 def test_the_recorder_writes_the_attempt_the_decision_and_the_result(jobs, tmp_path):
-    from quantdask.driver.attempts import Attempt, failed_outside
+    from quantdask.driver.attempts import Attempt
     from quantdask.driver.recorder import Recorder
     from quantdask.store.run_store import RunStore
     from quantdask.util import utcnow
+    from quantdask.worker.outcome import JobOutcome
 
     store = RunStore(tmp_path / "run").create()
     recorder = Recorder(store, "run-1")
     attempt = Attempt(jobs["nf4"], 2, utcnow(), "key-2")
-    record = {**failed_outside("timeout", "JobTimeout", "no result after 30s"), "worker": "w1"}
-    recorder.attempt(attempt, record)
+    outcome = JobOutcome.outside("timeout", "JobTimeout", "no result after 30s", worker="w1")
+    recorder.attempt(attempt, outcome)
     recorder.decision(attempt, "timeout", "not retried: no attempts left")
-    recorder.result(attempt, record, layers=[])
+    recorder.result(attempt, outcome)
     row = store.read_attempts().row(0, named=True)
     assert (row["run_id"], row["job_id"], row["attempt"], row["key"], row["worker"]) == \
         ("run-1", jobs["nf4"].id, 2, "key-2", "w1")

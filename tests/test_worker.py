@@ -41,10 +41,15 @@ def reference(demo_model):
 
 
 @pytest.fixture(scope="module")
-def records(demo_model, reference):
+def outcomes(demo_model, reference):
     jobs = jobs_for(demo_model)
     return {label: run_job(job, get_backend(job.backend), reference=reference)
             for label, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def records(outcomes):
+    return {label: outcome.record for label, outcome in outcomes.items()}
 
 
 def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, reference):
@@ -124,7 +129,7 @@ def test_the_worker_reuses_the_model_source_but_keeps_no_weights(demo_model, rec
                     if isinstance(value, (torch.Tensor, torch.nn.Module, dict))]
     model_source._cache.clear()
     job = jobs_for(demo_model)["nf4"]
-    cold = run_job(job, get_backend(job.backend), reference=reference)
+    cold = run_job(job, get_backend(job.backend), reference=reference).record
     assert cold["source_cached"] is False and cold["status"] == "done"
     # Loaded again, into the cache. (Not compared by load_s: on a loaded machine a warm load
     # took 0.29 s and this cold one 0.12 s.)
@@ -145,43 +150,45 @@ def test_kl_grows_from_8_bit_to_4_bit(records):
     assert nf4["top1_agreement"] > 0.5
 
 
-def test_per_layer_rows_cover_every_quantized_linear(records):
-    assert records["baseline"]["layers"] == []
+def test_per_layer_rows_cover_every_quantized_linear(outcomes):
+    assert outcomes["baseline"].layers == []
     for label in ("nf4", "int8 t=6"):
-        layers = records[label]["layers"]
+        layers = outcomes[label].layers
         # 4 decoder layers x (q, k, v, o, gate, up, down); the output head stays unquantized.
         assert len(layers) == 28 and not any("lm_head" in row["layer"] for row in layers)
         for row in layers:
             assert 0 < row["weight_rel_error"] < 0.5 and math.isfinite(row["weight_sqnr_db"])
             assert 0 < row["output_rel_error"] < 1.0
-    nf4 = {row["layer"]: row for row in records["nf4"]["layers"]}
-    int8 = {row["layer"]: row for row in records["int8 t=6"]["layers"]}
+    nf4 = {row["layer"]: row for row in outcomes["nf4"].layers}
+    int8 = {row["layer"]: row for row in outcomes["int8 t=6"].layers}
     assert all(nf4[name]["weight_sqnr_db"] < int8[name]["weight_sqnr_db"] for name in nf4)
 
 
-def test_the_same_job_twice_gives_the_same_quality(demo_model, records, reference):
+def test_the_same_job_twice_gives_the_same_quality(demo_model, records, outcomes, reference):
     job = jobs_for(demo_model)["nf4"]
-    again = run_job(job, get_backend(job.backend), reference=reference)
+    outcome = run_job(job, get_backend(job.backend), reference=reference)
+    again = outcome.record
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes"):
         assert again[metric] == records["nf4"][metric]
-    assert again["layers"] == records["nf4"]["layers"]
+    assert outcome.layers == outcomes["nf4"].layers
 
 
 def test_without_layer_stats_a_job_measures_the_same_and_records_no_layer(demo_model, records,
-                                                                         reference):
+                                                                         outcomes, reference):
     import dataclasses
 
     job = dataclasses.replace(jobs_for(demo_model)["nf4"], layer_stats=False)
-    record = run_job(job, get_backend(job.backend), reference=reference)
-    assert record["status"] == "done" and record["layers"] == []
-    assert len(records["nf4"]["layers"]) == 28
+    outcome = run_job(job, get_backend(job.backend), reference=reference)
+    record = outcome.record
+    assert record["status"] == "done" and outcome.layers == []
+    assert len(outcomes["nf4"].layers) == 28
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
                    "quantized_share"):
         assert record[metric] == records["nf4"][metric]
 
 
-def test_the_job_log_says_what_happened(records):
-    log = records["nf4"]["log"]
+def test_the_job_log_says_what_happened(outcomes):
+    log = outcomes["nf4"].log
     assert "attempt=1 start on worker local" in log and "perplexity" in log
 
 
@@ -190,18 +197,19 @@ def test_a_failing_job_returns_its_class_message_and_traceback(demo_model, refer
         raise RuntimeError("the backend broke")
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("broken", broken), attempt=2, reference=reference)
+    outcome = run_job(job, Backend("broken", broken), attempt=2, reference=reference)
+    record = outcome.record
     assert record["status"] == "failed"
     assert record["error_class"] == "RuntimeError"
     assert record["error_message"] == "the backend broke"
     assert "Traceback" in record["traceback"] and "in broken" in record["traceback"]
-    assert "attempt=2 failed (job_error): RuntimeError" in record["log"]
+    assert "attempt=2 failed (job_error): RuntimeError" in outcome.log
     assert record["failure_class"] == "job_error"
 
 
 def test_too_little_eval_text_is_a_clear_failure(demo_model):
     job = jobs_for(demo_model, samples=100_000)["nf4"]
-    record = run_job(job, get_backend(job.backend))
+    record = run_job(job, get_backend(job.backend)).record
     assert record["status"] == "failed" and record["error_class"] == "ValueError"
     assert "eval.samples x eval.seq_len needs 6400000" in record["error_message"]
 
@@ -211,7 +219,7 @@ def test_an_unsupported_job_is_skipped_with_the_reason(demo_model):
         raise UnsupportedHere("this backend needs CUDA")
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("cuda-only", needs_cuda))
+    record = run_job(job, Backend("cuda-only", needs_cuda)).record
     assert record["status"] == "skipped"
     assert record["failure_class"] == "unsupported"
     assert record["error_class"] == "UnsupportedHere"
@@ -253,7 +261,7 @@ def test_simulated_quantization_counts_the_weights_it_changed(demo_model):
         return model
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("fake-int8", fake_int8_mlp))
+    record = run_job(job, Backend("fake-int8", fake_int8_mlp)).record
     assert record["status"] == "done"
     assert record["quantized_params"] == 4 * 128 * 384  # down_proj in each of the 4 layers
     assert record["full_precision"].startswith("gate_proj (Linear) 23%, up_proj (Linear) 23%")
@@ -266,7 +274,7 @@ def test_a_config_that_quantized_nothing_is_skipped_not_done(demo_model):
         return source.build(device)
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("no-op", loads_only))
+    record = run_job(job, Backend("no-op", loads_only)).record
     assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
     assert record["error_message"] == (
         "no layer was quantized: no-op replaced none of this model's weights, which stay in "
@@ -278,11 +286,12 @@ def test_a_library_limit_is_unsupported_and_keeps_its_traceback(demo_model):
         raise NotImplementedError("Int8Tensor dispatch: attempting to run aten.numpy_T")
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("limited", no_kernel))
+    outcome = run_job(job, Backend("limited", no_kernel))
+    record = outcome.record
     assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
     assert record["error_class"] == "NotImplementedError"
     assert record["error_message"] == "Int8Tensor dispatch: attempting to run aten.numpy_T"
-    assert "no_kernel" in record["traceback"] and "not implemented by the library" in record["log"]
+    assert "no_kernel" in record["traceback"] and "not implemented by the library" in outcome.log
 
 
 def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model):
@@ -295,14 +304,15 @@ def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model
         return weight
 
     job = jobs_for(demo_model)["nf4"]
-    record = run_job(job, Backend("odd-stats", bnb.quantize, options=bnb.options,
+    outcome = run_job(job, Backend("odd-stats", bnb.quantize, options=bnb.options,
                                   complete=bnb.complete, dequantize_layer=dequantize_but_q_proj))
+    record = outcome.record
     assert record["status"] == "done" and math.isfinite(record["perplexity"])
     assert record["layers_unmeasured"] == 8  # q_proj and o_proj in each of the 4 layers
-    measured = [row["layer"] for row in record["layers"]]
+    measured = [row["layer"] for row in outcome.layers]
     assert len(measured) == 20 and not [m for m in measured if m.endswith(("q_proj", "o_proj"))]
     assert "per-layer stats skip model.layers.0.self_attn.q_proj: ValueError: dequantized " \
-           "weight (128, 127) does not match the checkpoint's (128, 128)" in record["log"]
+           "weight (128, 127) does not match the checkpoint's (128, 128)" in outcome.log
 
 
 def test_jobs_hold_the_unquantized_weights_only_while_they_run(demo_model):
@@ -340,7 +350,7 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
     assert len(model_source._cache) == 1  # nothing held now: the least recently used went
 
 
-def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, records):
+def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, outcomes):
     # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
     # the recorded errors must be those of the quantized weights, not of a repacked layout.
     from quantdask.worker.layers import weight_errors
@@ -353,7 +363,7 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, re
         fresh, unmeasured = weight_errors(backend.quantize(source, job.options, "cpu"),
                                           backend.dequantize_layer, originals)
     assert unmeasured == {}
-    recorded = records["nf4"]["layers"]
+    recorded = outcomes["nf4"].layers
     assert [r["layer"] for r in fresh] == [r["layer"] for r in recorded]
     for mine, theirs in zip(fresh, recorded):
         assert mine["weight_rel_error"] == pytest.approx(theirs["weight_rel_error"], rel=1e-6)

@@ -1,5 +1,4 @@
-"""The attempts a sweep has submitted and not yet settled, and the record of one that ended
-outside ``run_job`` (its worker lost, its deadline passed, no worker left).
+"""The attempts a sweep has submitted and not yet settled.
 
 The client's event-loop thread notes when an attempt starts while the driver's loop takes
 attempts out, so the table holds one lock for both and hands out what it took: nothing is
@@ -12,7 +11,6 @@ import datetime as dt
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from quantdask.spec.sweep import Job
 from quantdask.util import utcnow
@@ -87,9 +85,3 @@ def label(job: Job) -> str:
     """How progress and logs name a job: model and config."""
     return f"{job.model.label} {job.config_label}"
 
-
-def failed_outside(failure_class: str, error_class: str, message: str,
-                   tb: str = "") -> dict[str, Any]:
-    """The record of an attempt that ended outside run_job (worker lost, timed out)."""
-    return {"status": "failed", "failure_class": failure_class, "error_class": error_class,
-            "error_message": message, "traceback": tb or None, "finished_at": utcnow(), "log": ""}

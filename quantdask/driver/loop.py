@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -16,7 +15,6 @@ from typing import Any
 
 import cloudpickle
 from distributed import Client, Future, as_completed
-from distributed.scheduler import KilledWorker
 
 from quantdask.backends import get_backend
 from quantdask.cluster.operations import (
@@ -25,26 +23,29 @@ from quantdask.cluster.operations import (
     restart_worker,
     retire_worker,
 )
-from quantdask.driver.attempts import Attempt, AttemptTable, failed_outside, label
+from quantdask.driver.attempts import Attempt, AttemptTable, label
 from quantdask.driver.placement import Placement, advertised_memory, workers_with_room
 from quantdask.driver.policy import (
     Grace,
     RetryQueue,
     WorkerWatch,
+    after_failure,
+    outcome_of_error,
     past_deadline,
     requeue_uncounted,
     stranded,
+    worker_went_away,
 )
 from quantdask.driver.progress import SweepProgress
 from quantdask.driver.recorder import Recorder
 from quantdask.driver.references import ModelReferences
-from quantdask.driver.retry import DeviceHealth, RetryDecision, decide
-from quantdask.errors import UnsupportedHere
+from quantdask.driver.retry import DeviceHealth
 from quantdask.spec.sweep import Job, Sweep
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
-from quantdask.worker.job import failure_class_of, run_job
+from quantdask.worker.job import run_job
+from quantdask.worker.outcome import JobOutcome
 from quantdask.worker.runtime import JOB_START_TOPIC
 
 log = logging.getLogger("quantdask.scheduler")
@@ -242,10 +243,10 @@ class SweepDriver:
         unfit_references = self.references.unfit(room)
         overdue = self._unfit.overdue([*waiting, *unfit_references], now)
 
-        def failed(what: str, need: float) -> dict[str, Any]:
+        def failed(what: str, need: float) -> JobOutcome:
             message = (f"{what} {int(need):,} bytes of device memory; no worker has had that "
                        f"much for {NO_WORKERS_GRACE_S:g}s (the most now: {int(room):,})")
-            return failed_outside("worker_lost", "NoWorkerFits", message)
+            return JobOutcome.outside("worker_lost", "NoWorkerFits", message)
 
         for key, attempt in self._take_and_cancel(lambda table: overdue & set(waiting)):
             log.error("%s: no worker has room for it", key)
@@ -270,14 +271,13 @@ class SweepDriver:
         future.release()
         if attempt is None:  # an attempt already given up on (timed out) and cancelled
             return
-        if status == "finished" and isinstance(result, dict):
+        if status == "finished" and isinstance(result, JobOutcome):
             self._finish(attempt, result)
             return
         error = result[1] if status == "error" else CancelledError(
             f"{future.key} was cancelled")
         job = attempt.job
-        lost = isinstance(error, (KilledWorker, CancelledError)) \
-            or "CommClosed" in type(error).__name__
+        lost = worker_went_away(error)
         cut = self.references.was_cut(attempt.reference_key)
         if requeue_uncounted(lost, cut, started=attempt.started is not None,
                              cancelled=isinstance(error, CancelledError),
@@ -291,23 +291,9 @@ class SweepDriver:
             self.progress.attempt_dropped(future.key)
             self.submit(job, attempt.number)
             return
-        if cut:
-            record = failed_outside(
-                "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
-                f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted")
-        elif isinstance(error, UnsupportedHere):
-            record = {**failed_outside("unsupported", type(error).__name__, str(error)),
-                      "status": "skipped"}
-        else:
-            # A failed reference fails each of its model's jobs: one failed attempt each.
-            where = ("in its model's reference: "
-                     if self.references.failed(job, attempt.reference_key) else "")
-            record = failed_outside(
-                "worker_lost" if lost else failure_class_of(error), type(error).__name__,
-                where + (str(error) or type(error).__name__),
-                "".join(traceback.format_exception(error)))
-        record["worker"] = attempt.worker_name
-        self._finish(attempt, record)
+        self._finish(attempt, outcome_of_error(
+            error, job, lost=lost, cut=cut, worker=attempt.worker_name,
+            in_reference=self.references.failed(job, attempt.reference_key)))
 
     def _enforce_deadlines(self) -> None:
         for _, address in self.references.overdue():
@@ -321,8 +307,8 @@ class SweepDriver:
                        f"{attempt.worker_name}; the worker was restarted")
             log.warning("%s: %s", key, message)
             restart_worker(self.client, attempt.worker_address, wait=False)
-            self._finish(attempt, {**failed_outside("timeout", "JobTimeout", message),
-                                   "worker": attempt.worker_name})
+            self._finish(attempt, JobOutcome.outside("timeout", "JobTimeout", message,
+                                                     worker=attempt.worker_name))
 
     def _exclude(self, name: str) -> None:
         """Take a worker whose device keeps failing out of rotation, unless it is the last."""
@@ -345,28 +331,25 @@ class SweepDriver:
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
         log.error("%s: failing %d jobs", message, len(left))
         for _, attempt in left:
-            self._finish(attempt, failed_outside("worker_lost", "NoWorkers", message),
+            self._finish(attempt, JobOutcome.outside("worker_lost", "NoWorkers", message),
                          final=True)
 
-    def _finish(self, attempt: Attempt, record: dict[str, Any], final: bool = False) -> None:
+    def _finish(self, attempt: Attempt, outcome: JobOutcome, final: bool = False) -> None:
         """Settle an attempt: record it; then retry it (a failure its class retries), or
         record the job's result."""
-        job = attempt.job
-        samples = record.pop("device_samples", None) or []
-        layers = record.pop("layers", None) or []
-        self.recorder.attempt(attempt, record)
+        job, record = attempt.job, outcome.record
+        samples = outcome.device_samples
+        self.recorder.attempt(attempt, outcome)
         worker = record.get("worker") or attempt.worker_name
-        if record["status"] == "failed":
+        if outcome.status == "failed":
             if worker:
-                self.health.failed(worker, job.id, record["failure_class"])
-            decision = decide(job, attempt.number, record["failure_class"],
-                              self.sweep.retry_backoff_s)
-            if final:
-                decision = RetryDecision(False, reason="not retried: no worker left")
-            self.recorder.decision(attempt, record["failure_class"], decision.reason)
+                self.health.failed(worker, job.id, outcome.failure_class)
+            decision = after_failure(job, attempt.number, outcome.failure_class,
+                                     self.sweep.retry_backoff_s, final)
+            self.recorder.decision(attempt, outcome.failure_class, decision.reason)
             if decision.retry:
                 log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
-                            record["failure_class"], record["error_class"],
+                            outcome.failure_class, record["error_class"],
                             record["error_message"], decision.reason)
                 self.delayed.add(self.clock(), decision.delay_s, decision.job,
                                  attempt.number + 1, worker)
@@ -374,7 +357,7 @@ class SweepDriver:
                                             record, final=False)
                 self.recorder.samples(samples)
                 return
-        record = self.recorder.result(attempt, record, layers)
+        record = self.recorder.result(attempt, outcome)
         if record["status"] == "done" and worker:  # after the result is safe on disk
             for bad in self.health.succeeded(worker, job.id):
                 try:

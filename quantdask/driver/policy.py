@@ -1,5 +1,6 @@
-"""The sweep driver's decisions that depend on time, kept pure: each takes ``now`` (a reading
-of the driver's monotonic clock) and says what to do; ``scheduler`` does the Dask and disk I/O.
+"""The sweep driver's decisions, kept pure: what an attempt that ended without a result counts
+as, whether a failure is retried, and everything that depends on time (each such function takes
+``now``, a reading of the driver's monotonic clock); ``loop`` does the Dask and disk I/O.
 
 The split follows distributed's ``deploy/adaptive_core.py`` (decisions) beside ``adaptive.py``
 (I/O), so the policy is tested with a fake clock, no cluster and no sleeps.
@@ -11,10 +12,18 @@ The split follows distributed's ``deploy/adaptive_core.py`` (decisions) beside `
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable, Mapping
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
+from distributed.scheduler import KilledWorker
+
+from quantdask.driver.retry import RetryDecision, decide
+from quantdask.errors import UnsupportedHere
 from quantdask.spec.sweep import Job
+from quantdask.worker.job import failure_class_of
+from quantdask.worker.outcome import JobOutcome
 
 
 @dataclass(frozen=True)
@@ -116,3 +125,44 @@ def requeue_uncounted(lost: bool, cut: bool, started: bool, cancelled: bool,
     quantdask cut at its deadline, and at most ``max_requeues`` times per job."""
     dropped = cancelled or not started
     return lost and not cut and dropped and requeues < max_requeues
+
+
+def worker_went_away(error: BaseException) -> bool:
+    """Whether a future ended in ``error`` because its worker died or the scheduler dropped it
+    (Dask says so with these errors), rather than because the job raised."""
+    return isinstance(error, (KilledWorker, CancelledError)) \
+        or "CommClosed" in type(error).__name__
+
+
+def outcome_of_error(error: BaseException, job: Job, *, lost: bool, cut: bool,
+                     in_reference: bool, worker: str | None) -> JobOutcome:
+    """The outcome of an attempt whose future ended in ``error`` instead of a ``JobOutcome``
+    (and was not requeued): ``lost`` its worker, its model's reference ``cut`` at its deadline,
+    or the error raised ``in_reference`` (each of the model's jobs records one failed attempt).
+
+    >>> outcome_of_error(UnsupportedHere("no kernel"), None, lost=False, cut=False,
+    ...                  in_reference=False, worker="w1").record["status"]
+    'skipped'
+    """
+    if cut:
+        return JobOutcome.outside(
+            "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
+            f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted",
+            worker=worker)
+    if isinstance(error, UnsupportedHere):
+        return JobOutcome.outside("unsupported", type(error).__name__, str(error),
+                                  worker=worker, status="skipped")
+    where = "in its model's reference: " if in_reference else ""
+    return JobOutcome.outside(
+        "worker_lost" if lost else failure_class_of(error), type(error).__name__,
+        where + (str(error) or type(error).__name__),
+        "".join(traceback.format_exception(error)), worker=worker)
+
+
+def after_failure(job: Job, number: int, failure_class: str, backoff_s: float,
+                  final: bool) -> RetryDecision:
+    """What follows failed attempt ``number``: a retry (see ``retry.decide``), unless the
+    attempt was settled ``final`` (no worker left for it)."""
+    if final:
+        return RetryDecision(False, reason="not retried: no worker left")
+    return decide(job, number, failure_class, backoff_s)

@@ -11,6 +11,7 @@ from typing import Any
 from quantdask.driver.attempts import Attempt
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
+from quantdask.worker.outcome import JobOutcome
 
 log = logging.getLogger("quantdask.scheduler")
 
@@ -22,10 +23,10 @@ class Recorder:
         self.store = store
         self.run_id = run_id
 
-    def attempt(self, attempt: Attempt, record: dict[str, Any]) -> None:
+    def attempt(self, attempt: Attempt, outcome: JobOutcome) -> None:
         """The attempt's row in the attempts frame and its log under the job's logs."""
-        job = attempt.job
-        self.store.append_attempt_log(job.id, attempt.number, record)
+        job, record = attempt.job, outcome.record
+        self.store.append_attempt_log(job.id, attempt.number, record, outcome.log)
         self.store.write_attempt({
             "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
             "key": attempt.key, "worker": record.get("worker"),
@@ -44,17 +45,17 @@ class Recorder:
             f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt={attempt.number} "
             f"{failure_class}: {reason}\n"))
 
-    def result(self, attempt: Attempt, record: dict[str, Any],
-               layers: list[dict[str, Any]]) -> dict[str, Any]:
-        """The job's final result (with its per-layer rows when done); returns the record."""
+    def result(self, attempt: Attempt, outcome: JobOutcome) -> dict[str, Any]:
+        """The job's final result (with its per-layer rows when done); returns its row."""
         job = attempt.job
-        record.update(
-            job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
+        record = dict(
+            outcome.record, job_id=job.id, sweep=job.sweep, model=job.model.label,
+            backend=job.backend,
             config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
         )
         if record["status"] == "done":
-            self.store.write_layers(job.id, layers)
+            self.store.write_layers(job.id, outcome.layers)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record

@@ -242,10 +242,11 @@ class RunStore:
             return []
         return json.loads(path.read_text())
 
-    def append_attempt_log(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
-        """An attempt's log lines (``record["log"]``, taken out of the record) into its job's and
-        its worker's log; an attempt that ended outside the job gets a line saying why."""
-        text = record.pop("log", "") or (
+    def append_attempt_log(self, job_id: str, attempt: int, record: dict[str, Any],
+                           log: str) -> None:
+        """An attempt's ``log`` lines into its job's and its worker's log; an attempt that ended
+        outside the job (no lines) gets one saying why, from its ``record``."""
+        text = log or (
             f"{datetime.datetime.now(datetime.UTC).isoformat()} ERROR {job_id} "
             f"attempt={attempt} failed outside the job ({record.get('failure_class')}): "
             f"{record.get('error_class')}: {record.get('error_message')}\n")

@@ -1,4 +1,4 @@
-"""What runs on a Dask worker: load -> quantize -> evaluate -> measure, returned as a plain record.
+"""What runs on a Dask worker: load -> quantize -> evaluate -> measure, as a ``JobOutcome``.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -36,6 +36,7 @@ from quantdask.worker.metrics import (
     quality,
 )
 from quantdask.worker.model_source import cached_model_source
+from quantdask.worker.outcome import JobOutcome
 from quantdask.worker.runtime import announce_start, quiet_libraries, torch_device
 
 if TYPE_CHECKING:
@@ -90,15 +91,15 @@ def _local_reference(job: Job) -> Reference:
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
-            reference: Reference | None = None) -> dict[str, Any]:
-    """Run one job here and return its record: metrics when done, the reason when not.
+            reference: Reference | None = None) -> JobOutcome:
+    """Run one job here and return its outcome: metrics when done, the reason when not.
 
     ``backend`` may come pickled (bytes), so that one this worker cannot load (a notebook's,
     from a module it lacks) fails as this job, not as the worker. ``reference`` is the model's
     shared eval windows and baseline log-probs (computed here when not given). Never raises for
-    a job's own failure: the class, message and traceback come back in the record (``status``
-    failed or skipped), with the job's log under ``log``, its per-layer rows under ``layers``
-    and the worker's device samples under ``device_samples``.
+    a job's own failure: the class, message and traceback come back in ``outcome.record``
+    (``status`` failed or skipped), beside the job's log, its per-layer rows and the worker's
+    device samples during it.
     """
     import torch
 
@@ -113,7 +114,8 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     log.setLevel(logging.INFO)
     worker, host = announce_start()
     began = time.monotonic()  # the deadline counts from here, as the driver's does
-    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": utcnow(), "layers": []}
+    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": utcnow()}
+    outcome = JobOutcome(record)
     sampler = this_workers_sampler()
     if sampler is not None:  # mark the job's samples, and take one even if the job is short
         sampler.job_started(job.id)
@@ -175,7 +177,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                     scores = quality(model, reference.windows, reference.distribution,
                                      job.eval.batch_size, device)
             if layers:
-                record["layers"] = add_output_errors(model, layers, originals,
+                outcome.layers = add_output_errors(model, layers, originals,
                                                      reference.windows[:PROBE_WINDOWS], device)
             if job.artifacts is not None and job.artifacts.enabled:
                 record.update(keep_artifact(model, source.tokenizer, backend, job, reference,
@@ -200,7 +202,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                  "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
                  size, record["bits_per_weight"], 100 * covered.quantized_share,
                  scores["perplexity"], scores["kl_divergence"], scores["top1_agreement"],
-                 len(record["layers"]))
+                 len(outcome.layers))
     except (UnsupportedHere, NotImplementedError) as err:
         # NotImplementedError: the library has no kernel or op for this layer type or tensor
         # (torchao on Falcon's layers, say), a limit of this combination that a retry repeats.
@@ -226,7 +228,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
                 torch.cuda.empty_cache()
         if sampler is not None:
-            record["device_samples"] = sampler.job_finished(job.id)
+            outcome.device_samples = sampler.job_finished(job.id)
     elapsed = time.monotonic() - began
     if elapsed > job.timeout_s and record["status"] != "skipped":
         # Past the deadline is a timeout whether or not the driver looked in time: the outcome
@@ -234,10 +236,10 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         late = JobTimeout("the attempt", elapsed, job.timeout_s)
         log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
         buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
-        record = {k: record[k] for k in ("worker", "host", "started_at", "device",
-                                         "device_samples") if k in record}
+        record = {k: record[k] for k in ("worker", "host", "started_at", "device") if k in record}
         record.update(status="failed", failure_class="timeout", error_class="JobTimeout",
-                      error_message=str(late), layers=[])
+                      error_message=str(late))
+        outcome.record, outcome.layers = record, []
     record["finished_at"] = utcnow()
-    record["log"] = buffer.getvalue()
-    return record
+    outcome.log = buffer.getvalue()
+    return outcome
