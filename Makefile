@@ -42,11 +42,13 @@ endif
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-# ruff, then the import contract (pyproject.toml: imports point one way, docs/architecture.md);
-# tests/test_architecture.py checks the contract, cycles and module sizes in `make test` too.
+# ruff, the import contract (pyproject.toml: imports point one way, docs/architecture.md), then
+# no import cycle inside a package either and no module past ~400 lines (tests/test_architecture.py,
+# which `make test` runs too).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 # The carry for the lent GPU machine (scripts/gpu_bundle.py; benchmarks/RESULTS.md section 4):
 # downloads cp312 wheels, writes .gpu-bundle/site.tar.xz and scripts/gpu_bundle.lock.json.
