@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,6 +109,19 @@ def fresh_directory(path: str | None) -> Path:
     return out
 
 
+def cannot_import() -> str:
+    """The last lines of the error if what the smoke needs does not import here, else ''."""
+    try:
+        import bitsandbytes  # noqa: F401
+        import dask.distributed  # noqa: F401
+        import polars  # noqa: F401
+
+        import quantdask  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to import is reported as it is
+        return "".join(traceback.format_exc().splitlines(keepends=True)[-8:])
+    return ""
+
+
 def run_gpu_tests(out: Path, dry_run: bool) -> tuple[bool, str]:
     """tests/test_gpu.py under pytest, its output kept in ``out/test_gpu.log``: it must pass on
     a GPU and skip (no GPU) on CPU slots."""
@@ -130,6 +144,12 @@ def main() -> int:
     parser.add_argument("--tar", help="also pack the output directory as this .tar.gz")
     args = parser.parse_args()
     out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
+    missing = cannot_import()
+    if missing:
+        print(f"gpu_smoke: {sys.executable} cannot import what the smoke needs:\n{missing}"
+              "gpu_smoke: on the lent machine, carry .gpu-bundle (make gpu-bundle builds it "
+              "here); elsewhere run 'make test' first or set PYTHON", file=sys.stderr)
+        return 2
     import torch
 
     import quantdask as qd

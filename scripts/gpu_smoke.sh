@@ -31,13 +31,8 @@ fi
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! err=$("$PY" -c "import quantdask, dask.distributed, polars, bitsandbytes" 2>&1); then
-    echo "gpu_smoke: $PY cannot import what the smoke needs:" >&2
-    echo "$err" | tail -n 8 >&2
-    echo "gpu_smoke: on the lent machine, carry .gpu-bundle (make gpu-bundle builds it here);" \
-         "elsewhere run 'make test' first or set PYTHON" >&2
-    exit 2
-fi
+# gpu_smoke.py checks that $PY can import what the smoke needs (exit 2 with the error if not):
+# in its own process, so that torch is imported once.
 if [[ " $* " != *" --dry-run "* ]] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 fi
