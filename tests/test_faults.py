@@ -236,7 +236,9 @@ def test_killing_the_driver_then_rerunning_finishes_without_rerunning_or_duplica
     data = sweep_dict(backends=[{"backend": BNB, "grid": {
         "bits": [4], "quant_type": ["nf4", "fp4"], "double_quant": [False, True]}},
         {"backend": BNB, "grid": {"bits": [8]}}], retries=2)
-    data["eval"].update(seq_len=64, samples=48)  # about a second a job
+    # Short jobs will do: the first driver is frozen (SIGSTOP) within a poll of its first result,
+    # and a frozen driver records nothing, whatever its workers go on to finish.
+    data["eval"].update(seq_len=64, samples=16)
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
@@ -250,7 +252,7 @@ def test_killing_the_driver_then_rerunning_finishes_without_rerunning_or_duplica
                 time.sleep(0.2)
 
         wait_for_results(1)
-        # Frozen mid-sweep (jobs still to go: a result a second at most, polled every 0.2 s), it
+        # Frozen mid-sweep (jobs still to go; results are polled every 0.2 s), it
         # still holds its run directory: a second driver there is refused, however long that
         # second one takes to start on a loaded machine.
         os.kill(first.pid, signal.SIGSTOP)
