@@ -68,6 +68,20 @@ def sweep_dict(**overrides) -> dict:
     return data
 
 
+def with_slow_jobs(data: dict, attempts: tuple[int, ...] = (1,)) -> dict:
+    """``data`` with a ``slow`` fault (1.5 s more, and no CPU) on every quantized job's
+    ``attempts``, before its own faults: jobs surely still running a second after they began,
+    to kill or watch one mid-job, where evaluating more windows would cost CPU instead."""
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+
+    labels = sorted({job.config_label for job in expand_grid(sweep_from_dict(data))
+                     if not job.is_baseline})
+    slow = [{"config": label, "attempt": attempt, "kind": "slow"}
+            for label in labels for attempt in attempts]
+    return {**data, "faults": slow + list(data.get("faults", []))}
+
+
 @pytest.fixture
 def write_sweep(tmp_path):
     """Factory: write a sweep YAML (a dict, or raw text) and return its path."""

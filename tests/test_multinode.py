@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from conftest import sweep_dict
+from conftest import sweep_dict, with_slow_jobs
 from dask_processes import DaskProcesses
 from distributed import Client
 
@@ -97,9 +97,8 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
     assert {name: r["GPU"] for name, r in resources.items()} == dict.fromkeys(limits, 1)
     assert {name: r[DEVICE_MEMORY] for name, r in resources.items()} == limits
-    data = sweep_dict(name="nodes", retries=2, backends=[
-        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}])
-    data["eval"].update(seq_len=128, samples=64)  # a second or two a job
+    data = with_slow_jobs(sweep_dict(name="nodes", retries=2, backends=[
+        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}]))
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
@@ -110,7 +109,8 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
     try:
         def quantizing_on_node_2() -> bool:
             # The driver prints each start within a quarter second (it writes to a file, so
-            # plain lines); a quantized job runs a second or more, so the kill lands mid-job.
+            # plain lines); a quantized job's first attempt runs 1.5 s or more (a slow fault),
+            # so the kill lands mid-job.
             log = (tmp_path / "driver.log").read_text()
             return bool(re.search(r"start +demo (nf4|fp4|int8)\S* .*on worker node-2", log))
 
@@ -175,9 +175,8 @@ def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_pat
     monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
     nodes, address = two_nodes  # node-1, taken away below: this test comes last of the three
     wait_for_workers(address, {"node-1"})
-    data = sweep_dict(name="gone", retries=1, backends=[
-        {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}])
-    data["eval"].update(seq_len=128, samples=48)  # about a second a job
+    data = with_slow_jobs(sweep_dict(name="gone", retries=1, backends=[  # 1.5 s a job at least
+        {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}]))
 
     def lose_the_only_node(record) -> None:
         if nodes.processes["node-1"].poll() is None:
@@ -312,12 +311,11 @@ def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_
 
 @pytest.mark.timeout(360)
 def test_an_adaptive_cluster_grows_while_jobs_wait_and_shrinks_when_done(tmp_path):
-    # Enough work (9 jobs, ~1-2 s each) to outlast the new workers' start (forked from a warm
-    # server: well under a second).
-    data = sweep_dict(name="adaptive", backends=[
+    # Enough work (9 jobs, 8 of them 1.5 s or more: a slow fault) to outlast the new workers'
+    # start (forked from a warm server: well under a second).
+    data = with_slow_jobs(sweep_dict(name="adaptive", backends=[
         FOUR_BIT, {"backend": BNB, "grid": {"bits": [8],
-                                            "int8_threshold": [float(t) for t in range(4)]}}])
-    data["eval"].update(seq_len=128, samples=48)
+                                            "int8_threshold": [float(t) for t in range(4)]}}]))
     sweep = sweep_from_dict(data)
     adapt = Adapt(minimum=1, maximum=3, interval_s=0.5, idle_s=2.0, target_duration_s=1.0)
     counts: list[tuple[float, int]] = []

@@ -24,7 +24,7 @@ from quantdask.driver.progress import PROGRESS_FILE, FailureLine, SweepProgress,
 from quantdask.driver.sweep import run_sweep
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.store.run_store import read_attempts, read_results
-from tests.conftest import sweep_dict
+from tests.conftest import sweep_dict, with_slow_jobs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,10 +123,9 @@ def failing_sweep():
         faults=[{"config": "nf4", "attempt": 1, "kind": "raise"},
                 {"config": "fp4", "attempt": 1, "kind": "raise"},
                 {"config": "fp4", "attempt": 2, "kind": "raise"}])
-    # Jobs of a second or so: several progress snapshots (4 a second) catch each one running,
-    # even on a loaded machine.
-    data["eval"].update(seq_len=128, samples=48)
-    return sweep_from_dict(data)
+    # Every quantized attempt 1.5 s or more (a slow fault, then its own): several progress
+    # snapshots (4 a second) catch each one running, even on a loaded machine.
+    return sweep_from_dict(with_slow_jobs(data, attempts=(1, 2)))
 
 
 @pytest.fixture(scope="module")

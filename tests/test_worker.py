@@ -384,3 +384,21 @@ def test_a_model_directory_missing_on_a_worker_node_says_where_and_what_to_do(de
         load_model_source(elsewhere)
     assert f"model directory {elsewhere.location} is not on " in str(err.value)
     assert "put the model at the same path on every node, or use `hub:`" in str(err.value)
+
+
+def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
+    import dataclasses
+    import time
+
+    from quantdask.worker.job import SLOW_FAULT_S
+
+    job = dataclasses.replace(jobs_for(demo_model)["nf4"], faults=((1, "slow"),))
+    began = time.monotonic()
+    outcome = run_job(job, get_backend(job.backend), reference=reference)
+    elapsed = time.monotonic() - began
+    assert elapsed >= SLOW_FAULT_S and outcome.record["status"] == "done"
+    assert outcome.record["wall_s"] <= elapsed - SLOW_FAULT_S  # not counted as the job's time
+    assert outcome.record["kl_divergence"] == records["nf4"]["kl_divergence"]  # measured alike
+    assert "injecting fault 'slow' on attempt 1" in outcome.log
+    again = run_job(job, get_backend(job.backend), attempt=2, reference=reference)
+    assert "injecting fault" not in again.log  # attempt 2 has none

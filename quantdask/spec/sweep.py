@@ -26,7 +26,7 @@ from quantdask.spec.fields import NAME, positive_int, require
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 
-FAULT_KINDS = ("raise", "oom", "kill", "hang")
+FAULT_KINDS = ("raise", "oom", "kill", "hang", "slow")
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
 the worker process killed (SIGKILL), or a hang past any deadline."""
 

@@ -50,11 +50,19 @@ PROBE_WINDOWS = 4
 """Eval windows in the probe batch that per-layer output error is measured on."""
 
 
+SLOW_FAULT_S = 1.5
+"""How much longer a ``slow`` fault makes an attempt (before it quantizes)."""
+
+
 def inject_fault(kind: str, attempt: int) -> None:
-    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``)."""
+    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``); ``slow`` only
+    delays it: a job that is surely still running a second after it began (to rehearse a
+    worker lost mid-job or to watch one run), at no cost in CPU."""
     import torch
 
     log.warning("injecting fault %r on attempt %d", kind, attempt)
+    if kind == "slow":
+        time.sleep(SLOW_FAULT_S)
     if kind == "raise":
         raise RuntimeError(f"injected fault on attempt {attempt}")
     if kind == "oom":
