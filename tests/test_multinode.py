@@ -97,8 +97,12 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
     assert {name: r["GPU"] for name, r in resources.items()} == dict.fromkeys(limits, 1)
     assert {name: r[DEVICE_MEMORY] for name, r in resources.items()} == limits
-    data = with_slow_jobs(sweep_dict(name="nodes", retries=2, backends=[
-        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}]))
+    data = sweep_dict(name="nodes", retries=2, backends=[
+        FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}])
+    # A second or two a job, of real work: with jobs that sleep instead (a slow fault), Dask
+    # queued every quantized job on node-1 while node-2 ran the baseline, and none to kill
+    # ever started on node-2.
+    data["eval"].update(seq_len=128, samples=64)
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
@@ -109,8 +113,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
     try:
         def quantizing_on_node_2() -> bool:
             # The driver prints each start within a quarter second (it writes to a file, so
-            # plain lines); a quantized job's first attempt runs 1.5 s or more (a slow fault),
-            # so the kill lands mid-job.
+            # plain lines); a quantized job runs a second or more, so the kill lands mid-job.
             log = (tmp_path / "driver.log").read_text()
             return bool(re.search(r"start +demo (nf4|fp4|int8)\S* .*on worker node-2", log))
 
