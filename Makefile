@@ -37,7 +37,7 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 6 to 8 minutes on 2 cores, where the suite is
+# process), the longest files first (tests/conftest.py): about 4 minutes on 2 cores, where the suite is
 # CPU-bound.
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
