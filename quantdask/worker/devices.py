@@ -233,12 +233,10 @@ def this_workers_sampler() -> DeviceSampler | None:
         return None
 
 
-def drain_this_worker(dask_worker=None) -> list[dict[str, Any]]:
-    """For ``client.run``: the calling worker's undrained samples. (``client.run`` passes the
-    worker as ``dask_worker``; ``get_worker`` finds none there, outside a task, and the idle
-    samples were silently never drained.)"""
-    sampler = (dask_worker.plugins.get(SAMPLER_NAME) if dask_worker is not None
-               else this_workers_sampler())
+def drain_this_worker(dask_worker) -> list[dict[str, Any]]:
+    """For ``client.run``, which passes the worker as ``dask_worker`` (``get_worker`` finds
+    none there, outside a task): that worker's undrained samples."""
+    sampler = dask_worker.plugins.get(SAMPLER_NAME)
     return sampler.drain() if sampler is not None else []
 
 
