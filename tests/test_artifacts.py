@@ -11,6 +11,7 @@ import pytest
 
 from quantdask.backends import get_backend
 from quantdask.cli.main import main
+from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
 from quantdask.spec.sweep import expand_grid
@@ -100,7 +101,12 @@ def test_a_kept_artifact_is_what_the_result_says_and_reloads_the_same(pareto_run
     config = model.config.quantization_config
     assert (config.load_in_4bit, config.load_in_8bit) == (row["config_label"] != "int8 t=6",
                                                           row["config_label"] == "int8 t=6")
-    assert AutoTokenizer.from_pretrained(models / row["job_id"]).vocab_size > 0
+    # The tokenizer saved beside it is the model's own: the same ids for the same text.
+    saved = AutoTokenizer.from_pretrained(models / row["job_id"])
+    original = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    text = "The quick brown fox jumps over the lazy dog."
+    assert saved.vocab_size == original.vocab_size
+    assert saved(text)["input_ids"] == original(text)["input_ids"]
 
 
 def test_the_report_shows_each_saved_model_and_its_reload_check(pareto_run):

@@ -162,7 +162,8 @@ def test_autoround_runs_to_done_with_every_metric_and_its_calibration_measured(
         assert row["size_bytes"] == expected_size
         assert 0 < row["kl_divergence"] < 0.1 and 0.9 < row["top1_agreement"] <= 1
         assert 0 < row["calibrate_s"] < row["quantize_s"] < row["wall_s"]
-        assert row["calibrate_peak_host_rss_bytes"] > 0
+        # Bytes, not kilobytes: the worker process holds torch and the model (over 100 MB).
+        assert row["calibrate_peak_host_rss_bytes"] > 100e6
         assert row["calibrate_peak_host_rss_bytes"] <= row["peak_host_rss_bytes"]
         # The export saved again and reloaded with from_pretrained measures the same.
         assert row["artifact_kept"] and row["artifact_error"] is None

@@ -77,7 +77,14 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
                               "quantized", "est_memory", "memory_from", "est_time"]
-    assert out[1].split()[:2] == ["1", "none-650a1d1e8ad89e29"]  # the baseline goes first
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import load_sweep
+
+    # The baseline goes first, under the id the library gives it (tests/test_spec.py derives
+    # ids from the canonical job spec by hand).
+    baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]
+    assert baseline.is_baseline and baseline.id.startswith("none-")
+    assert out[1].split()[:2] == ["1", baseline.id]
     assert "baseline" in out[1] and len(out) == 1 + 7 + 1
     # Every config quantizes the demo model's linear layers but the output head: 90% of it.
     at = out[0].index("quantized")

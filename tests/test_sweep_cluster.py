@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -281,22 +282,28 @@ def test_a_local_cluster_never_hard_closes_a_slot_it_once_lost(cluster):
     assert timeout_s >= 24 * 3600
 
 
-def sleeps_then_builds(source, options, device):
-    time.sleep(3.0)
+# In the worker process that imports this module: both packed jobs must be in it at once.
+BOTH_PACKED_JOBS = threading.Barrier(2)
+
+
+def waits_for_its_neighbour_then_builds(source, options, device):
+    """Returns only once the other packed job is running too (in another of the worker's
+    threads): a worker that ran them one after the other fails both (BrokenBarrierError)."""
+    BOTH_PACKED_JOBS.wait(timeout=60)
     return source.build(device)
 
 
 def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
     from quantdask.cluster.local import start_cluster
 
-    monkeypatch.setitem(quantdask.backends._REGISTRY, "sleepy", Backend(
-        "sleepy", sleeps_then_builds, options={"n": quantdask.backends.Option(int)},
-        quantizes=False))
-    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "sleepy", "grid": {"n": [1, 2]}}],
+    monkeypatch.setitem(quantdask.backends._REGISTRY, "packed", Backend(
+        "packed", waits_for_its_neighbour_then_builds,
+        options={"n": quantdask.backends.Option(int)}, quantizes=False))
+    sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "packed", "grid": {"n": [1, 2]}}],
                                        jobs_per_gpu=2))
     with start_cluster(workers=1, jobs_per_worker=2) as cluster:
         results = run_sweep(sweep, tmp_path / "run", cluster.client)
-    rows = results.filter(pl.col("backend") == "sleepy").sort("started_at").to_dicts()
+    rows = results.filter(pl.col("backend") == "packed").sort("started_at").to_dicts()
     assert [r["status"] for r in rows] == ["done", "done"]
     assert rows[0]["worker"] == rows[1]["worker"]
     assert rows[1]["started_at"] < rows[0]["finished_at"]  # they ran at the same time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -53,8 +54,6 @@ def records(outcomes):
 
 
 def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, reference):
-    import dataclasses
-
     import torch
 
     from quantdask.worker.reference import (
@@ -138,8 +137,25 @@ def test_the_worker_reuses_the_model_source_but_keeps_no_weights(demo_model, rec
         assert cold[name] == pytest.approx(records["nf4"][name], rel=1e-9)
 
 
-def test_baseline_against_itself_has_zero_kl_and_full_agreement(records):
-    assert records["baseline"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+def unquantized(source, options, device):
+    return source.build(device)
+
+
+def test_the_unquantized_model_evaluated_as_a_job_agrees_with_its_reference(demo_model,
+                                                                            reference, records):
+    """The baseline row's KL 0 and top-1 1 are its definition (its scores are the reference's
+    own). Here the unquantized model goes through a job's evaluation against the reference
+    (the path every quantized job takes): the windows, positions and log-probs line up only if
+    that path scores it as the reference did."""
+    job = jobs_for(demo_model)["baseline"]
+    job = dataclasses.replace(job, backend="identity", config_label="identity")
+    record = run_job(job, Backend("identity", unquantized, quantizes=False),
+                     reference=reference).record
+    assert record["status"] == "done", record.get("error_message")
+    assert record["kl_divergence"] == pytest.approx(0.0, abs=1e-6)
+    assert record["top1_agreement"] == 1.0
+    assert record["perplexity"] == pytest.approx(records["baseline"]["perplexity"], rel=1e-6)
+    assert records["baseline"]["kl_divergence"] == 0.0
     assert records["baseline"]["top1_agreement"] == 1.0
 
 

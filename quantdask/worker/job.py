@@ -37,7 +37,12 @@ from quantdask.worker.metrics import (
 )
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.outcome import JobOutcome
-from quantdask.worker.runtime import announce_start, quiet_libraries, torch_device
+from quantdask.worker.runtime import (
+    announce_start,
+    held_resources,
+    quiet_libraries,
+    torch_device,
+)
 
 if TYPE_CHECKING:
     from quantdask.backends.base import Backend
@@ -133,8 +138,12 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             backend = cloudpickle.loads(backend)
         device, device_label, cuda = torch_device()
         record["device"] = device_label
-        log.info("start on worker %s (%s) device %s: %s %s", worker, host, device_label,
-                 job.backend, job.config_label)
+        # What this attempt really runs with (a retry after out-of-memory asks for more).
+        held = ", ".join(f"{name}={amount:,.0f}" if amount >= 1000 else f"{name}={amount:g}"
+                         for name, amount in held_resources().items())
+        log.info("start on worker %s (%s) device %s: %s %s; eval batch %d; holding %s",
+                 worker, host, device_label, job.backend, job.config_label,
+                 job.eval.batch_size, held or "no resources")
         for fault_attempt, kind in job.faults:
             if fault_attempt == attempt:
                 inject_fault(kind, attempt)

@@ -29,6 +29,19 @@ def announce_start() -> tuple[str, str]:
     return str(worker.name), socket.gethostname()
 
 
+def held_resources() -> dict[str, float]:
+    """The resources Dask holds on this worker for the running task (``GPU``, device memory),
+    as the scheduler granted them: {} outside a Dask worker."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return {}
+    task = worker.state.tasks.get(worker.get_current_task())
+    return dict(task.resource_restrictions) if task is not None else {}
+
+
 def torch_device() -> tuple[str, str, bool]:
     """(torch device, recorded device label with the physical GPU id, is CUDA)."""
     import torch
