@@ -11,6 +11,8 @@ import pytest
 
 from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_SWEEP
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import load_sweep
 from quantdask.store.run_store import read_results
 from tests.conftest import REPO, sweep_dict
 
@@ -77,9 +79,6 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
                               "quantized", "est_memory", "memory_from", "est_time"]
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import load_sweep
-
     # The baseline goes first, under the id the library gives it (tests/test_spec.py derives
     # ids from the canonical job spec by hand).
     baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]
@@ -94,9 +93,6 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
 
 
 def test_the_shipped_demo_sweep_has_six_bitsandbytes_configs_and_the_baseline():
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import load_sweep
-
     jobs = expand_grid(load_sweep(DEMO_SWEEP))
     assert [j.backend for j in jobs] == ["none"] + ["bitsandbytes"] * 6
 
