@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         for job in jobs[1:]:
             record = run_job(job, get_backend(job.backend), reference=reference).record
             assert record["status"] == "done", record.get("error_message")
-            results[(job.options["bits"], job.options["group_size"], job.options["iters"])] = record
+            results[(job.options.bits, job.options.group_size, job.options.iters)] = record
         for b in bits:
             for g in (32, 128):
                 rtn, tuned = results[(b, g, 0)], results[(b, g, args.iters)]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from quantdask.backends import Backend, Option, register_backend
+from quantdask.backends import Backend, BackendOptions, option, register_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
 EVAL = {"text": DEMO_EVAL_TEXT, "seq_len": 128, "samples": 32, "batch_size": 8}
@@ -28,24 +29,33 @@ def twelve_configs(name: str = "bench12") -> dict:
     }
 
 
-def _sleep_then_keep(source, options: dict, device: str):
+@dataclass(frozen=True)
+class SleepOptions(BackendOptions):
+    seconds: float | None = option(float, help="how long the job holds its worker")
+    n: int | None = option(int, help="tells jobs of the same length apart")
+
+
+@dataclass(frozen=True)
+class NoopOptions(BackendOptions):
+    n: int | None = option(int, help="tells the jobs apart")
+
+
+def _sleep_then_keep(source, options: SleepOptions, device: str):
     """A benchmark-only backend: holds its worker for ``seconds``, quantizes nothing."""
-    time.sleep(options["seconds"])
+    time.sleep(options.seconds)
     return source.build(device)
 
 
-def _no_op(source, options: dict, device: str):
+def _no_op(source, options: NoopOptions, device: str):
     return source.build(device)
 
 
 def register_synthetic_backends() -> None:
     """``sleep`` (jobs of known length) and ``noop`` (jobs that do nothing of their own)."""
-    register_backend(Backend("sleep", _sleep_then_keep,
-                             options={"seconds": Option(float), "n": Option(int)},
-                             label=lambda o: f"sleep {o['seconds']:g}s #{o['n']}",
-                             quantizes=False))
-    register_backend(Backend("noop", _no_op, options={"n": Option(int)},
-                             label=lambda o: f"noop #{o['n']}", quantizes=False))
+    register_backend(Backend("sleep", _sleep_then_keep, options=SleepOptions,
+                             label=lambda o: f"sleep {o.seconds:g}s #{o.n}", quantizes=False))
+    register_backend(Backend("noop", _no_op, options=NoopOptions,
+                             label=lambda o: f"noop #{o.n}", quantizes=False))
 
 
 TINY_EVAL = {"text": DEMO_EVAL_TEXT, "seq_len": 8, "samples": 1, "batch_size": 1}

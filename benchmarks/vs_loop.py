@@ -32,6 +32,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quantdask.backends.bitsandbytes import BitsAndBytesOptions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,7 +59,7 @@ def build_model(out: Path, layers: int) -> Path:
     return out
 
 
-def configs() -> list[dict]:
+def configs() -> list[BitsAndBytesOptions]:
     from benchmarks.sweeps import twelve_configs
     from quantdask import expand_grid, sweep_from_dict
 
@@ -96,14 +100,14 @@ def run_loop(model_path: Path, threads: int) -> float:
     started = time.perf_counter()
     log_p = log_probs(AutoModelForCausalLM.from_pretrained(model_path).eval())
     for options in configs():
-        if options["bits"] == 4:
+        if options.bits == 4:
             config = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type=options["quant_type"],
-                bnb_4bit_use_double_quant=options["double_quant"],
-                bnb_4bit_compute_dtype=getattr(torch, options["compute_dtype"]))
+                load_in_4bit=True, bnb_4bit_quant_type=options.quant_type,
+                bnb_4bit_use_double_quant=options.double_quant,
+                bnb_4bit_compute_dtype=getattr(torch, options.compute_dtype))
         else:
             config = BitsAndBytesConfig(load_in_8bit=True,
-                                        llm_int8_threshold=options["int8_threshold"])
+                                        llm_int8_threshold=options.int8_threshold)
         model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config,
                                                      device_map="cpu").eval()
         log_q = log_probs(model)

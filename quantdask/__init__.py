@@ -6,7 +6,15 @@
 ...     results = qd.run_sweep(sweep, "runs/demo", cluster.client)
 """
 
-from quantdask.backends import Backend, Option, backend_names, get_backend, register_backend
+from quantdask.backends import (
+    Backend,
+    BackendOptions,
+    Option,
+    backend_names,
+    get_backend,
+    option,
+    register_backend,
+)
 from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
 from quantdask.driver.placement import estimate_device_memory, place_jobs
 from quantdask.driver.progress import read_progress
@@ -37,10 +45,10 @@ from quantdask.store.summary import device_summary, sweep_summary
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adapt", "Backend", "BackendBlock", "ClusterHandle", "EvalSettings", "Job", "ModelSpec",
-    "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
+    "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Job",
+    "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
-    "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep",
+    "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep", "option",
     "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_progress",
     "read_results", "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
     "start_cluster", "sweep_from_dict", "sweep_summary", "tls_security", "write_report",

@@ -96,3 +96,62 @@ def test_every_public_name_imports():
 
     assert callable(slurm_cluster)
     assert all(callable(getattr(report, name)) for name in report.__all__)
+
+
+MAX_FUNCTION_LINES = 60  # a function past it holds two steps (GUIDE: "one role per module")
+
+
+def _functions() -> list[tuple[int, str]]:
+    """(lines, 'path:line name') of every function in quantdask/, docstring included."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "quantdask").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((node.end_lineno - node.lineno + 1,
+                              f"{path.relative_to(REPO)}:{node.lineno} {node.name}"))
+    return sorted(found, reverse=True)
+
+
+@pytest.mark.timeout(30)
+def test_no_function_is_past_60_lines():
+    functions = _functions()
+    assert len(functions) > 300  # it read the package
+    assert [f for f in functions if f[0] > MAX_FUNCTION_LINES] == []
+
+
+# The same word meaning something else than a job's outcome, where it is not the vocabulary's:
+# (module, word) -> what it means there.
+OTHER_MEANINGS = {
+    ("quantdask/spec/settings.py", "done"): "artifacts.keep: keep the models of done jobs (spec "
+                                            "sits below the worker and cannot import Status)",
+    ("quantdask/store/summary.py", "done"): "the sweep summary's column: jobs done",
+    ("quantdask/cli/commands.py", "done"): "the scaling table's column of the same name",
+}
+
+
+def _outcome_literals() -> dict[tuple[str, str], int]:
+    """Every string constant in quantdask/ that spells a status or failure class, by module."""
+    import ast
+
+    from quantdask.worker.outcome import FailureClass, Status
+
+    words = {str(word) for word in (*Status, *FailureClass)}
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted((REPO / "quantdask").rglob("*.py")):
+        module = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in words:
+                found[(module, node.value)] = found.get((module, node.value), 0) + 1
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_outcome_words_are_spelled_only_in_the_vocabulary():
+    found = _outcome_literals()
+    assert ("quantdask/worker/outcome.py", "out_of_memory") in found  # it sees the enums
+    stray = {where: n for where, n in found.items()
+             if where[0] != "quantdask/worker/outcome.py" and where not in OTHER_MEANINGS}
+    assert stray == {}
+    assert set(OTHER_MEANINGS) <= set(found)  # no stale exception

@@ -173,7 +173,7 @@ def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
     from torchao.quantization import Int4TilePackedTo4dTensor
 
     from quantdask.backends.torchao import stored_bytes
-    from quantdask.worker.metrics import model_size_bytes
+    from quantdask.worker.measure import model_size_bytes
 
     rows, width, group = 200, 384, 128
     padded_rows, padded_width = 200, 1024

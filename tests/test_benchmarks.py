@@ -26,7 +26,7 @@ def test_the_benchmark_sweeps_are_valid():
         "s", "sleep", [{"seconds": s, "n": i} for i, s in enumerate(DURATIONS)],
         priority_by=lambda c: int(c["seconds"] * 10))))
     by_priority = sorted((j for j in sleepy if j.backend == "sleep"), key=lambda j: -j.priority)
-    assert [j.options["seconds"] for j in by_priority] == sorted(DURATIONS, reverse=True)
+    assert [j.options.seconds for j in by_priority] == sorted(DURATIONS, reverse=True)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.store.run_store import read_layers
 from quantdask.worker.calibration import calibration_windows
 from quantdask.worker.job import run_job
-from quantdask.worker.metrics import PeakMemory
+from quantdask.worker.measure import PeakMemory
 from quantdask.worker.reference import REFERENCE_TOPIC, compute_reference, reference_key
 from tests.conftest import sweep_dict
 
@@ -78,7 +78,7 @@ def test_calibration_is_in_the_calibrated_jobs_ids_only(calibration_text, tmp_pa
     with open(calibration_text, "rb") as f:
         content = f.read()
     identity = {"model": calibrated.model.identity(), "backend": "autoround",
-                "options": calibrated.options, "eval": sweep.eval.identity(), "seed": 0,
+                "options": calibrated.options.as_dict(), "eval": sweep.eval.identity(), "seed": 0,
                 "calibration": {"text_sha256": hashlib.sha256(content).hexdigest(),
                                 "samples": 8, "seq_len": 64, "seed": 0}}
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))

@@ -226,7 +226,7 @@ def test_gpu_workers_may_each_use_the_whole_host_memory(monkeypatch):
 def test_peaks_of_blocks_that_overlap_in_two_threads_are_flagged_shared():
     import threading
 
-    from quantdask.worker.metrics import PeakMemory
+    from quantdask.worker.measure import PeakMemory
 
     with PeakMemory(cuda=False) as alone:
         with PeakMemory(cuda=False) as nested:  # the same job (one thread): not shared

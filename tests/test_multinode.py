@@ -153,7 +153,7 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
                                                           "double_quant": [False, True]},
                                  }, {"backend": BNB, "grid": {"bits": [8]}}],
                       faults=[{"config": "nf4", "attempt": 1, "kind": "kill"}])
-    caplog.set_level(logging.INFO, logger="quantdask.scheduler")
+    caplog.set_level(logging.INFO, logger="quantdask.driver")
     with start_cluster(address=address) as cluster:
         results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
         # The last worker is kept however it fails: a sweep without workers gets nowhere.

@@ -10,11 +10,14 @@ import sys
 
 import pytest
 
+from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
+from quantdask.resources import demo_sweep
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import DEFAULT_KL_TOP_K, EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
+from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid, plan_rows
+from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,3 +208,88 @@ def test_invalid_specs_name_the_field(build, field):
         build()
     assert info.value.field == field
     assert info.value.message
+
+
+# Pinned before backend options became dataclasses (issue 28) from the code of then: a change to
+# any job id, or to the options JSON that results store in `config`, fails here, since it would
+# orphan every earlier run's results. (config_label, job id, config)
+DEMO_SWEEP_JOBS = [
+    ("baseline", "none-650a1d1e8ad89e29", '{}'),
+    ("nf4", "bitsandbytes-05d05ed5f6b34de0",
+     '{"bits": 4, "compute_dtype": "float32", "double_quant": false, "quant_type": "nf4"}'),
+    ("nf4 dq", "bitsandbytes-4421e1485351d08f",
+     '{"bits": 4, "compute_dtype": "float32", "double_quant": true, "quant_type": "nf4"}'),
+    ("fp4", "bitsandbytes-d2acfe096717b20d",
+     '{"bits": 4, "compute_dtype": "float32", "double_quant": false, "quant_type": "fp4"}'),
+    ("fp4 dq", "bitsandbytes-030957b0a7b6414a",
+     '{"bits": 4, "compute_dtype": "float32", "double_quant": true, "quant_type": "fp4"}'),
+    ("int8 t=6", "bitsandbytes-7dca2a2b45a4475a", '{"bits": 8, "int8_threshold": 6.0}'),
+    ("int8 t=0", "bitsandbytes-98d2ebd050efaa40", '{"bits": 8, "int8_threshold": 0.0}'),
+]
+TYPED_OPTIONS_SWEEP = {
+    "name": "typed-options",
+    "models": [{"path": "demo-model"}],
+    "backends": [
+        {"backend": "torchao", "configs": [
+            {"mode": "int8_weight_only"}, {"mode": "int4_weight_only"},
+            {"mode": "int4_weight_only", "group_size": 64,
+             "skip_modules": ["lm_head", "model.layers.0.mlp.down_proj"]},
+            {"mode": "int8_weight_only", "skip_modules": []}]},
+        {"backend": "hqq", "configs": [
+            {"bits": 4}, {"bits": 4, "group_size": 64, "axis": 1, "skip_modules": ["lm_head"]},
+            {"bits": 2, "group_size": 32, "axis": 0,
+             "skip_modules": ["lm_head", "embed_tokens"]}]},
+        {"backend": "autoround", "configs": [
+            {"bits": 4},
+            {"bits": 3, "group_size": 64, "sym": False, "iters": 0,
+             "skip_modules": ["lm_head", "model.layers.1"]}]},
+        {"backend": "bitsandbytes", "configs": [
+            {"bits": 4, "skip_modules": ["lm_head", "model.layers.0.self_attn.q_proj"]},
+            {"bits": 8, "skip_modules": ["lm_head"]}]},
+    ],
+    "eval": {"text": "demo/eval.txt", "seq_len": 32, "samples": 4},
+    "calibration": {"text": "demo/eval.txt", "samples": 4, "seq_len": 32},
+}
+TYPED_OPTIONS_JOBS = [
+    ("baseline", "none-2c70c414fc7a5f0a", '{}'),
+    ("ao int8wo", "torchao-798d68ce4b40edeb",
+     '{"mode": "int8_weight_only", "skip_modules": ["lm_head"]}'),
+    ("ao int4wo g128", "torchao-a8ef95d151fda3ed",
+     '{"group_size": 128, "mode": "int4_weight_only", "skip_modules": ["lm_head"]}'),
+    ("ao int4wo g64 skip=lm_head,model.layers.0.mlp.down_proj", "torchao-62c54e7687b34692",
+     '{"group_size": 64, "mode": "int4_weight_only", "skip_modules": ["lm_head", '
+     '"model.layers.0.mlp.down_proj"]}'),
+    ("ao int8wo", "torchao-94250b5b98579ea3", '{"mode": "int8_weight_only", "skip_modules": []}'),
+    ("hqq 4b g64", "hqq-1bd3b87c4f252853",
+     '{"axis": 1, "bits": 4, "group_size": 64, "skip_modules": ["lm_head"]}'),
+    ("hqq 2b g32 axis0 skip=lm_head,embed_tokens", "hqq-9b8fda50df97b244",
+     '{"axis": 0, "bits": 2, "group_size": 32, "skip_modules": ["lm_head", "embed_tokens"]}'),
+    ("autoround 4b g128 i200", "autoround-a174bff8e8213081",
+     '{"bits": 4, "group_size": 128, "iters": 200, "skip_modules": ["lm_head"], "sym": true}'),
+    ("autoround 3b g64 rtn asym skip=lm_head,model.layers.1", "autoround-c118b38d6205f31b",
+     '{"bits": 3, "group_size": 64, "iters": 0, "skip_modules": ["lm_head", "model.layers.1"], '
+     '"sym": false}'),
+    ("nf4 skip=lm_head,model.layers.0.self_attn.q_proj", "bitsandbytes-4f65ff3b158ddf80",
+     '{"bits": 4, "compute_dtype": "float32", "double_quant": false, "quant_type": "nf4", '
+     '"skip_modules": ["lm_head", "model.layers.0.self_attn.q_proj"]}'),
+    ("int8 t=6 skip=lm_head", "bitsandbytes-c326beaa19bfd350",
+     '{"bits": 8, "int8_threshold": 6.0, "skip_modules": ["lm_head"]}'),
+]
+
+
+@pytest.mark.parametrize("sweep, pinned", [
+    (lambda: load_sweep(demo_sweep()), DEMO_SWEEP_JOBS),
+    (lambda: sweep_from_dict(TYPED_OPTIONS_SWEEP, root=str(demo_sweep().parent)),
+     TYPED_OPTIONS_JOBS),
+], ids=["demo sweep", "torchao, hqq, autoround"])
+def test_job_ids_and_stored_options_are_pinned(sweep, pinned):
+    jobs = expand_grid(sweep())
+    assert [(r["config_label"], r["job_id"], r["config"]) for r in plan_rows(jobs)] == pinned
+    for job in jobs:
+        backend = get_backend(job.backend)
+        stored = json.loads(plan_rows([job])[0]["config"])
+        # Typed and hashable, keys sorted, and what a stored config normalizes back to (the
+        # memory estimate reads earlier results' options so).
+        assert isinstance(job.options, backend.options_type) and hash(job.options) is not None
+        assert job.options.as_dict() == stored and list(stored) == sorted(stored)
+        assert backend.normalize(stored, "config") == job.options

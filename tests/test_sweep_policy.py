@@ -14,11 +14,11 @@ import types
 import pytest
 
 from quantdask.driver import policy
+from quantdask.driver.health import DeviceHealth
 from quantdask.driver.policy import (
     Grace,
-    RetryQueue,
+    Requeues,
     WorkerWatch,
-    after_failure,
     outcome_of_error,
     past_deadline,
     requeue_uncounted,
@@ -26,11 +26,18 @@ from quantdask.driver.policy import (
     worker_went_away,
 )
 from quantdask.driver.references import ModelReferences
-from quantdask.driver.retry import MAX_BACKOFF_S, DeviceHealth, decide, with_more_room
+from quantdask.driver.retry import (
+    MAX_BACKOFF_S,
+    RetryQueue,
+    after_failure,
+    decide,
+    with_more_room,
+)
 from quantdask.errors import JobTimeout
 from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.job import failure_class_of, run_job
+from quantdask.worker.job import run_job
+from quantdask.worker.outcome import failure_class_of
 from quantdask.worker.reference import compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
@@ -455,6 +462,47 @@ def test_the_attempt_table_settles_each_attempt_once(jobs):
     assert table.pop("a") is None and table.take(lambda t: ["a"]) == []  # never twice
     assert sorted(key for key, _ in table.take_all()) == ["b", "c"]
     assert table.take_all() == []
+
+
+def test_each_attempt_of_a_job_gets_a_dask_key_of_its_own():
+    from quantdask.driver.attempts import AttemptTable
+
+    table = AttemptTable()
+    keys = [table.new_key("job-a"), table.new_key("job-b"), table.new_key("job-a"),
+            table.new_key("job-a")]
+    assert keys[:2] == ["job-a", "job-b"]  # a first attempt is named by its job id
+    assert len(set(keys)) == 4 and all(k.startswith("job-a-") for k in keys[2:])
+
+
+def test_uncounted_requeues_are_counted_per_job_up_to_the_limit():
+    requeues = Requeues(max_requeues=2)
+    dropped = {"lost": True, "cut": False, "started": False, "cancelled": False}
+    assert [requeues.take("a", **dropped) for _ in range(3)] == [True, True, False]
+    assert requeues.take("b", **dropped)  # another job has its own count
+    assert not requeues.take("b", **{**dropped, "started": True})  # a real attempt: counted
+    assert requeues.counts == {"a": 2, "b": 1}
+
+
+def test_the_driver_logs_on_quantdask_driver_and_its_old_name_still_hears_it():
+    import io
+    import logging
+
+    from quantdask.driver import LOG_CHANNEL, OLD_LOG_CHANNEL
+    from quantdask.driver.loop import log
+
+    assert log.name == LOG_CHANNEL == "quantdask.driver"
+    heard = io.StringIO()
+    handler = logging.StreamHandler(heard)
+    old = logging.getLogger(OLD_LOG_CHANNEL)
+    old.addHandler(handler)
+    old.setLevel(logging.INFO)
+    try:
+        log.warning("a line for the old channel")
+        log.debug("below the old channel's level")
+    finally:
+        old.removeHandler(handler)
+        old.setLevel(logging.NOTSET)
+    assert heard.getvalue() == "a line for the old channel\n"
 
 
 def test_the_recorder_writes_the_attempt_the_decision_and_the_result(jobs, tmp_path):

@@ -406,7 +406,7 @@ def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
     import dataclasses
     import time
 
-    from quantdask.worker.job import SLOW_FAULT_S
+    from quantdask.worker.faults import SLOW_FAULT_S
 
     job = dataclasses.replace(jobs_for(demo_model)["nf4"], faults=((1, "slow"),))
     began = time.monotonic()

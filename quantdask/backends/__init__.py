@@ -1,17 +1,18 @@
 """The backend registry: quantization libraries by name.
 
 >>> from quantdask.backends import get_backend
->>> get_backend("bitsandbytes").normalize({"bits": 4}, "options")["quant_type"]
+>>> get_backend("bitsandbytes").normalize({"bits": 4}, "options").quant_type
 'nf4'
 """
 
 from __future__ import annotations
 
 from quantdask.backends.autoround import autoround_backend
-from quantdask.backends.base import Backend, Option
+from quantdask.backends.base import Backend
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
 from quantdask.backends.hqq import hqq_backend
+from quantdask.backends.options import BackendOptions, Option, option
 from quantdask.backends.torchao import torchao_backend
 from quantdask.errors import SpecError
 
@@ -45,4 +46,5 @@ register_backend(torchao_backend)
 register_backend(hqq_backend)
 register_backend(autoround_backend)
 
-__all__ = ["BASELINE", "Backend", "Option", "backend_names", "get_backend", "register_backend"]
+__all__ = ["BASELINE", "Backend", "BackendOptions", "Option", "backend_names", "get_backend",
+           "option", "register_backend"]

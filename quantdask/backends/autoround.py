@@ -17,45 +17,51 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
-    Option,
     missing_library,
     named_in,
     require_library,
     skip_label,
-    skip_modules_option,
 )
+from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError
 
 BITS = (2, 3, 4, 8)
 DEFAULT_ITERS = 200  # AutoRound's own default
-OPTIONS = {
-    "bits": Option(int, choices=BITS, help="bits per weight"),
-    "group_size": Option(int, choices=(32, 64, 128),
-                         help="weights sharing one scale and zero (default 128)"),
-    "sym": Option(bool, help="symmetric integers (default true)"),
-    "iters": Option(int, check=lambda v: v >= 0, check_hint="must be 0 or more",
-                    help=f"tuning steps per block (default {DEFAULT_ITERS}; 0: round-to-nearest)"),
-    "skip_modules": skip_modules_option(),
-}
+
+
+@dataclass(frozen=True)
+class AutoRoundOptions(BackendOptions):
+    """AutoRound's options."""
+
+    bits: int | None = option(int, choices=BITS, help="bits per weight")
+    group_size: int | None = option(int, choices=(32, 64, 128), default=128,
+                                    help="weights sharing one scale and zero (default 128)")
+    sym: bool | None = option(bool, default=True, help="symmetric integers (default true)")
+    iters: int | None = option(
+        int, default=DEFAULT_ITERS, check=lambda v: v >= 0, check_hint="must be 0 or more",
+        help=f"tuning steps per block (default {DEFAULT_ITERS}; 0: round-to-nearest)")
+    skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+
 AUTOROUND = ("auto_round", "auto-round", "'quantdask[autoround]'")  # module, name, install
 
 
-def complete_options(options: dict) -> dict:
-    if "bits" not in options:
+def complete_options(options: AutoRoundOptions) -> AutoRoundOptions:
+    if options.bits is None:
         raise SpecError("bits", f"is required for autoround: one of {', '.join(map(str, BITS))}")
-    return {"group_size": 128, "sym": True, "iters": DEFAULT_ITERS, "skip_modules": ["lm_head"],
-            **options}
+    return options
 
 
-def config_label(options: dict) -> str:
-    label = f"autoround {options['bits']}b g{options['group_size']}"
-    label += " rtn" if options["iters"] == 0 else f" i{options['iters']}"
-    if not options["sym"]:
+def config_label(options: AutoRoundOptions) -> str:
+    label = f"autoround {options.bits}b g{options.group_size}"
+    label += " rtn" if options.iters == 0 else f" i{options.iters}"
+    if not options.sym:
         label += " asym"
-    return label + skip_label(options["skip_modules"], ["lm_head"])
+    return label + skip_label(options.skip_modules, LM_HEAD)
 
 
 def _is_linear(module_class: type) -> bool:
@@ -67,16 +73,16 @@ def _is_linear(module_class: type) -> bool:
     return module_class in (torch.nn.Linear, Conv1D)
 
 
-def selects(name: str, module_class: type, options: dict) -> bool:
+def selects(name: str, module_class: type, options: AutoRoundOptions) -> bool:
     """Every linear layer but the skipped ones (the head by default, which AutoRound leaves)."""
-    return _is_linear(module_class) and not named_in(name, options["skip_modules"])
+    return _is_linear(module_class) and not named_in(name, options.skip_modules)
 
 
-def check_autoround(options: dict, facts) -> str | None:
+def check_autoround(options: AutoRoundOptions, facts) -> str | None:
     return missing_library(*AUTOROUND)
 
 
-def quantize_autoround(source, options: dict, device: str, calibration):
+def quantize_autoround(source, options: AutoRoundOptions, device: str, calibration):
     """Tune on ``calibration``'s windows, export in AutoRound's format, load the export."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -96,14 +102,14 @@ def quantize_autoround(source, options: dict, device: str, calibration):
     model.name_or_path = model.config._name_or_path = source.spec.location
     windows = calibration.windows
     skipped = {name: {"bits": 16} for name, module in model.named_modules()
-               if _is_linear(type(module)) and named_in(name, options["skip_modules"])}
+               if _is_linear(type(module)) and named_in(name, options.skip_modules)}
     samples = [{"input_ids": w[None], "attention_mask": torch.ones_like(w)[None]}
                for w in windows]
     # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search scales on the
     # data's activations: calibration by another name).
     tuner = auto_round.AutoRound(
-        model, source.tokenizer, bits=options["bits"], group_size=options["group_size"],
-        sym=options["sym"], iters=options["iters"], disable_opt_rtn=options["iters"] == 0,
+        model, source.tokenizer, bits=options.bits, group_size=options.group_size,
+        sym=options.sym, iters=options.iters, disable_opt_rtn=options.iters == 0,
         dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
         batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
     with calibration.measure():
@@ -124,7 +130,7 @@ def quantize_autoround(source, options: dict, device: str, calibration):
     return shipped
 
 
-def weight_bits(options: dict, loaded_bits: int) -> float:
+def weight_bits(options: AutoRoundOptions, loaded_bits: int) -> float:
     """Tuning holds the whole model as loaded (plus a block's activations)."""
     return float(loaded_bits)
 
@@ -154,7 +160,7 @@ def dequantize_layer(module):
 autoround_backend = Backend(
     name="autoround",
     quantize=quantize_autoround,
-    options=OPTIONS,
+    options=AutoRoundOptions,
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,

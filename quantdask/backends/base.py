@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from quantdask.backends.options import BackendOptions, Option, options_class
 from quantdask.errors import SpecError, UnsupportedHere
 
 if TYPE_CHECKING:
@@ -15,39 +16,7 @@ if TYPE_CHECKING:
     from quantdask.worker.model_source import ModelSource
 
 
-@dataclass(frozen=True)
-class Option:
-    """One option a backend accepts.
-
-    ``kind`` is the Python type values must have; ``choices`` (if given) the allowed values;
-    ``check`` an extra predicate with ``check_hint`` saying what it requires.
-    """
-
-    kind: type | tuple[type, ...]
-    default: Any = None
-    choices: tuple = ()
-    check: Callable[[Any], bool] | None = None
-    check_hint: str = ""
-    help: str = ""
-
-    def validate(self, name: str, value: Any) -> Any:
-        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
-        # bool is an int in Python; a YAML `true` must not pass as bits=1.
-        if isinstance(value, bool) and bool not in kinds:
-            raise SpecError(name, f"must be {_kind_names(kinds)}, got {value!r}")
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kinds):
-            raise SpecError(name, f"must be {_kind_names(kinds)}, got {value!r}")
-        if self.choices and value not in self.choices:
-            allowed = " or ".join(repr(c) for c in self.choices)
-            raise SpecError(name, f"must be {allowed}, got {value!r}")
-        if self.check is not None and not self.check(value):
-            raise SpecError(name, f"{self.check_hint}, got {value!r}")
-        return value
-
-
-def named_in(name: str, names: list[str]) -> bool:
+def named_in(name: str, names: tuple[str, ...] | list[str]) -> bool:
     """Whether module ``name`` is one of ``names``: the same, inside one, or ending in one
     (``lm_head`` matches ``lm_head`` and ``model.lm_head``)."""
     return any(name == n or name.startswith(f"{n}.") or name.endswith(f".{n}") for n in names)
@@ -72,25 +41,12 @@ def missing_library(module: str, name: str, install: str) -> str | None:
     return None
 
 
-def skip_modules_option(default: str = "lm_head") -> Option:
-    """The ``skip_modules`` option the backends share: module names left unquantized."""
-    return Option(list, check=lambda v: all(isinstance(m, str) and m for m in v),
-                  check_hint="must be a list of module names",
-                  help=f"modules left unquantized (default: {default})")
-
-
-def skip_label(skip: list[str] | None, default: list[str] | None = None) -> str:
+def skip_label(skip: tuple[str, ...] | None, default: tuple[str, ...] | None = None) -> str:
     """A config label's suffix naming the skipped modules, unless they are the default."""
-    return "" if not skip or skip == default else " skip=" + ",".join(skip)
+    return "" if not skip or tuple(skip) == default else " skip=" + ",".join(skip)
 
 
-def _kind_names(kinds: tuple[type, ...]) -> str:
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-             list: "a list", tuple: "a list"}
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-QuantizeFn = Callable[["ModelSource", dict, str], "torch.nn.Module"]
+QuantizeFn = Callable[["ModelSource", BackendOptions, str], "torch.nn.Module"]
 """quantize(source, options, device) -> a model ready for evaluation on ``device``."""
 
 
@@ -114,7 +70,11 @@ class ModelFacts:
 class Backend:
     """A quantization backend registered under ``name``.
 
-    ``options`` declares every accepted option; ``complete`` rejects impossible combinations
+    ``options`` declares every accepted option: a frozen dataclass subclassing
+    :class:`BackendOptions` (or, as backends of one's own may, a dict of name to :class:`Option`,
+    made into one); once built, ``options`` is the name -> :class:`Option` mapping and
+    ``options_type`` the dataclass, whose instances (the canonical option sets, from
+    ``normalize``) every function below receives. ``complete`` rejects impossible combinations
     (raise :class:`SpecError` naming the option) and fills defaults that depend on other options;
     ``label`` makes a short human name for a config; ``dequantize_layer(module)`` returns a
     quantized layer's weight dequantized to float (None for a module it did not quantize), for
@@ -137,20 +97,34 @@ class Backend:
 
     name: str
     quantize: QuantizeFn
-    options: dict[str, Option] = field(default_factory=dict)
-    complete: Callable[[dict], dict] | None = None
-    label: Callable[[dict], str] | None = None
+    options: type[BackendOptions] | Mapping[str, Option] = BackendOptions
+    complete: Callable[[BackendOptions], BackendOptions] | None = None
+    label: Callable[[BackendOptions], str] | None = None
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
-    check: Callable[[dict, ModelFacts], str | None] | None = None
-    weight_bits: Callable[[dict, int], float] | None = None
+    check: Callable[[BackendOptions, ModelFacts], str | None] | None = None
+    weight_bits: Callable[[BackendOptions, int], float] | None = None
     description: str = ""
     quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
-    selects: Callable[[str, type, dict], bool] | None = None
+    selects: Callable[[str, type, BackendOptions], bool] | None = None
     stored_bytes: Callable[[torch.Tensor], int] | None = None
     calibrated: bool = False  # quantize(..., calibration=) gets the sweep's calibration data
     saves: bool = True  # its models save with save_pretrained and reload with from_pretrained
+    options_type: type[BackendOptions] | None = None  # set from ``options``
 
-    def predicted_share(self, options: dict, facts: ModelFacts) -> float | None:
+    def __post_init__(self):
+        declared = self.options
+        if isinstance(declared, type) and issubclass(declared, BackendOptions):
+            kind = declared
+        elif self.options_type is not None and self.options_type.declared() == declared:
+            kind = self.options_type  # dataclasses.replace(backend, ...): the same options
+        elif isinstance(declared, Mapping) and not declared:
+            kind = BackendOptions
+        else:
+            kind = options_class(self.name, declared)
+        object.__setattr__(self, "options_type", kind)
+        object.__setattr__(self, "options", kind.declared())
+
+    def predicted_share(self, options: BackendOptions, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules
         ``selects(name, module_class, options)`` picks (None: unknown)."""
         if not self.quantizes:
@@ -161,8 +135,14 @@ class Backend:
                      if self.selects(name, cls, options))
         return picked / facts.param_count
 
-    def normalize(self, options: dict, where: str) -> dict:
-        """Validate ``options`` and fill defaults; the result is the canonical option set."""
+    def normalize(self, options: dict, where: str) -> BackendOptions:
+        """Validate ``options`` (a config as written) and fill defaults: the canonical option
+        set, an ``options_type`` instance (its ``as_dict()`` is what job ids hash).
+
+        >>> from quantdask.backends import get_backend
+        >>> get_backend("hqq").normalize({"bits": 4}, "options")
+        HqqOptions(bits=4, group_size=64, axis=1, skip_modules=('lm_head',))
+        """
         if not isinstance(options, dict):
             raise SpecError(where, f"must be a mapping of option to value, got {options!r}")
         unknown = sorted(set(options) - set(self.options))
@@ -176,18 +156,21 @@ class Backend:
                 resolved[name] = spec.validate(f"{where}.{name}", options[name])
             elif spec.default is not None:
                 resolved[name] = spec.default
-        resolved = {k: v for k, v in resolved.items() if v is not None}
-        if self.complete is not None:
-            try:
-                resolved = self.complete(resolved)
-            except SpecError as err:
-                raise SpecError(f"{where}.{err.field}", err.message) from None
-        return {k: resolved[k] for k in sorted(resolved) if resolved[k] is not None}
+        typed = self.options_type(**resolved)
+        if self.complete is None:
+            return typed
+        try:
+            completed = self.complete(typed)
+        except SpecError as err:
+            raise SpecError(f"{where}.{err.field}", err.message) from None
+        if isinstance(completed, BackendOptions):
+            return completed
+        return self.options_type(**completed)  # a complete written against dicts returns one
 
-    def config_label(self, options: dict) -> str:
+    def config_label(self, options: BackendOptions) -> str:
         if self.label is not None:
             return self.label(options)
-        return " ".join(f"{k}={v}" for k, v in sorted(options.items())) or self.name
+        return " ".join(f"{k}={v}" for k, v in options.as_dict().items()) or self.name
 
 
 def tensor_nbytes(tensor) -> int:

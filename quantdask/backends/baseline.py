@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend
+from quantdask.backends.base import Backend, BackendOptions
 
 BASELINE = "none"
 
 
-def load_unquantized(source, options: dict, device: str):
+def load_unquantized(source, options: BackendOptions, device: str):
     return source.build(device)
 
 
 baseline_backend = Backend(
     name=BASELINE,
     quantize=load_unquantized,
+    options=BackendOptions,  # none
     label=lambda options: "baseline",
     quantizes=False,
     description="The model as loaded, unquantized.",

@@ -2,100 +2,105 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from quantdask.backends.base import (
     Backend,
-    Option,
     missing_library,
     named_in,
     require_library,
     skip_label,
-    skip_modules_option,
 )
+from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError
+
+
+@dataclass(frozen=True)
+class BitsAndBytesOptions(BackendOptions):
+    """bitsandbytes' options; each width's own defaults are filled in by ``complete_options``."""
+
+    bits: int | None = option(int, choices=(4, 8), help="4 (nf4/fp4) or 8 (LLM.int8)")
+    quant_type: str | None = option(str, choices=("nf4", "fp4"), help="4-bit data type")
+    double_quant: bool | None = option(bool,
+                                       help="4-bit: quantize the quantization constants too")
+    compute_dtype: str | None = option(str, choices=("float32", "bfloat16", "float16"),
+                                       help="4-bit: dtype of the matmul")
+    int8_threshold: float | None = option(
+        float, check=lambda v: v >= 0, check_hint="must be >= 0",
+        help="8-bit: outlier threshold (0 disables the fp16 outlier path)")
+    # None: transformers' own choice, which leaves the output head (LM_HEAD) unquantized.
+    skip_modules: tuple[str, ...] | None = skip_modules_option(None, "the output head")
+
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
 _EIGHT_BIT_ONLY = ("int8_threshold",)
-
-OPTIONS = {
-    "bits": Option(int, choices=(4, 8), help="4 (nf4/fp4) or 8 (LLM.int8)"),
-    "quant_type": Option(str, choices=("nf4", "fp4"), help="4-bit data type"),
-    "double_quant": Option(bool, help="4-bit: quantize the quantization constants too"),
-    "compute_dtype": Option(str, choices=("float32", "bfloat16", "float16"),
-                            help="4-bit: dtype of the matmul"),
-    "int8_threshold": Option(float, check=lambda v: v >= 0, check_hint="must be >= 0",
-                             help="8-bit: outlier threshold (0 disables the fp16 outlier path)"),
-    "skip_modules": skip_modules_option("the output head"),
-}
+_DEFAULTS = {4: {"quant_type": "nf4", "double_quant": False, "compute_dtype": "float32"},
+             8: {"int8_threshold": 6.0}}
 
 
-def complete_options(options: dict) -> dict:
+def complete_options(options: BitsAndBytesOptions) -> BitsAndBytesOptions:
     """Reject options that do not apply to the chosen bit width; fill that width's defaults."""
-    if "bits" not in options:
+    if options.bits is None:
         raise SpecError("bits", "is required for bitsandbytes: 4 or 8")
-    wrong = _EIGHT_BIT_ONLY if options["bits"] == 4 else _FOUR_BIT_ONLY
-    for name in wrong:
-        if name in options:
-            raise SpecError(name, f"does not apply to {options['bits']}-bit; remove it or use "
-                                  f"bits: {12 - options['bits']}")
-    if options["bits"] == 4:
-        defaults = {"quant_type": "nf4", "double_quant": False, "compute_dtype": "float32"}
+    wrong = options.given(*(_EIGHT_BIT_ONLY if options.bits == 4 else _FOUR_BIT_ONLY))
+    if wrong:
+        raise SpecError(wrong[0], f"does not apply to {options.bits}-bit; remove it or use "
+                                  f"bits: {12 - options.bits}")
+    return options.with_defaults(**_DEFAULTS[options.bits])
+
+
+def config_label(options: BitsAndBytesOptions) -> str:
+    if options.bits == 8:
+        label = f"int8 t={options.int8_threshold:g}"
     else:
-        defaults = {"int8_threshold": 6.0}
-    return {**defaults, **options}
+        label = options.quant_type + (" dq" if options.double_quant else "")
+        if options.compute_dtype != "float32":
+            label += f" {options.compute_dtype}"
+    return label + skip_label(options.skip_modules)
 
 
-def config_label(options: dict) -> str:
-    if options["bits"] == 8:
-        label = f"int8 t={options['int8_threshold']:g}"
-    else:
-        label = options["quant_type"] + (" dq" if options["double_quant"] else "")
-        if options["compute_dtype"] != "float32":
-            label += f" {options['compute_dtype']}"
-    return label + skip_label(options.get("skip_modules"))
-
-
-def bitsandbytes_config(options: dict):
+def bitsandbytes_config(options: BitsAndBytesOptions):
     """The transformers ``BitsAndBytesConfig`` for a canonical option set."""
     import torch
     from transformers import BitsAndBytesConfig
 
-    skip = options.get("skip_modules")
-    if options["bits"] == 4:
+    skip = list(options.skip_modules) if options.skip_modules is not None else None
+    if options.bits == 4:
         return BitsAndBytesConfig(
             load_in_4bit=True,
-            bnb_4bit_quant_type=options["quant_type"],
-            bnb_4bit_use_double_quant=options["double_quant"],
-            bnb_4bit_compute_dtype=getattr(torch, options["compute_dtype"]),
+            bnb_4bit_quant_type=options.quant_type,
+            bnb_4bit_use_double_quant=options.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, options.compute_dtype),
             llm_int8_skip_modules=skip,
         )
     return BitsAndBytesConfig(
-        load_in_8bit=True, llm_int8_threshold=options["int8_threshold"], llm_int8_skip_modules=skip
+        load_in_8bit=True, llm_int8_threshold=options.int8_threshold, llm_int8_skip_modules=skip
     )
 
 
 BITSANDBYTES = ("bitsandbytes", "bitsandbytes", "bitsandbytes")  # module, name, what to install
 
 
-def quantize_bitsandbytes(source, options: dict, device: str):
+def quantize_bitsandbytes(source, options: BitsAndBytesOptions, device: str):
     require_library(*BITSANDBYTES)
     return source.build(device, quantization_config=bitsandbytes_config(options))
 
 
-def check_bitsandbytes(options: dict, facts) -> str | None:
+def check_bitsandbytes(options: BitsAndBytesOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
     return missing_library(*BITSANDBYTES)
 
 
-def weight_bits(options: dict, loaded_bits: int) -> float:
+def weight_bits(options: BitsAndBytesOptions, loaded_bits: int) -> float:
     """Weights are quantized as they are loaded onto the device: 8-bit takes one byte a
     weight; 4-bit half a byte plus a float32 absmax per block of 64 (double quantization
     stores that absmax in 8 bits)."""
-    if options["bits"] == 8:
+    if options.bits == 8:
         return 8.0
-    return 4.0 + (8.0 if options.get("double_quant") else 32.0) / 64
+    return 4.0 + (8.0 if options.double_quant else 32.0) / 64
 
 
-def selects(name: str, module_class: type, options: dict) -> bool:
+def selects(name: str, module_class: type, options: BitsAndBytesOptions) -> bool:
     """What transformers replaces with bitsandbytes layers: exactly ``nn.Linear`` (not a
     subclass, such as Falcon's own linear class) and GPT-2's ``Conv1D``, but the skipped
     modules (by default the output head)."""
@@ -103,7 +108,7 @@ def selects(name: str, module_class: type, options: dict) -> bool:
     from transformers.pytorch_utils import Conv1D
 
     replaced = module_class is torch.nn.Linear or issubclass(module_class, Conv1D)
-    return replaced and not named_in(name, options.get("skip_modules") or ["lm_head"])
+    return replaced and not named_in(name, options.skip_modules or LM_HEAD)
 
 
 def dequantize_layer(module):
@@ -124,7 +129,7 @@ def dequantize_layer(module):
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
     quantize=quantize_bitsandbytes,
-    options=OPTIONS,
+    options=BitsAndBytesOptions,
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,

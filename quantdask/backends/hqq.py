@@ -9,39 +9,45 @@ weight; no data is needed. It runs on CPU and CUDA, in the model's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from quantdask.backends.base import (
     Backend,
-    Option,
     missing_library,
     named_in,
     require_library,
     skip_label,
-    skip_modules_option,
 )
+from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError, UnsupportedHere
 
 BITS = (1, 2, 3, 4, 8)
-OPTIONS = {
-    "bits": Option(int, choices=BITS, help="bits per weight"),
-    "group_size": Option(int, choices=(16, 32, 64, 128, 256),
-                         help="weights sharing one scale and zero (default 64)"),
-    "axis": Option(int, choices=(0, 1),
-                   help="1 (default): groups along the input features; 0: along the outputs"),
-    "skip_modules": skip_modules_option(),
-}
 
 
-def complete_options(options: dict) -> dict:
-    if "bits" not in options:
+@dataclass(frozen=True)
+class HqqOptions(BackendOptions):
+    """HQQ's options."""
+
+    bits: int | None = option(int, choices=BITS, help="bits per weight")
+    group_size: int | None = option(int, choices=(16, 32, 64, 128, 256), default=64,
+                                    help="weights sharing one scale and zero (default 64)")
+    axis: int | None = option(
+        int, choices=(0, 1), default=1,
+        help="1 (default): groups along the input features; 0: along the outputs")
+    skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+
+def complete_options(options: HqqOptions) -> HqqOptions:
+    if options.bits is None:
         raise SpecError("bits", f"is required for hqq: one of {', '.join(map(str, BITS))}")
-    return {"group_size": 64, "axis": 1, "skip_modules": ["lm_head"], **options}
+    return options
 
 
-def config_label(options: dict) -> str:
-    label = f"hqq {options['bits']}b g{options['group_size']}"
-    if options["axis"] != 1:
-        label += f" axis{options['axis']}"
-    return label + skip_label(options["skip_modules"], ["lm_head"])
+def config_label(options: HqqOptions) -> str:
+    label = f"hqq {options.bits}b g{options.group_size}"
+    if options.axis != 1:
+        label += f" axis{options.axis}"
+    return label + skip_label(options.skip_modules, LM_HEAD)
 
 
 HQQ = ("hqq.core.quantize", "hqq", "'quantdask[hqq]'")  # module, name, what to install
@@ -54,9 +60,9 @@ def _is_linear(module_class: type) -> bool:
     return issubclass(module_class, (torch.nn.Linear, Conv1D))
 
 
-def selects(name: str, module_class: type, options: dict) -> bool:
+def selects(name: str, module_class: type, options: HqqOptions) -> bool:
     """Every linear layer (subclasses and ``Conv1D`` too) but the skipped modules."""
-    return _is_linear(module_class) and not named_in(name, options["skip_modules"])
+    return _is_linear(module_class) and not named_in(name, options.skip_modules)
 
 
 def ungroupable(group: int, sizes: dict[str, int]) -> str | None:
@@ -69,10 +75,10 @@ def ungroupable(group: int, sizes: dict[str, int]) -> str | None:
     return None
 
 
-def check_hqq(options: dict, facts) -> str | None:
+def check_hqq(options: HqqOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
     return missing_library(*HQQ) or ungroupable(
-        options["group_size"], {name: size for name, module_class, size in facts.weight_modules
+        options.group_size, {name: size for name, module_class, size in facts.weight_modules
                                 if selects(name, module_class, options)})
 
 
@@ -94,17 +100,17 @@ def _as_linear(module):
     return linear
 
 
-def quantize_hqq(source, options: dict, device: str):
+def quantize_hqq(source, options: HqqOptions, device: str):
     hqq = require_library(*HQQ)
     model = source.build(device)
     targets = {name: module for name, module in model.named_modules()
                if selects(name, type(module), options)}
-    reason = ungroupable(options["group_size"],
+    reason = ungroupable(options.group_size,
                          {name: m.weight.numel() for name, m in targets.items()})
     if reason:
         raise UnsupportedHere(reason)
-    config = hqq.BaseQuantizeConfig(nbits=options["bits"], group_size=options["group_size"],
-                                    axis=options["axis"])
+    config = hqq.BaseQuantizeConfig(nbits=options.bits, group_size=options.group_size,
+                                    axis=options.axis)
     dtype = next(model.parameters()).dtype
     for name, module in targets.items():
         parent_name, _, child = name.rpartition(".")
@@ -116,7 +122,7 @@ def quantize_hqq(source, options: dict, device: str):
     return model
 
 
-def weight_bits(options: dict, loaded_bits: int) -> float:
+def weight_bits(options: HqqOptions, loaded_bits: int) -> float:
     """The model is loaded onto the device whole and then quantized layer by layer, so the
     peak holds the weights as loaded."""
     return float(loaded_bits)
@@ -136,7 +142,7 @@ def dequantize_layer(module):
 hqq_backend = Backend(
     name="hqq",
     quantize=quantize_hqq,
-    options=OPTIONS,
+    options=HqqOptions,
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,

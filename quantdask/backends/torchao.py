@@ -6,50 +6,57 @@ Install with ``pip install 'quantdask[torchao]'``. On a CPU, int4 uses torchao's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from quantdask.backends.base import (
     Backend,
-    Option,
     missing_library,
     named_in,
     require_library,
     skip_label,
-    skip_modules_option,
     tensor_nbytes,
 )
+from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError, UnsupportedHere
 
-OPTIONS = {
-    "mode": Option(str, choices=("int8_weight_only", "int4_weight_only"),
-                   help="int8 per-channel or int4 grouped weights"),
-    "group_size": Option(int, choices=(32, 64, 128, 256),
-                         help="int4: input features sharing one scale (default 128)"),
-    "skip_modules": skip_modules_option(),
-}
+INT4_GROUP_SIZE = 128  # int4's default group size (int8 is per channel: none)
 CPU_INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def complete_options(options: dict) -> dict:
-    if "mode" not in options:
+@dataclass(frozen=True)
+class TorchaoOptions(BackendOptions):
+    """torchao's options; int4's group size is filled in by ``complete_options``."""
+
+    mode: str | None = option(str, choices=("int8_weight_only", "int4_weight_only"),
+                              help="int8 per-channel or int4 grouped weights")
+    group_size: int | None = option(
+        int, choices=(32, 64, 128, 256),
+        help=f"int4: input features sharing one scale (default {INT4_GROUP_SIZE})")
+    skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+
+def complete_options(options: TorchaoOptions) -> TorchaoOptions:
+    if options.mode is None:
         raise SpecError("mode", "is required for torchao: int8_weight_only or int4_weight_only")
-    if options["mode"] == "int8_weight_only":
-        if "group_size" in options:
+    if options.mode == "int8_weight_only":
+        if options.group_size is not None:
             raise SpecError("group_size", "applies to int4_weight_only only; remove it")
-        return {"skip_modules": ["lm_head"], **options}
-    return {"group_size": 128, "skip_modules": ["lm_head"], **options}
+        return options
+    return options.with_defaults(group_size=INT4_GROUP_SIZE)
 
 
-def config_label(options: dict) -> str:
-    if options["mode"] == "int8_weight_only":
+def config_label(options: TorchaoOptions) -> str:
+    if options.mode == "int8_weight_only":
         label = "ao int8wo"
     else:
-        label = f"ao int4wo g{options['group_size']}"
-    return label + skip_label(options["skip_modules"], ["lm_head"])
+        label = f"ao int4wo g{options.group_size}"
+    return label + skip_label(options.skip_modules, LM_HEAD)
 
 
 TORCHAO = ("torchao.quantization", "torchao", "'quantdask[torchao]'")  # module, name, install
 
 
-def _targets(model, skip: list[str]) -> dict:
+def _targets(model, skip: tuple[str, ...]) -> dict:
     import torch
 
     return {name: module for name, module in model.named_modules()
@@ -72,26 +79,26 @@ def int4_unsupported(group: int, widths: dict[str, int], cuda: bool) -> str | No
     return None
 
 
-def check_torchao(options: dict, facts) -> str | None:
+def check_torchao(options: TorchaoOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
     missing = missing_library(*TORCHAO)
     if missing:
         return missing
-    if options["mode"] == "int4_weight_only" and facts.linear_in_features:
+    if options.mode == "int4_weight_only" and facts.linear_in_features:
         widths = {name: width for name, width in facts.linear_in_features.items()
-                  if not named_in(name, options["skip_modules"])}
-        return int4_unsupported(options["group_size"], widths, facts.cuda)
+                  if not named_in(name, options.skip_modules)}
+        return int4_unsupported(options.group_size, widths, facts.cuda)
     return None
 
 
-def quantize_torchao(source, options: dict, device: str):
+def quantize_torchao(source, options: TorchaoOptions, device: str):
     quantization = require_library(*TORCHAO)
     model = source.build(device)
-    targets = _targets(model, options["skip_modules"])
-    if options["mode"] == "int8_weight_only":
+    targets = _targets(model, options.skip_modules)
+    if options.mode == "int8_weight_only":
         config = quantization.Int8WeightOnlyConfig()
     else:
-        group = options["group_size"]
+        group = options.group_size
         reason = int4_unsupported(group, {n: m.in_features for n, m in targets.items()},
                                   cuda=device.startswith("cuda"))
         if reason:
@@ -111,15 +118,15 @@ def quantize_torchao(source, options: dict, device: str):
     return model
 
 
-def selects(name: str, module_class: type, options: dict) -> bool:
+def selects(name: str, module_class: type, options: TorchaoOptions) -> bool:
     """torchao quantizes every ``nn.Linear`` (subclasses too) but the skipped modules."""
     import torch
 
     return (issubclass(module_class, torch.nn.Linear)
-            and not named_in(name, options["skip_modules"]))
+            and not named_in(name, options.skip_modules))
 
 
-def weight_bits(options: dict, loaded_bits: int) -> float:
+def weight_bits(options: TorchaoOptions, loaded_bits: int) -> float:
     """The model is loaded onto the device whole and then quantized layer by layer, so the
     peak holds the weights as loaded (the quantized copies replace them as they go)."""
     return float(loaded_bits)
@@ -166,7 +173,7 @@ def dequantize_layer(module):
 torchao_backend = Backend(
     name="torchao",
     quantize=quantize_torchao,
-    options=OPTIONS,
+    options=TorchaoOptions,
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,

@@ -10,6 +10,8 @@ import sys
 
 from quantdask.cli.render import table
 from quantdask.errors import QuantdaskError, RunDirError, SpecError
+from quantdask.store.run_store import RunStore, default_run_dir
+from quantdask.worker.outcome import Status
 
 EXIT_FAILED_JOBS = 1
 EXIT_BAD_INPUT = 2
@@ -38,16 +40,15 @@ def _check_run_dir(path: str) -> str:
 def cmd_plan(args) -> int:
     import json
 
-    from quantdask.driver.planning import plan_sweep
+    from quantdask.driver.planning import PlanState, plan_sweep
     from quantdask.spec.sweep_file import load_sweep
     from quantdask.util import format_bytes, format_duration
 
     sweep = load_sweep(args.sweep)
-    run_dir = args.run_dir or os.path.join("runs", sweep.name)
+    run_dir = args.run_dir or default_run_dir(sweep.name)
     plan = plan_sweep(sweep, run_dir)
-    states = {s: plan.filter(plan["state"] == s).height
-              for s in ("to run", "finished", "unsupported")}
-    to_run = plan.filter(plan["state"] == "to run")
+    states = {s: plan.filter(plan["state"] == s).height for s in PlanState}
+    to_run = plan.filter(plan["state"] == PlanState.TO_RUN)
     known = to_run["est_duration_s"].drop_nulls()
     if args.json:
         print(json.dumps({"sweep": sweep.name, "run_dir": run_dir, "jobs": plan.to_dicts(),
@@ -61,12 +62,13 @@ def cmd_plan(args) -> int:
              else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
     print(table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
                         "quantized", "est_memory", "memory_from", "est_time"]))
-    for row in plan.filter(plan["state"] == "unsupported").to_dicts():
-        print(f"unsupported: {row['config_label']}: {row['reason']}")
+    for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
+        print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
     work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "
             "estimate" if len(known) else "")
-    print(f"{plan.height} jobs: {states['to run']} to run, {states['finished']} finished, "
-          f"{states['unsupported']} unsupported here{work}")
+    print(f"{plan.height} jobs: {states[PlanState.TO_RUN]} to run, "
+          f"{states[PlanState.FINISHED]} finished, "
+          f"{states[PlanState.UNSUPPORTED]} unsupported here{work}")
     return 0
 
 
@@ -76,9 +78,9 @@ def _run(sweep, args) -> int:
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
     from quantdask.driver.sweep import run_sweep
-    from quantdask.store.run_store import RunStore, read_attempts
+    from quantdask.store.run_store import read_attempts
 
-    run_dir = _check_run_dir(args.run_dir or os.path.join("runs", sweep.name))
+    run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
     artifacts = sweep.artifacts
     if args.scheduler and artifacts is not None and artifacts.enabled \
@@ -107,25 +109,23 @@ def _run(sweep, args) -> int:
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
                                    "bits_per_weight", "quantized_share", "perplexity",
                                    "kl_divergence", "top1_agreement", "wall_s"]))
-    counts = {s: results.filter(pl.col("status") == s).height
-              for s in ("done", "failed", "skipped")}
+    counts = {s: results.filter(pl.col("status") == s).height for s in Status}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
-    retried = attempts.filter(pl.col("status") == "failed").height
-    print(f"{results.height} jobs: {counts['done']} done, {counts['failed']} failed, "
-          f"{counts['skipped']} skipped ({retried} failed attempts in this run directory)")
+    retried = attempts.filter(pl.col("status") == Status.FAILED).height
+    print(f"{results.height} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + f" ({retried} failed attempts in this run directory)")
     for excluded in RunStore(run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    print(f"results: {os.path.join(run_dir, 'results')}  "
-          f"(python: quantdask.read_results({run_dir!r}))")
-    print(f"logs: {os.path.join(run_dir, 'logs')}")
-    for row in results.filter(pl.col("status") != "done").to_dicts():
-        log_path = os.path.join(run_dir, "logs", "jobs", f"{row['job_id']}.log")
+    store = RunStore(run_dir)
+    print(f"results: {store.results_dir}  (python: quantdask.read_results({run_dir!r}))")
+    print(f"logs: {store.logs_dir}")
+    for row in results.filter(pl.col("status") != Status.DONE).to_dicts():
+        log_path = store.job_log_path(row["job_id"])
         message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
         print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
               f"{row['error_class']}: {message} (log: {log_path})")
-    if counts["failed"]:
-        print(f"{counts['failed']} jobs failed; their logs are in "
-              f"{os.path.join(run_dir, 'logs', 'jobs')}")
+    if counts[Status.FAILED]:
+        print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
         return EXIT_FAILED_JOBS
     return 0
 
@@ -140,10 +140,10 @@ def _write_report(run_dir: str, output: str | None = None) -> int:
 
 
 def _run_and_report(sweep, args, scaling: bool = False) -> int:
-    run_dir = args.run_dir = args.run_dir or os.path.join("runs", sweep.name)
+    run_dir = args.run_dir = args.run_dir or default_run_dir(sweep.name)
     status = _run(sweep, args)
     if scaling:
-        _demo_scaling(sweep, os.path.join(run_dir, "scaling"), args.host)
+        _demo_scaling(sweep, str(RunStore(run_dir).scaling_dir), args.host)
     if args.no_report:
         return status
     try:
@@ -188,14 +188,14 @@ def cmd_demo(args) -> int:
     if not os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")):
         print(f"quantdask: building the demo model in {DEMO_MODEL_DIR} (once)", flush=True)
         build_demo_model()
-    args.run_dir = args.run_dir or os.path.join("runs", "demo")
+    args.run_dir = args.run_dir or default_run_dir(load_sweep(DEMO_SWEEP).name)
     return _run_and_report(load_sweep(DEMO_SWEEP), args, scaling=not args.no_scaling)
 
 
 def cmd_report(args) -> int:
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")
-    if not os.path.isdir(os.path.join(args.run_dir, "results")):
+    if not RunStore(args.run_dir).is_run_dir():
         raise RunDirError(f"{args.run_dir} is not a run directory (it has no results/); "
                           "give the --run-dir of a sweep")
     return _write_report(args.run_dir, args.output)
@@ -204,7 +204,7 @@ def cmd_report(args) -> int:
 def _scale(sweep, counts: list[int], out: str, host: str) -> int:
     import polars as pl
 
-    from quantdask.driver.scaling import scale_sweep
+    from quantdask.driver.scaling import SCALING_FILE, scale_sweep
     from quantdask.store.run_store import read_results
 
     def announce(n, run_dir):
@@ -214,9 +214,9 @@ def _scale(sweep, counts: list[int], out: str, host: str) -> int:
     print(table(frame.with_columns(pl.col("scaling_efficiency") * 100).to_dicts(),
                  ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
                   "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound"]))
-    print(f"scaling: {os.path.join(out, 'scaling.parquet')} "
+    print(f"scaling: {os.path.join(out, SCALING_FILE)} "
           f"(python: quantdask.read_scaling({out!r}); notebook: {_notebook('scaling')})")
-    failed = sum(read_results(run_dir).filter(pl.col("status") == "failed").height
+    failed = sum(read_results(run_dir).filter(pl.col("status") == Status.FAILED).height
                  for run_dir in frame["run_dir"])
     if failed:
         print(f"scaling: {failed} jobs failed (see each run directory's logs/jobs)")
@@ -233,12 +233,12 @@ def cmd_scale(args) -> int:
     from quantdask.spec.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep)
-    out = args.out or os.path.join("runs", f"{sweep.name}-scaling")
+    out = args.out or default_run_dir(sweep.name, "-scaling")
     return _scale(sweep, args.workers, out, args.host)
 
 
 def cmd_status(args) -> int:
-    from quantdask.store.run_store import RunStore, job_status
+    from quantdask.store.run_store import job_status
 
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")
@@ -262,8 +262,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from quantdask.store.run_store import RunStore
-
     store = RunStore(args.run_dir)
     if not store.job_logs_dir.is_dir():
         raise RunDirError(f"no job logs in {args.run_dir} (no logs/jobs/); give a run directory")
@@ -277,5 +275,5 @@ def cmd_logs(args) -> int:
         listed = ", ".join(matches or ids[:20]) + (" ..." if not matches and len(ids) > 20 else "")
         what = "matches several jobs" if matches else "matches no job"
         raise RunDirError(f"JOB_ID {args.job_id!r} {what} in {args.run_dir}; job ids: {listed}")
-    sys.stdout.write((store.job_logs_dir / f"{matches[0]}.log").read_text(encoding="utf-8"))
+    sys.stdout.write(store.job_log_path(matches[0]).read_text(encoding="utf-8"))
     return 0

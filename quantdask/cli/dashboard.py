@@ -24,6 +24,7 @@ from rich.text import Text
 
 from quantdask.driver.progress import SweepProgress, read_progress
 from quantdask.util import format_bytes, format_duration
+from quantdask.worker.outcome import Status
 
 QUEUE_SHOWN = 6
 
@@ -38,8 +39,8 @@ def summary_line(progress: SweepProgress, now: dt.datetime | None = None) -> str
     counts = progress.counts
     state = ("finished" if progress.completed else "stopped") if progress.finished else \
         f"{len(progress.running)} running · ETA {format_duration(progress.eta_s())}"
-    return (f"{progress.settled}/{progress.total} jobs · {counts.get('done', 0)} done · "
-            f"{counts.get('failed', 0)} failed · {counts.get('skipped', 0)} skipped · "
+    settled = " · ".join(f"{counts.get(status, 0)} {status}" for status in Status)
+    return (f"{progress.settled}/{progress.total} jobs · {settled} · "
             f"elapsed {format_duration(_since(progress.started_at, now))} · {state}")
 
 
@@ -86,7 +87,7 @@ def render(progress: SweepProgress, now: dt.datetime | None = None) -> Group:
             failures.add_row(failure.at[11:19], failure.label, str(failure.attempt),
                              failure.failure_class, failure.message[:120],
                              Text("retrying", style="yellow") if failure.retrying
-                             else Text("failed", style="red"))
+                             else Text(Status.FAILED.value, style="red"))
         parts.append(failures)
     return Group(*parts)
 

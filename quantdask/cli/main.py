@@ -86,42 +86,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every job event")
     parser.add_argument("--version", action="version", version=f"quantdask {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_sweep_commands(commands)
+    _add_run_dir_commands(commands)
+    return parser
 
-    def cluster_args(p):
-        p.add_argument("--run-dir", help="where results and logs go (default runs/<sweep name>)")
-        where = p.add_mutually_exclusive_group()
-        where.add_argument("--workers", type=_positive_int, help="CPU slots (no GPU) to start")
-        where.add_argument("--gpus", help="GPU ids to use, e.g. 0,1 (default: all)")
-        where.add_argument("--scheduler", help="address of an existing Dask scheduler")
-        p.add_argument("--host", default="127.0.0.1",
-                       help="interface the local cluster binds to (default 127.0.0.1)")
-        p.add_argument("--dashboard-address", default="127.0.0.1:0",
-                       help="where the local cluster's Dask dashboard listens (default "
-                            "127.0.0.1 on a free port; e.g. :8787 to expose it)")
-        p.add_argument("--adapt", type=_adapt, metavar="MIN:MAX",
-                       help="let the local cluster grow while jobs wait and shrink when idle, "
-                            "between MIN and MAX workers (on GPUs: at most one per GPU)")
-        tls = p.add_argument_group(
-            "TLS (mutual; see docs/beyond-one-machine.md, 'Secure transport')")
-        tls.add_argument("--tls-ca-file", help="CA certificate (PEM) that signed every cert")
-        tls.add_argument("--tls-cert", help="this driver's certificate (PEM); a local cluster "
-                                            "uses it for its scheduler and workers too")
-        tls.add_argument("--tls-key", help="the key of --tls-cert (if not in the cert file)")
 
-    def report_args(p):
-        p.add_argument("--no-report", action="store_true",
-                       help="do not write RUN_DIR/report.html at the end")
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", help="where results and logs go (default runs/<sweep name>)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=_positive_int, help="CPU slots (no GPU) to start")
+    where.add_argument("--gpus", help="GPU ids to use, e.g. 0,1 (default: all)")
+    where.add_argument("--scheduler", help="address of an existing Dask scheduler")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the local cluster binds to (default 127.0.0.1)")
+    p.add_argument("--dashboard-address", default="127.0.0.1:0",
+                   help="where the local cluster's Dask dashboard listens (default "
+                        "127.0.0.1 on a free port; e.g. :8787 to expose it)")
+    p.add_argument("--adapt", type=_adapt, metavar="MIN:MAX",
+                   help="let the local cluster grow while jobs wait and shrink when idle, "
+                        "between MIN and MAX workers (on GPUs: at most one per GPU)")
+    tls = p.add_argument_group(
+        "TLS (mutual; see docs/beyond-one-machine.md, 'Secure transport')")
+    tls.add_argument("--tls-ca-file", help="CA certificate (PEM) that signed every cert")
+    tls.add_argument("--tls-cert", help="this driver's certificate (PEM); a local cluster "
+                                        "uses it for its scheduler and workers too")
+    tls.add_argument("--tls-key", help="the key of --tls-cert (if not in the cert file)")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not write RUN_DIR/report.html at the end")
 
+
+def _add_sweep_commands(commands) -> None:
+    """The commands that take a sweep (or the demo's) and run or plan it."""
     run = commands.add_parser("run", help="run a sweep, then write its HTML report")
     run.add_argument("sweep", help="sweep YAML file")
-    cluster_args(run)
-    report_args(run)
+    _add_cluster_args(run)
     run.set_defaults(func=cmd_run)
-
-    report = commands.add_parser("report", help="write a run directory's HTML report")
-    report.add_argument("run_dir")
-    report.add_argument("-o", "--output", help="HTML file to write (default RUN_DIR/report.html)")
-    report.set_defaults(func=cmd_report)
 
     scale = commands.add_parser("scale", help="run a sweep fresh at several worker counts")
     scale.add_argument("sweep", help="sweep YAML file")
@@ -141,6 +140,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
 
+    demo = commands.add_parser("demo", help="run the built-in demo sweep, a scaling "
+                                             "measurement at 1 and 2 workers, and the report")
+    _add_cluster_args(demo)
+    demo.add_argument("--no-scaling", action="store_true",
+                      help="skip the scaling measurement (RUN_DIR/scaling)")
+    demo.set_defaults(func=cmd_demo)
+
+
+def _add_run_dir_commands(commands) -> None:
+    """The commands that read a run directory."""
+    report = commands.add_parser("report", help="write a run directory's HTML report")
+    report.add_argument("run_dir")
+    report.add_argument("-o", "--output", help="HTML file to write (default RUN_DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+
     status = commands.add_parser("status", help="show a run directory's jobs")
     status.add_argument("run_dir")
     status.add_argument("--watch", action="store_true",
@@ -153,15 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("run_dir")
     logs.add_argument("job_id", help="a job id, or its unique beginning")
     logs.set_defaults(func=cmd_logs)
-
-    demo = commands.add_parser("demo", help="run the built-in demo sweep, a scaling "
-                                             "measurement at 1 and 2 workers, and the report")
-    cluster_args(demo)
-    report_args(demo)
-    demo.add_argument("--no-scaling", action="store_true",
-                      help="skip the scaling measurement (RUN_DIR/scaling)")
-    demo.set_defaults(func=cmd_demo)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

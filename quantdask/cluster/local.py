@@ -191,18 +191,26 @@ def start_cluster(
         if workers is not None or gpus is not None:
             raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
                                          "with --workers or --gpus")
-        if address is not None and cluster is not None:
-            raise SpecError("cluster", "give a cluster object or an address, not both")
-        if address is not None and adapt is not None:
-            raise SpecError("adapt", "a scheduler reached by address cannot scale its workers "
-                                     "from here; start them adaptively where they run")
-        if cluster is not None:
-            if adapt is not None:
-                adapt.apply(cluster)
-            client = Client(cluster, security=security or getattr(cluster, "security", None))
-        else:
-            client = Client(address, security=security)
-        return ClusterHandle(client=client, kind="external")
+        return _connect(address, cluster, adapt, security)
+    selected, available = _local_devices(workers, gpus, adapt)
+    common = {
+        "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
+        jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
+        "scheduler_kwargs": SCHEDULER_OPTIONS, "preload": [WORKER_PRELOAD],
+    }
+    if security is not None:
+        common.update(security=security, protocol="tls://")
+    if available and workers is None:
+        return _start_cuda_cluster(_physical_gpus(selected or list(range(available)), adapt),
+                                   common, adapt)
+    return _start_cpu_slots(workers or 2, common, adapt, torch_threads, jobs_per_worker,
+                            security)
+
+
+def _local_devices(workers: int | None, gpus: str | list[int] | None,
+                   adapt: Adapt | None) -> tuple[list[int] | None, int]:
+    """(the GPUs chosen, or None for all; the CUDA GPUs this process sees), the worker count and
+    GPU ids checked."""
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
         raise SpecError("workers", f"must be a positive integer, got {workers!r}")
@@ -216,26 +224,43 @@ def start_cluster(
     if selected is not None and max(selected) >= available:
         raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
                                 f"{available} (ids 0-{available - 1})")
-    common = {
-        "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
-        jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
-        "scheduler_kwargs": SCHEDULER_OPTIONS, "preload": [WORKER_PRELOAD],
-    }
-    if security is not None:
-        common.update(security=security, protocol="tls://")
-    if available and workers is None:
-        # Ids count the GPUs this process sees: map them through an inherited
-        # CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation) to the physical ones.
-        inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-                     if g.strip()]
-        local = selected or list(range(available))
-        physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
-        if adapt is not None and adapt.maximum > len(physical):
-            raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but {len(physical)} "
-                                             f"GPU(s) chosen: one worker per GPU, so at most "
-                                             f"{len(physical)}")
-        return _start_cuda_cluster(physical, common, adapt)
-    n = workers or 2
+    return selected, available
+
+
+def _connect(address: str | None, cluster: Any, adapt: Adapt | None,
+             security: Security | None) -> ClusterHandle:
+    """A client of a running scheduler (``address``) or of a cluster object made elsewhere."""
+    if address is not None and cluster is not None:
+        raise SpecError("cluster", "give a cluster object or an address, not both")
+    if address is not None and adapt is not None:
+        raise SpecError("adapt", "a scheduler reached by address cannot scale its workers "
+                                 "from here; start them adaptively where they run")
+    if cluster is not None:
+        if adapt is not None:
+            adapt.apply(cluster)
+        client = Client(cluster, security=security or getattr(cluster, "security", None))
+    else:
+        client = Client(address, security=security)
+    return ClusterHandle(client=client, kind="external")
+
+
+def _physical_gpus(local: list[int], adapt: Adapt | None) -> list[str]:
+    """The physical ids of the GPUs this process calls ``local``: ids count the GPUs it sees,
+    so they map through an inherited CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation)."""
+    inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                 if g.strip()]
+    physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
+    if adapt is not None and adapt.maximum > len(physical):
+        raise SpecError("adapt.maximum", f"{adapt.maximum} workers, but {len(physical)} "
+                                         f"GPU(s) chosen: one worker per GPU, so at most "
+                                         f"{len(physical)}")
+    return physical
+
+
+def _start_cpu_slots(n: int, common: dict[str, Any], adapt: Adapt | None,
+                     torch_threads: int | None, jobs_per_worker: int,
+                     security: Security | None) -> ClusterHandle:
+    """``n`` CPU slots (single-threaded worker processes holding ``GPU=1``) on this machine."""
     if adapt is not None:
         # At least one from the start: placement learns the workers' memory from the first.
         n = max(1, adapt.minimum)

@@ -44,6 +44,18 @@ class AttemptTable:
     def __init__(self):
         self._by_key: dict[str, Attempt] = {}
         self._lock = threading.Lock()
+        self._submissions = 0
+        self._keyed: set[str] = set()  # job ids that have had a key
+
+    def new_key(self, job_id: str) -> str:
+        """The Dask key for a new attempt of ``job_id``: the job id for its first, then the job
+        id and a count. A Dask key names one computation: each resubmission needs a key of its
+        own, or Dask hands back the earlier (failed) result."""
+        with self._lock:
+            self._submissions += 1
+            key = job_id if job_id not in self._keyed else f"{job_id}-{self._submissions}"
+            self._keyed.add(job_id)
+            return key
 
     def add(self, attempt: Attempt) -> None:
         with self._lock:

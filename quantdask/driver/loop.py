@@ -5,10 +5,8 @@ attempts by resources and priority; this loop only does the client and disk I/O.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
@@ -23,32 +21,32 @@ from quantdask.cluster.operations import (
     restart_worker,
     retire_worker,
 )
+from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.attempts import Attempt, AttemptTable, label
+from quantdask.driver.health import DeviceHealth
 from quantdask.driver.placement import Placement, advertised_memory, workers_with_room
 from quantdask.driver.policy import (
     Grace,
-    RetryQueue,
+    Requeues,
     WorkerWatch,
-    after_failure,
     outcome_of_error,
     past_deadline,
-    requeue_uncounted,
     stranded,
     worker_went_away,
 )
 from quantdask.driver.progress import SweepProgress
 from quantdask.driver.recorder import Recorder
 from quantdask.driver.references import ModelReferences
-from quantdask.driver.retry import DeviceHealth
+from quantdask.driver.retry import RetryQueue, after_failure
 from quantdask.spec.sweep import Job, Sweep
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.worker.job import run_job
-from quantdask.worker.outcome import JobOutcome
+from quantdask.worker.outcome import FailureClass, JobOutcome, Status
 from quantdask.worker.runtime import JOB_START_TOPIC
 
-log = logging.getLogger("quantdask.scheduler")
+log = logging.getLogger(LOG_CHANNEL)
 
 POLL_S = 0.05
 """How often the driver checks deadlines and due retries while no result is ready."""
@@ -68,7 +66,7 @@ worker before its start is announced)."""
 class SweepDriver:
     """The driver's loop for one sweep: submit, collect, retry, enforce deadlines, persist."""
 
-    def __init__(self, client: Client, store: RunStore, sweep: Sweep, on_result,
+    def __init__(self, client: Client, store: RunStore, sweep: Sweep, run_id: str, on_result,
                  progress: SweepProgress, on_progress, placement: Placement,
                  clock: Callable[[], float] = time.monotonic):
         self.client = client
@@ -80,7 +78,7 @@ class SweepDriver:
         self.progress = progress
         self.on_progress = on_progress
         self._progress_shown = 0.0
-        self.run_id = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+        self.run_id = run_id
         self.attempts = AttemptTable()
         self.recorder = Recorder(store, self.run_id)
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
@@ -89,12 +87,10 @@ class SweepDriver:
         self.delayed = RetryQueue()
         self.health = DeviceHealth(limit=sweep.exclude_device_after)
         self.pending = as_completed(loop=client.loop, with_results=True, raise_errors=False)
-        self.requeues: dict[str, int] = {}
-        self._submissions = 0
+        self.requeues = Requeues(MAX_REQUEUES)
         self._backends: dict[str, bytes] = {}
         self._next_stranded_check = 0.0
         self._workers = WorkerWatch(NO_WORKERS_GRACE_S)
-        self._submitted: set[str] = set()
         self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
 
     def _pickled_backend(self, name: str) -> bytes:
@@ -128,11 +124,7 @@ class SweepDriver:
 
     def _submit_attempt(self, job: Job, number: int, avoid: str | None,
                         reference: Future) -> None:
-        # A Dask key names one computation: each resubmission needs a key of its own, or Dask
-        # hands back the earlier (failed) result.
-        self._submissions += 1
-        key = job.id if job.id not in self._submitted else f"{job.id}-{self._submissions}"
-        self._submitted.add(job.id)
+        key = self.attempts.new_key(job.id)
         elsewhere = ([a for a, name in workers_with_room(
             self.client, job.device_memory_bytes).items() if name != avoid] if avoid else [])
         self.attempts.add(Attempt(job, number, utcnow(), key, restricted_to=elsewhere,
@@ -246,7 +238,7 @@ class SweepDriver:
         def failed(what: str, need: float) -> JobOutcome:
             message = (f"{what} {int(need):,} bytes of device memory; no worker has had that "
                        f"much for {NO_WORKERS_GRACE_S:g}s (the most now: {int(room):,})")
-            return JobOutcome.outside("worker_lost", "NoWorkerFits", message)
+            return JobOutcome.outside(FailureClass.WORKER_LOST, "NoWorkerFits", message)
 
         for key, attempt in self._take_and_cancel(lambda table: overdue & set(waiting)):
             log.error("%s: no worker has room for it", key)
@@ -279,13 +271,11 @@ class SweepDriver:
         job = attempt.job
         lost = worker_went_away(error)
         cut = self.references.was_cut(attempt.reference_key)
-        if requeue_uncounted(lost, cut, started=attempt.started is not None,
-                             cancelled=isinstance(error, CancelledError),
-                             requeues=self.requeues.get(job.id, 0), max_requeues=MAX_REQUEUES):
+        if self.requeues.take(job.id, lost=lost, cut=cut, started=attempt.started is not None,
+                              cancelled=isinstance(error, CancelledError)):
             # The worker it was queued on (or its reference's) died before it began, or the
             # scheduler dropped it (a cancellation quantdask did not make): not an attempt of
             # this job, so it is requeued uncounted.
-            self.requeues[job.id] = self.requeues.get(job.id, 0) + 1
             log.info("%s was dropped before it started (%s); resubmitting", job.id,
                      type(error).__name__)
             self.progress.attempt_dropped(future.key)
@@ -307,7 +297,7 @@ class SweepDriver:
                        f"{attempt.worker_name}; the worker was restarted")
             log.warning("%s: %s", key, message)
             restart_worker(self.client, attempt.worker_address, wait=False)
-            self._finish(attempt, JobOutcome.outside("timeout", "JobTimeout", message,
+            self._finish(attempt, JobOutcome.outside(FailureClass.TIMEOUT, "JobTimeout", message,
                                                      worker=attempt.worker_name))
 
     def _exclude(self, name: str) -> None:
@@ -331,8 +321,8 @@ class SweepDriver:
         message = f"no worker left for {NO_WORKERS_GRACE_S:g}s; the cluster is gone"
         log.error("%s: failing %d jobs", message, len(left))
         for _, attempt in left:
-            self._finish(attempt, JobOutcome.outside("worker_lost", "NoWorkers", message),
-                         final=True)
+            self._finish(attempt, JobOutcome.outside(FailureClass.WORKER_LOST, "NoWorkers",
+                                                     message), final=True)
 
     def _finish(self, attempt: Attempt, outcome: JobOutcome, final: bool = False) -> None:
         """Settle an attempt: record it; then retry it (a failure its class retries), or
@@ -341,7 +331,7 @@ class SweepDriver:
         samples = outcome.device_samples
         self.recorder.attempt(attempt, outcome)
         worker = record.get("worker") or attempt.worker_name
-        if outcome.status == "failed":
+        if outcome.status == Status.FAILED:
             if worker:
                 self.health.failed(worker, job.id, outcome.failure_class)
             decision = after_failure(job, attempt.number, outcome.failure_class,
@@ -358,7 +348,7 @@ class SweepDriver:
                 self.recorder.samples(samples)
                 return
         record = self.recorder.result(attempt, outcome)
-        if record["status"] == "done" and worker:  # after the result is safe on disk
+        if record["status"] == Status.DONE and worker:  # after the result is safe on disk
             for bad in self.health.succeeded(worker, job.id):
                 try:
                     self._exclude(bad)

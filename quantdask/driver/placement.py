@@ -21,12 +21,13 @@ from statistics import median
 import polars as pl
 from distributed import Client
 
-from quantdask.backends import BASELINE, get_backend
+from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.backends.base import ModelFacts
-from quantdask.errors import PlacementError
+from quantdask.errors import PlacementError, SpecError
 from quantdask.spec.settings import EvalSettings
 from quantdask.spec.sweep import DEVICE_MEMORY, Job
 from quantdask.worker.logits import SLICE_BUDGET_BYTES
+from quantdask.worker.outcome import Status
 
 log = logging.getLogger("quantdask.placement")
 
@@ -46,7 +47,8 @@ class MemoryEstimate:
     measured: int | None = None
 
 
-def config_bytes(backend: str, options: dict, eval: EvalSettings, facts: ModelFacts) -> int:
+def config_bytes(backend: str, options: BackendOptions, eval: EvalSettings,
+                 facts: ModelFacts) -> int:
     """Device memory a job needs by its config alone: the weights at the backend's bits (as
     loaded when it does not quantize) plus one slice of the eval's logits. 0 when the
     checkpoint is unknown."""
@@ -78,7 +80,8 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> M
     prior = config_bytes(job.backend, job.options, job.eval, facts)
     ratios = []
     for row in rows:
-        theirs = config_bytes(row["backend"], json.loads(row["config"]), job.eval, facts)
+        options = stored_options(row)
+        theirs = 0 if options is None else config_bytes(row["backend"], options, job.eval, facts)
         if theirs:
             ratios.append(row["peak_device_mem_bytes"] / theirs)
     if prior and ratios:
@@ -92,6 +95,15 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> M
     return MemoryEstimate(None, "nothing known")
 
 
+def stored_options(row: dict) -> BackendOptions | None:
+    """The options of a results row (its ``config``, as JSON); None when its backend no longer
+    takes them."""
+    try:
+        return get_backend(row["backend"]).normalize(json.loads(row["config"]), "config")
+    except SpecError:
+        return None
+
+
 def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
     """The done results already in ``run_dir`` (empty without any)."""
     from quantdask.store.run_store import read_results
@@ -99,7 +111,7 @@ def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
     if run_dir is None or not os.path.isdir(run_dir):
         return pl.DataFrame()
     results = read_results(run_dir)
-    return results.filter(pl.col("status") == "done") if results.height else results
+    return results.filter(pl.col("status") == Status.DONE) if results.height else results
 
 
 def _job_takers(client: Client) -> dict[str, dict]:

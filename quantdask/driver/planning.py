@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from enum import StrEnum
 from pathlib import Path
 from statistics import median
 
@@ -26,8 +27,17 @@ from quantdask.driver.model_facts import model_facts
 from quantdask.driver.placement import estimate_device_memory
 from quantdask.spec.sweep import Job, Sweep, expand_grid
 from quantdask.worker.coverage import Coverage, module_role
+from quantdask.worker.outcome import FailureClass, Status
 
 log = logging.getLogger("quantdask.planning")
+
+
+class PlanState(StrEnum):
+    """Where a planned job stands."""
+
+    TO_RUN = "to run"
+    FINISHED = "finished"  # done in the run directory: a rerun skips it
+    UNSUPPORTED = FailureClass.UNSUPPORTED.value  # a check says it cannot run here
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
@@ -78,9 +88,9 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     jobs = expand_grid(sweep)
     history = _history(run_dir)
     finished = RunStore(run_dir).finished_job_ids() if history.height else set()
-    done = history.filter(pl.col("status") == "done") if history.height else history
+    done = history.filter(pl.col("status") == Status.DONE) if history.height else history
     skipped = ({r["job_id"]: r["error_message"] for r in
-                history.filter(pl.col("status") == "skipped").to_dicts()}
+                history.filter(pl.col("status") == Status.SKIPPED).to_dicts()}
                if history.height else {})
     facts: dict[str, ModelFacts] = {}
     rows = []
@@ -94,7 +104,8 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         share = backend.predicted_share(job.options, model)
         if reason is None and share == 0 and backend.quantizes:
             reason = _nothing_quantized(job.backend, model)
-        state = ("finished" if job.id in finished else "unsupported" if reason else "to run")
+        state = (PlanState.FINISHED if job.id in finished
+                 else PlanState.UNSUPPORTED if reason else PlanState.TO_RUN)
         if reason is None and job.id in skipped:
             # A rerun tries it again (it may run on other machines): to run, with the note.
             reason = f"skipped when it last ran: {skipped[job.id]}"

@@ -1,6 +1,7 @@
 """The sweep driver's decisions, kept pure: what an attempt that ended without a result counts
-as, whether a failure is retried, and everything that depends on time (each such function takes
-``now``, a reading of the driver's monotonic clock); ``loop`` does the Dask and disk I/O.
+as (and whether it is requeued uncounted), and everything that depends on time (each such
+function takes ``now``, a reading of the driver's monotonic clock); ``loop`` does the Dask and
+disk I/O, ``retry`` decides what follows a failure and ``health`` which devices to retire.
 
 The split follows distributed's ``deploy/adaptive_core.py`` (decisions) beside ``adaptive.py``
 (I/O), so the policy is tested with a fake clock, no cluster and no sleeps.
@@ -19,45 +20,9 @@ from dataclasses import dataclass, field
 
 from distributed.scheduler import KilledWorker
 
-from quantdask.driver.retry import RetryDecision, decide
 from quantdask.errors import UnsupportedHere
 from quantdask.spec.sweep import Job
-from quantdask.worker.job import failure_class_of
-from quantdask.worker.outcome import JobOutcome
-
-
-@dataclass(frozen=True)
-class DelayedRetry:
-    """A failed attempt's successor, waiting out its backoff until ``due``."""
-
-    due: float
-    job: Job
-    attempt: int  # the number of the attempt to make
-    failed_on: str | None  # the worker the last attempt failed on (the retry avoids it)
-
-
-@dataclass
-class RetryQueue:
-    """Retries waiting for their backoff (see ``retry.decide`` for the delays)."""
-
-    waiting: list[DelayedRetry] = field(default_factory=list)
-
-    def add(self, now: float, delay_s: float, job: Job, attempt: int,
-            failed_on: str | None) -> None:
-        self.waiting.append(DelayedRetry(now + delay_s, job, attempt, failed_on))
-
-    def pop_due(self, now: float) -> list[DelayedRetry]:
-        """The retries whose backoff is over, no longer waiting."""
-        due = [r for r in self.waiting if r.due <= now]
-        self.waiting = [r for r in self.waiting if r.due > now]
-        return due
-
-    def take_all(self) -> list[DelayedRetry]:
-        taken, self.waiting = self.waiting, []
-        return taken
-
-    def __len__(self) -> int:
-        return len(self.waiting)
+from quantdask.worker.outcome import FailureClass, JobOutcome, Status, failure_class_of
 
 
 def past_deadline(running: Mapping[str, tuple[float, float]], now: float) -> list[str]:
@@ -127,6 +92,29 @@ def requeue_uncounted(lost: bool, cut: bool, started: bool, cancelled: bool,
     return lost and not cut and dropped and requeues < max_requeues
 
 
+@dataclass
+class Requeues:
+    """How often each job was put back in the queue uncounted (see ``requeue_uncounted``).
+
+    >>> requeues = Requeues(max_requeues=1)
+    >>> [requeues.take("a", lost=True, cut=False, started=False, cancelled=False)
+    ...  for _ in range(2)]
+    [True, False]
+    """
+
+    max_requeues: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def take(self, job_id: str, *, lost: bool, cut: bool, started: bool,
+             cancelled: bool) -> bool:
+        """Whether ``job_id``'s attempt is requeued uncounted; counts it when it is."""
+        requeue = requeue_uncounted(lost, cut, started, cancelled,
+                                    self.counts.get(job_id, 0), self.max_requeues)
+        if requeue:
+            self.counts[job_id] = self.counts.get(job_id, 0) + 1
+        return requeue
+
+
 def worker_went_away(error: BaseException) -> bool:
     """Whether a future ended in ``error`` because its worker died or the scheduler dropped it
     (Dask says so with these errors), rather than because the job raised."""
@@ -141,28 +129,19 @@ def outcome_of_error(error: BaseException, job: Job, *, lost: bool, cut: bool,
     or the error raised ``in_reference`` (each of the model's jobs records one failed attempt).
 
     >>> outcome_of_error(UnsupportedHere("no kernel"), None, lost=False, cut=False,
-    ...                  in_reference=False, worker="w1").record["status"]
-    'skipped'
+    ...                  in_reference=False, worker="w1").status
+    <Status.SKIPPED: 'skipped'>
     """
     if cut:
         return JobOutcome.outside(
-            "timeout", "JobTimeout", f"its model's reference (eval windows and baseline "
+            FailureClass.TIMEOUT, "JobTimeout", f"its model's reference (eval windows and baseline "
             f"log-probs) ran past timeout_s={job.timeout_s:g}s; its worker was restarted",
             worker=worker)
     if isinstance(error, UnsupportedHere):
-        return JobOutcome.outside("unsupported", type(error).__name__, str(error),
-                                  worker=worker, status="skipped")
+        return JobOutcome.outside(FailureClass.UNSUPPORTED, type(error).__name__, str(error),
+                                  worker=worker, status=Status.SKIPPED)
     where = "in its model's reference: " if in_reference else ""
     return JobOutcome.outside(
-        "worker_lost" if lost else failure_class_of(error), type(error).__name__,
+        FailureClass.WORKER_LOST if lost else failure_class_of(error), type(error).__name__,
         where + (str(error) or type(error).__name__),
         "".join(traceback.format_exception(error)), worker=worker)
-
-
-def after_failure(job: Job, number: int, failure_class: str, backoff_s: float,
-                  final: bool) -> RetryDecision:
-    """What follows failed attempt ``number``: a retry (see ``retry.decide``), unless the
-    attempt was settled ``final`` (no worker left for it)."""
-    if final:
-        return RetryDecision(False, reason="not retried: no worker left")
-    return decide(job, number, failure_class, backoff_s)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from quantdask.util import atomic_write, utcnow
+from quantdask.worker.outcome import FailureClass, Status
 
 PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0
@@ -32,7 +33,7 @@ QUEUE_KEPT = 20  # the head of the queue a view is given
 
 def describe_result(record: dict) -> str:
     """One line on how an attempt ended: its metrics, or its error's first line."""
-    if record["status"] == "done":
+    if record["status"] == Status.DONE:
         line = (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
                 f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
         share = record.get("quantized_share")
@@ -87,8 +88,7 @@ class SweepProgress:
     updated_at: str = ""
     finished: bool = False
     completed: bool = False  # finished with every job settled (not an error or an interrupt)
-    counts: dict[str, int] = field(default_factory=lambda: {"done": 0, "failed": 0,
-                                                            "skipped": 0})
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(map(str, Status), 0))
     running: dict[str, RunningJob] = field(default_factory=dict)  # Dask key -> attempt
     queued: dict[str, list] = field(default_factory=dict)  # job id -> [priority, order, label]
     failures: list[FailureLine] = field(default_factory=list)
@@ -150,21 +150,22 @@ class SweepProgress:
         """An attempt ended: ``final`` when its job is settled (no retry follows)."""
         with self._lock:
             running = self.running.pop(key, None)
-            if running is not None and record["status"] == "done":
+            if running is not None and record["status"] == Status.DONE:
                 # Only done attempts set the pace: a skip or a crash is no measure of a job.
                 started = dt.datetime.fromisoformat(running.started_at)
                 self.done_seconds += (utcnow() - started).total_seconds()
                 self.done_attempts += 1
             if final:
                 self.queued.pop(job_id, None)
-                self.counts[record["status"]] = self.counts.get(record["status"], 0) + 1
+                status = str(record["status"])
+                self.counts[status] = self.counts.get(status, 0) + 1
             where = f" on worker {record['worker']}" if record.get("worker") else ""
-            if record["status"] == "done":
+            if record["status"] == Status.DONE:
                 self._event(f"done    {label} (attempt {attempt}){where}: "
                             f"{describe_result(record)}")
                 return
             failure = FailureLine(utcnow().isoformat(), job_id, label, attempt,
-                                  record.get("failure_class") or "job_error",
+                                  record.get("failure_class") or FailureClass.JOB_ERROR,
                                   describe_result(record), retrying=not final)
             self.failures.append(failure)
             del self.failures[:-RECENT_FAILURES]

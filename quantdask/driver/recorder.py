@@ -8,12 +8,13 @@ import json
 import logging
 from typing import Any
 
+from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.attempts import Attempt
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
-from quantdask.worker.outcome import JobOutcome
+from quantdask.worker.outcome import JobOutcome, Status
 
-log = logging.getLogger("quantdask.scheduler")
+log = logging.getLogger(LOG_CHANNEL)
 
 
 class Recorder:
@@ -51,10 +52,10 @@ class Recorder:
         record = dict(
             outcome.record, job_id=job.id, sweep=job.sweep, model=job.model.label,
             backend=job.backend,
-            config=json.dumps(job.options, sort_keys=True), config_label=job.config_label,
+            config=json.dumps(job.options.as_dict(), sort_keys=True), config_label=job.config_label,
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
         )
-        if record["status"] == "done":
+        if record["status"] == Status.DONE:
             self.store.write_layers(job.id, outcome.layers)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])

@@ -1,4 +1,5 @@
-"""What to do after an attempt fails: its failure class decides (see GUIDE's failure table).
+"""What to do after an attempt fails: its failure class decides (see GUIDE's failure table),
+and the retries that wait out their backoff.
 
 | class          | action                                                              |
 |----------------|---------------------------------------------------------------------|
@@ -17,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from quantdask.spec.sweep import Job
+from quantdask.worker.outcome import FailureClass
 
 MAX_BACKOFF_S = 300.0
 
@@ -29,22 +31,32 @@ class RetryDecision:
     reason: str = ""
 
 
-def decide(job: Job, attempt: int, failure_class: str, backoff_s: float) -> RetryDecision:
+def decide(job: Job, attempt: int, failure_class: FailureClass,
+           backoff_s: float) -> RetryDecision:
     """Whether and how to run ``job`` again after ``attempt`` failed as ``failure_class``."""
-    if failure_class == "unsupported":
+    if failure_class == FailureClass.UNSUPPORTED:
         return RetryDecision(False, reason="unsupported here; not retried")
     if attempt > job.retries:
         return RetryDecision(False, reason=f"no retries left ({job.retries} allowed)")
-    if failure_class == "out_of_memory":
+    if failure_class == FailureClass.OUT_OF_MEMORY:
         roomier = with_more_room(job)
         more = (f" and {roomier.device_memory_bytes:,} bytes of device memory"
                 if roomier.device_memory_bytes else "")
         return RetryDecision(True, 0.0, roomier, reason=(
             f"retrying with a whole device, eval batch {roomier.eval.batch_size}{more}"))
-    if failure_class == "job_error":
+    if failure_class == FailureClass.JOB_ERROR:
         delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
         return RetryDecision(True, delay, job, reason=f"retrying in {delay:g}s")
     return RetryDecision(True, 0.0, job, reason="retrying")
+
+
+def after_failure(job: Job, number: int, failure_class: FailureClass, backoff_s: float,
+                  final: bool) -> RetryDecision:
+    """What follows failed attempt ``number``: a retry (see ``decide``), unless the attempt was
+    settled ``final`` (no worker left for it)."""
+    if final:
+        return RetryDecision(False, reason="not retried: no worker left")
+    return decide(job, number, failure_class, backoff_s)
 
 
 def with_more_room(job: Job) -> Job:
@@ -56,41 +68,35 @@ def with_more_room(job: Job) -> Job:
                                device_memory_bytes=2 * job.device_memory_bytes)
 
 
+@dataclass(frozen=True)
+class DelayedRetry:
+    """A failed attempt's successor, waiting out its backoff until ``due``."""
+
+    due: float
+    job: Job
+    attempt: int  # the number of the attempt to make
+    failed_on: str | None  # the worker the last attempt failed on (the retry avoids it)
+
+
 @dataclass
-class DeviceHealth:
-    """Takes a device out of rotation when it failed ``limit`` different jobs in a row and those
-    jobs then ran fine on other devices: the evidence points at the device, not at the jobs (a
-    config that fails everywhere retires nobody).
+class RetryQueue:
+    """Retries waiting for their backoff (see ``decide`` for the delays)."""
 
-    Only job errors count; a done job on the device clears its record. The scheduler sends a
-    failed job's retry to other workers where it can, which is also what gathers the evidence.
-    """
+    waiting: list[DelayedRetry] = field(default_factory=list)
 
-    limit: int = 3
-    streaks: dict[str, list[str]] = field(default_factory=dict)
-    cleared_elsewhere: dict[str, set[str]] = field(default_factory=dict)
-    excluded: dict[str, str] = field(default_factory=dict)
+    def add(self, now: float, delay_s: float, job: Job, attempt: int,
+            failed_on: str | None) -> None:
+        self.waiting.append(DelayedRetry(now + delay_s, job, attempt, failed_on))
 
-    def failed(self, worker: str, job_id: str, failure_class: str) -> None:
-        # Out of memory does not count: its retry gets more room, so success elsewhere would
-        # prove nothing against this device.
-        if failure_class == "job_error" and worker not in self.excluded:
-            streak = self.streaks.setdefault(worker, [])
-            if job_id not in streak:
-                streak.append(job_id)
+    def pop_due(self, now: float) -> list[DelayedRetry]:
+        """The retries whose backoff is over, no longer waiting."""
+        due = [r for r in self.waiting if r.due <= now]
+        self.waiting = [r for r in self.waiting if r.due > now]
+        return due
 
-    def succeeded(self, worker: str, job_id: str) -> list[str]:
-        """Note a done job; returns the workers that this proves bad (newly excluded)."""
-        self.streaks.pop(worker, None)
-        self.cleared_elsewhere.pop(worker, None)
-        newly = []
-        for other, streak in self.streaks.items():
-            if job_id in streak and other not in self.excluded:
-                cleared = self.cleared_elsewhere.setdefault(other, set())
-                cleared.add(job_id)
-                if len(cleared) >= self.limit:
-                    self.excluded[other] = (
-                        f"failed {len(streak)} different jobs in a row, {len(cleared)} of which "
-                        f"then ran fine elsewhere: {', '.join(sorted(cleared))}")
-                    newly.append(other)
-        return newly
+    def take_all(self) -> list[DelayedRetry]:
+        taken, self.waiting = self.waiting, []
+        return taken
+
+    def __len__(self) -> int:
+        return len(self.waiting)

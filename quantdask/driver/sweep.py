@@ -9,8 +9,10 @@ and runs the driver's loop (``loop.SweepDriver``) over the jobs not finished yet
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ import polars as pl
 from distributed import Client
 
 from quantdask.cluster.operations import cluster_capacity, live_workers
+from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.artifacts import prune_to_pareto
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
@@ -25,8 +28,14 @@ from quantdask.driver.progress import SweepProgress
 from quantdask.spec.sweep import Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
+from quantdask.worker.outcome import Status
 
-log = logging.getLogger("quantdask.scheduler")
+log = logging.getLogger(LOG_CHANNEL)
+
+
+def new_run_id() -> str:
+    """A driver session's id: when it started (UTC, to the second) and 6 random hex digits."""
+    return f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
 def run_sweep(
@@ -60,15 +69,15 @@ def run_sweep(
         log.info("sweep %s: %d jobs, %d already finished, %d to run", sweep.name, len(jobs),
                  len(jobs) - len(todo), len(todo))
         workers, slots = cluster_capacity(client, sweep.jobs_per_gpu)
+        run_id = new_run_id()
         progress = SweepProgress(sweep.name, str(run_dir), total=len(jobs),
                                  dashboard_link=client.dashboard_link, slots=slots,
-                                 workers=sorted(live_workers(client).values()))
-        progress.already_finished(["done"] * (len(jobs) - len(todo)))
-        driver = SweepDriver(client, store, sweep, on_result, progress, on_progress,
-                              placement)
-        progress.run_id = driver.run_id
+                                 workers=sorted(live_workers(client).values()), run_id=run_id)
+        progress.already_finished([Status.DONE] * (len(jobs) - len(todo)))
+        driver = SweepDriver(client, store, sweep, run_id, on_result, progress, on_progress,
+                             placement)
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
-        session = {"run_id": driver.run_id, "sweep": sweep.name, "started_at": utcnow(),
+        session = {"run_id": run_id, "sweep": sweep.name, "started_at": utcnow(),
                    "finished_at": None, "completed": False, "workers": workers, "slots": slots,
                    "jobs_planned": len(jobs), "jobs_run": len(todo)}
         store.write_session(session)

@@ -13,13 +13,14 @@ import altair as alt
 import polars as pl
 
 from quantdask.store.summary import device_summary, pareto_frontier
+from quantdask.worker.outcome import Status
 
 MIB = 1024 * 1024
 UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the reader's zone
 # A sweep of a large model has thousands of per-layer rows; the charts inline them all (the
 # sample series is thinned first), so Altair's 5000-row guard would only break big reports.
 alt.data_transformers.disable_max_rows()
-STATUS_COLORS = alt.Scale(domain=["done", "failed", "skipped"],
+STATUS_COLORS = alt.Scale(domain=[status.value for status in Status],
                           range=["#4c78a8", "#e45756", "#bab0ac"])
 PHASE_COLORS = alt.Scale(domain=["load", "calibrate", "quantize", "eval", "other"],
                          range=["#72b7b2", "#e45756", "#f58518", "#4c78a8", "#d3d3d3"])
@@ -57,7 +58,7 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
     The Pareto frontier (smallest size for its KL) is drawn as a line through its configs, the
     unquantized baseline as a dashed rule; drag to pan, scroll to zoom.
     """
-    data = results.filter(pl.col("status") == "done").with_columns(
+    data = results.filter(pl.col("status") == Status.DONE).with_columns(
         (pl.col("size_bytes") / MIB).alias("size_mib"))
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
@@ -176,7 +177,7 @@ def timeline_chart(attempts: pl.DataFrame, results: pl.DataFrame) -> alt.Chart:
 
 def job_memory_chart(results: pl.DataFrame) -> alt.Chart:
     """Peak device memory (and host RSS) of each finished job."""
-    data = with_job_label(results).filter(pl.col("status") == "done").with_columns(
+    data = with_job_label(results).filter(pl.col("status") == Status.DONE).with_columns(
         (pl.col("peak_device_mem_bytes") / MIB).alias("device MiB"),
         (pl.col("peak_host_rss_bytes") / MIB).alias("host RSS MiB"))
     if data.is_empty():
@@ -259,7 +260,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
     """Where each finished job's time went: load, calibrate (a calibrated backend's tuning on
     data), the rest of quantizing, eval (and the rest of its run)."""
     calibrate = pl.col("calibrate_s").fill_null(0.0)
-    data = with_job_label(results).filter(pl.col("status") == "done").with_columns(
+    data = with_job_label(results).filter(pl.col("status") == Status.DONE).with_columns(
         pl.col("load_s").alias("load"), calibrate.alias("calibrate"),
         (pl.col("quantize_s") - calibrate).clip(lower_bound=0).alias("quantize"),
         pl.col("eval_s").alias("eval"),
@@ -320,7 +321,7 @@ def scaling_chart(scaling: pl.DataFrame) -> alt.HConcatChart:
 
 def failures_table(results: pl.DataFrame) -> pl.DataFrame:
     """The jobs that did not finish: status, class, attempts and the first line of the error."""
-    return (results.filter(pl.col("status") != "done")
+    return (results.filter(pl.col("status") != Status.DONE)
             .select("job_id", "model", "config_label", "status", "failure_class", "attempts",
                     "error_class",
                     pl.col("error_message").str.split("\n").list.first().alias("reason"))
@@ -340,7 +341,7 @@ def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:
 
 def jobs_table(results: pl.DataFrame) -> pl.DataFrame:
     """Every job in one table, best quality first per model: the report's full listing."""
-    return results.sort(pl.col("model"), pl.col("status") != "done", pl.col("kl_divergence"),
+    return results.sort(pl.col("model"), pl.col("status") != Status.DONE, pl.col("kl_divergence"),
                         nulls_last=True).select(
         "model", "config_label", "status", "attempts", "worker", "bits_per_weight",
         "quantized_share", "full_precision", "size_bytes", "perplexity", "kl_divergence",

@@ -21,6 +21,7 @@ from typing import Any
 
 from quantdask import resources
 from quantdask.errors import QuantdaskError
+from quantdask.store.run_store import RunStore
 from quantdask.util import atomic_write
 
 NOTEBOOKS_DIR = resources.notebooks_dir()
@@ -207,10 +208,11 @@ def write_report(run_dir: str | os.PathLike, output: str | os.PathLike | None = 
     """Run the report notebook on ``run_dir`` and export it: ``RUN_DIR/report.html`` by
     default, next to the executed notebook (``report.ipynb``) for JupyterLab."""
     run_dir = Path(run_dir).resolve()
-    if not (run_dir / "results").is_dir():
+    store = RunStore(run_dir)
+    if not store.is_run_dir():
         raise ReportError(f"{run_dir} is not a run directory (it has no results/); "
                           "give the --run-dir of a sweep")
-    output = Path(output) if output else run_dir / "report.html"
+    output = Path(output) if output else store.report_path
     if output.is_dir():
         raise ReportError(f"-o {output} is a directory; give a file name such as "
                           f"{output / 'report.html'}")

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from quantdask.backends import BASELINE, get_backend
+from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.errors import SpecError
 from quantdask.spec.fields import NAME, positive_int, require
 from quantdask.spec.model import ModelSpec
@@ -73,7 +73,7 @@ class BackendBlock:
         for i, options in enumerate(self.configs):
             yield options, f"configs[{i}]"
 
-    def option_sets(self) -> list[dict]:
+    def option_sets(self) -> list[BackendOptions]:
         """Every canonical (validated, defaults filled) option set of this block."""
         return list(self._option_sets)
 
@@ -187,7 +187,7 @@ class Job:
     sweep: str
     model: ModelSpec
     backend: str
-    options: dict
+    options: BackendOptions  # the backend's options dataclass; as_dict() is in the id
     config_label: str
     eval: EvalSettings
     seed: int
@@ -218,11 +218,11 @@ class Job:
         return {"GPU": self.gpu_share}
 
 
-def job_identity(model: ModelSpec, backend: str, options: dict, eval: EvalSettings,
+def job_identity(model: ModelSpec, backend: str, options: BackendOptions, eval: EvalSettings,
                  seed: int, calibration: CalibrationSettings | None = None) -> dict:
     """The canonical job spec: every field that changes what the job measures, nothing else
     (``calibration`` only for a backend that calibrates)."""
-    identity = {"model": model.identity(), "backend": backend, "options": options,
+    identity = {"model": model.identity(), "backend": backend, "options": options.as_dict(),
                 "eval": eval.identity(), "seed": seed}
     if calibration is not None:
         identity["calibration"] = calibration.identity()
@@ -248,7 +248,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
     share = 1.0 / sweep.jobs_per_gpu
     for model in sweep.models:
         # The baseline is what every config is compared to: it goes first.
-        entries = [(BASELINE, {}, sweep.priority + 1)]
+        entries = [(BASELINE, get_backend(BASELINE).normalize({}, "options"), sweep.priority + 1)]
         for block in sweep.backends:
             priority = sweep.priority if block.priority is None else block.priority
             entries += [(block.backend, options, priority) for options in block.option_sets()]
@@ -279,7 +279,7 @@ def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
     """Plain rows describing planned jobs (what ``quantdask plan`` prints and jobs.json holds)."""
     return [
         {"job_id": j.id, "model": j.model.label, "backend": j.backend,
-         "config_label": j.config_label, "config": json.dumps(j.options, sort_keys=True),
+         "config_label": j.config_label, "config": json.dumps(j.options.as_dict(), sort_keys=True),
          "priority": j.priority, "gpu_share": j.gpu_share}
         for j in sorted(jobs, key=lambda j: -j.priority)
     ]

@@ -12,6 +12,11 @@ Layout::
     RUN_DIR/.lock                   held (flock) by the driver running a sweep here
     RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
     RUN_DIR/logs/workers/worker-<name>.log  a worker's log, every job it ran
+    RUN_DIR/report.html             the run's HTML report (and report.ipynb, executed)
+    RUN_DIR/scaling/                the demo's scaling runs, one run directory per worker count
+
+A sweep's run directory is ``runs/<sweep name>`` unless the caller says otherwise
+(:func:`default_run_dir`); every path inside one comes from :class:`RunStore`.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from quantdask.store.schema import (
     validate_record,
 )
 from quantdask.util import atomic_write
+from quantdask.worker.outcome import Status
 
-FINAL_STATUSES = ("done",)
+FINAL_STATUSES = (Status.DONE,)
 """Statuses a rerun keeps. Failed jobs are tried again by the next run of their sweep, and so
 are skipped ones: what is unsupported depends on the machine (a library installed since, a GPU)."""
 
@@ -55,6 +61,16 @@ def write_parquet(path: Path, frame: pl.DataFrame) -> None:
     """``frame`` as a Parquet file, atomically. No column statistics: these files hold a row or
     a few, and computing statistics was most of the cost of writing one (2.5x)."""
     atomic_write(path, lambda f: frame.write_parquet(f, statistics=False))
+
+
+RUNS_DIR = "runs"
+"""Where run directories go by default, relative to the working directory."""
+
+
+def default_run_dir(sweep_name: str, suffix: str = "") -> str:
+    """``runs/<sweep name><suffix>``: a sweep's run directory (suffix ``-scaling``: its scaling
+    runs) when none is given."""
+    return os.path.join(RUNS_DIR, f"{sweep_name}{suffix}")
 
 
 class RunStore:
@@ -69,8 +85,19 @@ class RunStore:
         self.samples_dir = self.root / "samples"
         self.attempts_dir = self.root / "attempts"
         self.sessions_dir = self.root / "sessions"
-        self.job_logs_dir = self.root / "logs" / "jobs"
-        self.worker_logs_dir = self.root / "logs" / "workers"
+        self.logs_dir = self.root / "logs"
+        self.job_logs_dir = self.logs_dir / "jobs"
+        self.worker_logs_dir = self.logs_dir / "workers"
+        self.report_path = self.root / "report.html"
+        self.scaling_dir = self.root / "scaling"
+
+    def is_run_dir(self) -> bool:
+        """Whether a sweep has recorded results here."""
+        return self.results_dir.is_dir()
+
+    def job_log_path(self, job_id: str) -> Path:
+        """A job's log, every attempt."""
+        return self.job_logs_dir / f"{job_id}.log"
 
     def create(self) -> RunStore:
         for d in (self.results_dir, self.layers_dir, self.samples_dir, self.attempts_dir,
@@ -214,7 +241,7 @@ class RunStore:
         """Per-layer rows of the jobs recorded done (a crash between the two writes leaves
         layers without a result: they are not shown, and the rerun replaces them)."""
         results = self.read_results()
-        recorded = results.filter(pl.col("status") == "done")["job_id"].to_list()
+        recorded = results.filter(pl.col("status") == Status.DONE)["job_id"].to_list()
         layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
         return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
 
@@ -254,7 +281,7 @@ class RunStore:
         self.append_worker_log(record.get("worker") or "unknown-worker", text)
 
     def append_job_log(self, job_id: str, text: str) -> None:
-        with open(self.job_logs_dir / f"{job_id}.log", "a", encoding="utf-8") as f:
+        with open(self.job_log_path(job_id), "a", encoding="utf-8") as f:
             f.write(text if text.endswith("\n") else text + "\n")
 
     def append_worker_log(self, worker: str, text: str) -> None:

@@ -8,8 +8,9 @@ from typing import Any
 import polars as pl
 
 from quantdask.errors import SchemaError
+from quantdask.worker.outcome import FailureClass, Status
 
-STATUSES = ("done", "failed", "skipped")
+STATUSES = tuple(Status)
 
 _UTC = pl.Datetime("us", "UTC")
 
@@ -85,9 +86,9 @@ METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quanti
            "quantized_params", "quantized_share", "perplexity", "kl_divergence",
            "kl_tail_mass", "top1_agreement", "eval_tokens")
 REQUIRED_BY_STATUS = {
-    "done": ALWAYS_REQUIRED + METRICS,
-    "failed": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
-    "skipped": ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
+    Status.DONE: ALWAYS_REQUIRED + METRICS,
+    Status.FAILED: ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
+    Status.SKIPPED: ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),
 }
 
 LAYER_SCHEMA: dict[str, pl.DataType] = {
@@ -103,7 +104,7 @@ LAYER_SCHEMA: dict[str, pl.DataType] = {
     "output_rel_error": pl.Float64(),
 }
 
-FAILURE_CLASSES = ("unsupported", "out_of_memory", "worker_lost", "timeout", "job_error")
+FAILURE_CLASSES = tuple(FailureClass)
 """How a failed or skipped job is classified, and so what the scheduler does about it."""
 
 ATTEMPT_SCHEMA: dict[str, pl.DataType] = {

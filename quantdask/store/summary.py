@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from quantdask.worker.outcome import Status
+
 DEVICE_SUMMARY_SCHEMA = {
     "worker": pl.String, "device": pl.String, "jobs": pl.UInt32, "attempts": pl.UInt32,
     "busy_s": pl.Float64, "idle_s": pl.Float64, "utilization": pl.Float64,
@@ -106,7 +108,7 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
         return pl.DataFrame(schema=SWEEP_SUMMARY_SCHEMA)
     per_run = ran.group_by("run_id").agg(
         pl.col("job_id").n_unique().alias("jobs"),
-        pl.col("job_id").filter(pl.col("status") == "done").n_unique().alias("done"),
+        pl.col("job_id").filter(pl.col("status") == Status.DONE).n_unique().alias("done"),
         pl.len().alias("attempts"),
         pl.col("run_s").sum().alias("work_s"),
         pl.col("run_s").max().alias("longest_job_s"),
@@ -150,7 +152,7 @@ def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
                     loss: str = "kl_divergence") -> pl.DataFrame:
     """``results`` (done jobs) with a ``pareto`` column: True where no other job of the same
     model is at most as large (``cost``) and strictly better (``loss``), or smaller and as good."""
-    done = results.filter((pl.col("status") == "done") & pl.col(cost).is_not_null()
+    done = results.filter((pl.col("status") == Status.DONE) & pl.col(cost).is_not_null()
                           & pl.col(loss).is_not_null())
     frontier = []
     for row in done.iter_rows(named=True):

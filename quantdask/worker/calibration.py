@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from quantdask.worker.metrics import PeakMemory
+from quantdask.worker.measure import PeakMemory
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,10 @@
-"""What runs on a Dask worker: load -> quantize -> evaluate -> measure, as a ``JobOutcome``.
+"""What runs on a Dask worker: one attempt of a job, as a list of phases, into a ``JobOutcome``.
+
+``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
+``JobRun``, the state an attempt carries from phase to phase: load, quantize, coverage, layer
+weights, score, layer outputs, artifacts. A new measurement is one more phase function here
+(with its own section of the stopwatch) and one more entry in ``PHASES``; the record is made
+from the ``JobRun`` at the end.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -9,13 +15,10 @@ configs pays the cold start once.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import os
-import signal
-import threading
-import time
 import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -24,29 +27,29 @@ from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.util import utcnow
 from quantdask.worker import cpu_share
 from quantdask.worker.artifacts import keep_artifact
+from quantdask.worker.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.worker.calibration import Calibration
-from quantdask.worker.coverage import coverage
-from quantdask.worker.devices import this_workers_sampler
+from quantdask.worker.coverage import Coverage, coverage
+from quantdask.worker.faults import inject_faults
 from quantdask.worker.layers import add_output_errors, weight_errors
-from quantdask.worker.metrics import (
-    SCORES,
-    PeakMemory,
-    Stopwatch,
-    model_size_bytes,
-    quality,
-)
+from quantdask.worker.measure import PeakMemory, Stopwatch, model_size_bytes
+from quantdask.worker.metrics import SCORES, quality
 from quantdask.worker.model_source import cached_model_source
-from quantdask.worker.outcome import JobOutcome
-from quantdask.worker.runtime import (
-    announce_start,
-    held_resources,
-    quiet_libraries,
-    torch_device,
+from quantdask.worker.outcome import (
+    FailureClass,
+    JobOutcome,
+    Status,
+    failure_class_of,
+    peak_columns,
 )
+from quantdask.worker.runtime import held_resources, torch_device
 
 if TYPE_CHECKING:
+    import torch
+
     from quantdask.backends.base import Backend
     from quantdask.spec.sweep import Job
+    from quantdask.worker.model_source import ModelSource
     from quantdask.worker.reference import Reference
 
 log = logging.getLogger("quantdask.job")
@@ -54,53 +57,201 @@ log = logging.getLogger("quantdask.job")
 PROBE_WINDOWS = 4
 """Eval windows in the probe batch that per-layer output error is measured on."""
 
+WHERE_COLUMNS = ("worker", "host", "started_at", "device")
+"""What a record keeps of an attempt whatever became of it."""
 
-SLOW_FAULT_S = 1.5
-"""How much longer a ``slow`` fault makes an attempt (before it quantizes)."""
+
+@dataclass
+class JobRun:
+    """One attempt's state, handed from phase to phase."""
+
+    job: Job
+    backend: Backend
+    reference: Reference
+    device: str  # torch's device, e.g. cuda:0
+    cuda: bool
+    watch: Stopwatch = field(default_factory=Stopwatch)
+    peak: PeakMemory | None = None
+    holding: contextlib.ExitStack | None = None  # what the attempt holds until it is measured
+    source: ModelSource | None = None
+    source_cached: bool = False
+    originals: dict[str, torch.Tensor] | None = None  # the unquantized weights, mapped
+    model: torch.nn.Module | None = None  # the quantized model
+    calibration: Calibration | None = None
+    covered: Coverage | None = None
+    size_bytes: int = 0
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
+    scores: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # more record columns from phases
+
+    @contextlib.contextmanager
+    def measured(self) -> Iterator[None]:
+        """The phases' span: wall time and peak memory; the mapped weights and idle slots'
+        cores are held until it ends, and the models dropped then."""
+        with self.watch("wall"), PeakMemory(self.cuda) as self.peak, \
+                contextlib.ExitStack() as self.holding:
+            self.holding.enter_context(cpu_share.busy())  # borrows idle slots' cores
+            yield
+            self.model = self.originals = None
 
 
-def inject_fault(kind: str, attempt: int) -> None:
-    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``); ``slow`` only
-    delays it: a job that is surely still running a second after it began (to rehearse a
-    worker lost mid-job or to watch one run), at no cost in CPU."""
+def load(run: JobRun) -> None:
+    """The model's source (config, tokenizer; cached per worker) and its weights, mapped from
+    the checkpoint for this job only."""
+    with run.watch("load"):
+        run.source, run.source_cached = cached_model_source(run.job.model)
+        run.originals = run.holding.enter_context(run.source.weights())
+
+
+def quantize(run: JobRun) -> None:
+    """The backend's quantized model on the device (a calibrated backend's with its data)."""
+    backend, job = run.backend, run.job
+    with run.watch("quantize"):
+        if not backend.calibrated:
+            run.model = backend.quantize(run.source, job.options, run.device)
+            return
+        if run.reference.calibration is None:
+            error = run.reference.calibration_error
+            raise ValueError(
+                f"{backend.name} calibrates on data and this job's reference carries none: "
+                + (f"the calibration windows could not be cut ({error})" if error
+                   else "give the sweep a calibration block"))
+        run.calibration = Calibration(run.reference.calibration, run.cuda)
+        run.model = backend.quantize(run.source, job.options, run.device,
+                                     calibration=run.calibration)
+        run.extra.update(run.calibration.figures())
+
+
+def check_coverage(run: JobRun) -> None:
+    """What the backend quantized, and the model's stored size; a quantizing backend that
+    replaced no weight is unsupported here, never a clean result."""
+    run.covered = coverage(run.model, run.originals)
+    if run.backend.quantizes and not run.covered.quantized_params:
+        raise UnsupportedHere(
+            f"no layer was quantized: {run.backend.name} replaced none of this model's "
+            f"weights, which stay in {run.covered.by_class()}")
+    run.size_bytes = model_size_bytes(run.model, run.backend.stored_bytes)
+
+
+def layer_weights(run: JobRun) -> None:
+    """Each quantized layer's weight error; before any forward pass (kernels may repack
+    weights then: see ``layers``)."""
+    if run.job.layer_stats and run.backend.dequantize_layer is not None:
+        run.layers, run.unmeasured = weight_errors(run.model, run.backend.dequantize_layer,
+                                                   run.originals)
+    for name, reason in run.unmeasured.items():
+        log.warning("per-layer stats skip %s: %s", name, reason)
+
+
+def score(run: JobRun) -> None:
+    """Perplexity, KL and top-1 agreement against the reference on the eval windows."""
+    if run.job.is_baseline:
+        # The reference evaluated this very model on these windows: its scores are the
+        # baseline's (the unquantized model is not evaluated twice; the time it took is the
+        # reference task's, not this job's).
+        run.scores = {k: run.reference.baseline[k] for k in SCORES}
+        run.watch.seconds["eval"] = 0.0
+        return
+    with run.watch("eval"):
+        run.scores = quality(run.model, run.reference.windows, run.reference.distribution,
+                             run.job.eval.batch_size, run.device)
+
+
+def layer_outputs(run: JobRun) -> None:
+    """Each measured layer's output error on a probe batch."""
+    if run.layers:
+        run.layers = add_output_errors(run.model, run.layers, run.originals,
+                                       run.reference.windows[:PROBE_WINDOWS], run.device)
+
+
+def keep_artifacts(run: JobRun) -> None:
+    """Save (and verify) the quantized model, when the sweep keeps artifacts."""
+    artifacts = run.job.artifacts
+    if artifacts is not None and artifacts.enabled:
+        run.extra.update(keep_artifact(run.model, run.source.tokenizer, run.backend, run.job,
+                                       run.reference, run.device))
+
+
+Phase = Callable[[JobRun], None]
+PHASES: tuple[Phase, ...] = (load, quantize, check_coverage, layer_weights, score,
+                             layer_outputs, keep_artifacts)
+"""What an attempt does, in order."""
+
+
+def done_record(run: JobRun) -> dict[str, Any]:
+    """The measured columns of a done attempt."""
+    seconds, covered, source = run.watch.seconds, run.covered, run.source
+    peaks = peak_columns(run.peak)
+    if run.job.is_baseline:  # the reference's peak is this model's too
+        peaks = {k: max(v, run.reference.baseline[k]) for k, v in peaks.items()}
+    return {
+        "status": Status.DONE, "wall_s": seconds["wall"], **peaks, "load_s": seconds["load"],
+        "quantize_s": seconds["quantize"], "eval_s": seconds["eval"],
+        "source_cached": run.source_cached, "param_count": source.param_count,
+        "size_bytes": run.size_bytes, "bits_per_weight": 8.0 * run.size_bytes / source.param_count,
+        "quantized_params": covered.quantized_params, "quantized_share": covered.quantized_share,
+        "full_precision": covered.summary() if run.backend.quantizes else None,
+        "layers_unmeasured": len(run.unmeasured),
+        "kl_tail_mass": run.reference.baseline["kl_tail_mass"], **run.scores, **run.extra,
+    }
+
+
+def _log_done(record: dict[str, Any], layers: int) -> None:
+    log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
+             "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
+             record["size_bytes"], record["bits_per_weight"], 100 * record["quantized_share"],
+             record["perplexity"], record["kl_divergence"], record["top1_agreement"], layers)
+
+
+def not_done_record(error: Exception, backend: str) -> dict[str, Any]:
+    """A skipped record for what cannot run here (a retry would repeat it), else a failed one
+    classified by ``failure_class_of``; logged either way."""
+    if isinstance(error, (UnsupportedHere, NotImplementedError)):
+        # NotImplementedError: the library has no kernel or op for this layer type or tensor
+        # (torchao on Falcon's layers, say), a limit of this combination.
+        record = {"status": Status.SKIPPED, "failure_class": FailureClass.UNSUPPORTED,
+                  "error_class": type(error).__name__,
+                  "error_message": str(error) or f"{type(error).__name__} in {backend}"}
+        if isinstance(error, NotImplementedError):
+            record["traceback"] = traceback.format_exc()
+            log.warning("skipped (not implemented by the library): %s\n%s", error,
+                        record["traceback"])
+        else:
+            log.warning("skipped: %s", error)
+        return record
+    record = {"status": Status.FAILED, "failure_class": failure_class_of(error),
+              "error_class": type(error).__name__,
+              "error_message": str(error) or type(error).__name__,
+              "traceback": traceback.format_exc()}
+    log.error("failed (%s): %s: %s\n%s", record["failure_class"], type(error).__name__, error,
+              record["traceback"])
+    return record
+
+
+def start(job: Job, backend: Backend | bytes, attempt: int, reference: Reference | None,
+          scope: AttemptScope, record: dict[str, Any]) -> JobRun:
+    """The attempt's device and backend, its faults, and its model's reference."""
     import torch
 
-    log.warning("injecting fault %r on attempt %d", kind, attempt)
-    if kind == "slow":
-        time.sleep(SLOW_FAULT_S)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on attempt {attempt}")
-    if kind == "oom":
-        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected on attempt {attempt})")
-    if kind == "kill":
-        # A crash in mid-job: the worker's start announcement has left before it dies (one
-        # lost at once would make the job look never started, and it would be requeued).
-        time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang":
-        while True:  # only the scheduler's deadline (a worker restart) ends this
-            time.sleep(60)
+    if isinstance(backend, bytes):
+        backend = cloudpickle.loads(backend)
+    device, device_label, cuda = torch_device()
+    record["device"] = device_label
+    # What this attempt really runs with (a retry after out-of-memory asks for more).
+    held = ", ".join(f"{name}={amount:,.0f}" if amount >= 1000 else f"{name}={amount:g}"
+                     for name, amount in held_resources().items())
+    log.info("start on worker %s (%s) device %s: %s %s; eval batch %d; holding %s",
+             scope.worker, scope.host, device_label, job.backend, job.config_label,
+             job.eval.batch_size, held or "no resources")
+    inject_faults(job, attempt)
+    if reference is None:
+        from quantdask.worker.reference import compute_reference
 
-
-def failure_class_of(error: BaseException) -> str:
-    """``timeout`` for a deadline, ``out_of_memory`` for an allocation failure on any device,
-    else ``job_error``."""
-    import torch
-
-    if isinstance(error, JobTimeout):
-        return "timeout"
-    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return "out_of_memory"
-    message = str(error).lower()
-    allocation = ("out of memory", "can't allocate memory", "cannot allocate memory")
-    return "out_of_memory" if any(m in message for m in allocation) else "job_error"
-
-
-def _local_reference(job: Job) -> Reference:
-    from quantdask.worker.reference import compute_reference
-
-    return compute_reference(job.model, job.eval, job.eval.read_text(),
-                             calibration=job.calibration)
+        reference = compute_reference(job.model, job.eval, job.eval.read_text(),
+                                      calibration=job.calibration)
+    torch.manual_seed(job.seed)
+    return JobRun(job, backend, reference, device, cuda)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
@@ -114,149 +265,39 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     (``status`` failed or skipped), beside the job's log, its per-layer rows and the worker's
     device samples during it.
     """
-    import torch
-
-    buffer = io.StringIO()
-    handler = logging.StreamHandler(buffer)
-    # Jobs packed on one worker run in threads of one process: keep this job's lines only.
-    this_thread = threading.get_ident()
-    handler.addFilter(lambda line: line.thread == this_thread)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s %(levelname)s {job.id} attempt={attempt} %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    worker, host = announce_start()
-    began = time.monotonic()  # the deadline counts from here, as the driver's does
-    record: dict[str, Any] = {"worker": worker, "host": host, "started_at": utcnow()}
-    outcome = JobOutcome(record)
-    sampler = this_workers_sampler()
-    if sampler is not None:  # mark the job's samples, and take one even if the job is short
-        sampler.job_started(job.id)
-    try:
-        quiet_libraries()
-        if isinstance(backend, bytes):
-            backend = cloudpickle.loads(backend)
-        device, device_label, cuda = torch_device()
-        record["device"] = device_label
-        # What this attempt really runs with (a retry after out-of-memory asks for more).
-        held = ", ".join(f"{name}={amount:,.0f}" if amount >= 1000 else f"{name}={amount:g}"
-                         for name, amount in held_resources().items())
-        log.info("start on worker %s (%s) device %s: %s %s; eval batch %d; holding %s",
-                 worker, host, device_label, job.backend, job.config_label,
-                 job.eval.batch_size, held or "no resources")
-        for fault_attempt, kind in job.faults:
-            if fault_attempt == attempt:
-                inject_fault(kind, attempt)
-        reference = reference or _local_reference(job)
-        torch.manual_seed(job.seed)
-        watch = Stopwatch()
-        with watch("wall"), PeakMemory(cuda) as peak, contextlib.ExitStack() as holding:
-            holding.enter_context(cpu_share.busy())  # borrows idle slots' cores (CPU slots)
-            with watch("load"):
-                source, cached = cached_model_source(job.model)
-                # The unquantized weights, mapped from the checkpoint for this job only.
-                originals = holding.enter_context(source.weights())
-            calibration = None
-            with watch("quantize"):
-                if backend.calibrated:
-                    if reference.calibration is None:
-                        raise ValueError(
-                            f"{backend.name} calibrates on data and this job's reference "
-                            "carries none: " + (f"the calibration windows could not be cut "
-                                                f"({reference.calibration_error})"
-                                                if reference.calibration_error else
-                                                "give the sweep a calibration block"))
-                    calibration = Calibration(reference.calibration, cuda)
-                    model = backend.quantize(source, job.options, device,
-                                             calibration=calibration)
-                else:
-                    model = backend.quantize(source, job.options, device)
-            covered = coverage(model, originals)
-            if backend.quantizes and not covered.quantized_params:
-                raise UnsupportedHere(
-                    f"no layer was quantized: {backend.name} replaced none of this model's "
-                    f"weights, which stay in {covered.by_class()}")
-            size = model_size_bytes(model, backend.stored_bytes)
-            layers, unmeasured = [], {}
-            # Before any forward pass (see layers).
-            if job.layer_stats and backend.dequantize_layer is not None:
-                layers, unmeasured = weight_errors(model, backend.dequantize_layer, originals)
-            for name, reason in unmeasured.items():
-                log.warning("per-layer stats skip %s: %s", name, reason)
-            if job.is_baseline:
-                # The reference evaluated this very model on these windows: its scores and
-                # peak are the baseline's (the unquantized model is not evaluated twice; the
-                # time it took is the reference task's, not this job's).
-                scores = {k: reference.baseline[k] for k in SCORES}
-                watch.seconds["eval"] = 0.0
-            else:
-                with watch("eval"):
-                    scores = quality(model, reference.windows, reference.distribution,
-                                     job.eval.batch_size, device)
-            if layers:
-                outcome.layers = add_output_errors(model, layers, originals,
-                                                     reference.windows[:PROBE_WINDOWS], device)
-            if job.artifacts is not None and job.artifacts.enabled:
-                record.update(keep_artifact(model, source.tokenizer, backend, job, reference,
-                                            device))
-            del model, originals
-        peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
-                 "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-                 "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
-        if job.is_baseline:
-            peaks = {k: max(v, reference.baseline[k]) for k, v in peaks.items()}
-        record.update(
-            status="done", wall_s=watch.seconds["wall"], **peaks, load_s=watch.seconds["load"],
-            quantize_s=watch.seconds["quantize"], eval_s=watch.seconds["eval"],
-            source_cached=cached, param_count=source.param_count,
-            size_bytes=size, bits_per_weight=8.0 * size / source.param_count,
-            quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
-            full_precision=covered.summary() if backend.quantizes else None,
-            layers_unmeasured=len(unmeasured), kl_tail_mass=reference.baseline["kl_tail_mass"],
-            **scores, **(calibration.figures() if calibration is not None else {}),
-        )
-        log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
-                 "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
-                 size, record["bits_per_weight"], 100 * covered.quantized_share,
-                 scores["perplexity"], scores["kl_divergence"], scores["top1_agreement"],
-                 len(outcome.layers))
-    except (UnsupportedHere, NotImplementedError) as err:
-        # NotImplementedError: the library has no kernel or op for this layer type or tensor
-        # (torchao on Falcon's layers, say), a limit of this combination that a retry repeats.
-        record.update(status="skipped", failure_class="unsupported",
-                      error_class=type(err).__name__,
-                      error_message=str(err) or f"{type(err).__name__} in {job.backend}")
-        if isinstance(err, NotImplementedError):
-            record["traceback"] = traceback.format_exc()
-            log.warning("skipped (not implemented by the library): %s\n%s", err,
-                        record["traceback"])
-        else:
-            log.warning("skipped: %s", err)
-    except Exception as err:
-        record.update(status="failed", failure_class=failure_class_of(err),
-                      error_class=type(err).__name__,
-                      error_message=str(err) or type(err).__name__,
-                      traceback=traceback.format_exc())
-        log.error("failed (%s): %s: %s\n%s", record["failure_class"], type(err).__name__, err,
-                  record["traceback"])
-    finally:
-        log.removeHandler(handler)
-        if torch.cuda.is_available():
-            with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
-                torch.cuda.empty_cache()
-        if sampler is not None:
-            outcome.device_samples = sampler.job_finished(job.id)
-    elapsed = time.monotonic() - began
-    if elapsed > job.timeout_s and record["status"] != "skipped":
-        # Past the deadline is a timeout whether or not the driver looked in time: the outcome
-        # must not depend on how busy the driver was. The measurements are dropped with it.
-        late = JobTimeout("the attempt", elapsed, job.timeout_s)
-        log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
-        buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
-        record = {k: record[k] for k in ("worker", "host", "started_at", "device") if k in record}
-        record.update(status="failed", failure_class="timeout", error_class="JobTimeout",
-                      error_message=str(late))
-        outcome.record, outcome.layers = record, []
-    record["finished_at"] = utcnow()
+    outcome = JobOutcome({})
+    with captured_log(log, f"{job.id} attempt={attempt}") as buffer, \
+            attempt_scope(job.id) as scope:
+        record = outcome.record = {"worker": scope.worker, "host": scope.host,
+                                   "started_at": scope.started_at}
+        try:
+            run = start(job, backend, attempt, reference, scope, record)
+            with run.measured():
+                for phase in PHASES:
+                    phase(run)
+            record.update(done_record(run))
+            outcome.layers = run.layers
+            _log_done(record, len(run.layers))
+        except Exception as error:
+            record.update(not_done_record(error, job.backend))
+    outcome.device_samples = scope.samples
+    _fail_if_overrun(outcome, job, attempt, scope, buffer)
+    outcome.record["finished_at"] = utcnow()
     outcome.log = buffer.getvalue()
     return outcome
+
+
+def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: AttemptScope,
+                     buffer) -> None:
+    """Past the deadline is a timeout whether or not the driver looked in time: the outcome
+    must not depend on how busy the driver was. The measurements are dropped with it."""
+    elapsed = scope.elapsed()
+    if elapsed <= job.timeout_s or outcome.status == Status.SKIPPED:
+        return
+    late = JobTimeout("the attempt", elapsed, job.timeout_s)
+    log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
+    buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
+    outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
+    outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
+                          error_class="JobTimeout", error_message=str(late))
+    outcome.layers = []

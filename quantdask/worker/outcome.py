@@ -1,13 +1,74 @@
-"""What one attempt brings back to the driver, typed: the row it adds to the attempts and
-results frames, and beside it what is stored elsewhere (per-layer rows, the worker's device
-samples, the attempt's log), so that no layer has to pop transport keys out of a dict."""
+"""What one attempt brings back to the driver, typed, and the words its outcome is said in.
+
+``Status`` and ``FailureClass`` are the results' vocabulary (GUIDE's failure table), defined
+here once and used by the worker, the driver, the store and the report: a typo is then an
+``AttributeError``, never a silent new status. ``JobOutcome`` is the row an attempt adds to the
+attempts and results frames, and beside it what is stored elsewhere (per-layer rows, the
+worker's device samples, the attempt's log), so that no layer has to pop transport keys out of
+a dict.
+
+>>> Status.DONE == "done", f"{FailureClass.OUT_OF_MEMORY}"
+(True, 'out_of_memory')
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
+from quantdask.errors import JobTimeout
 from quantdask.util import utcnow
+
+if TYPE_CHECKING:
+    from quantdask.worker.measure import PeakMemory
+
+
+class Status(StrEnum):
+    """How a job (or one attempt of it) ended."""
+
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # unsupported here: recorded with the reason, never retried
+
+
+class FailureClass(StrEnum):
+    """Why a job failed or was skipped, and so what the driver does about it (``retry``)."""
+
+    UNSUPPORTED = "unsupported"
+    OUT_OF_MEMORY = "out_of_memory"
+    WORKER_LOST = "worker_lost"
+    TIMEOUT = "timeout"
+    JOB_ERROR = "job_error"
+
+
+_ALLOCATION_FAILED = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def failure_class_of(error: BaseException) -> FailureClass:
+    """``timeout`` for a deadline, ``out_of_memory`` for an allocation failure on any device,
+    else ``job_error``.
+
+    >>> failure_class_of(MemoryError()), failure_class_of(ValueError("bad"))
+    (<FailureClass.OUT_OF_MEMORY: 'out_of_memory'>, <FailureClass.JOB_ERROR: 'job_error'>)
+    """
+    import torch
+
+    if isinstance(error, JobTimeout):
+        return FailureClass.TIMEOUT
+    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return FailureClass.OUT_OF_MEMORY
+    message = str(error).lower()
+    if any(words in message for words in _ALLOCATION_FAILED):
+        return FailureClass.OUT_OF_MEMORY
+    return FailureClass.JOB_ERROR
+
+
+def peak_columns(peak: PeakMemory) -> dict[str, Any]:
+    """The results' peak-memory columns from a finished :class:`PeakMemory` block."""
+    return {"peak_device_mem_bytes": peak.peak_device_bytes,
+            "peak_device_reserved_bytes": peak.peak_reserved_bytes,
+            "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
 
 
 @dataclass
@@ -25,16 +86,17 @@ class JobOutcome:
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
 
     @property
-    def status(self) -> str:
-        return self.record["status"]
+    def status(self) -> Status:
+        return Status(self.record["status"])
 
     @property
-    def failure_class(self) -> str | None:
-        return self.record.get("failure_class")
+    def failure_class(self) -> FailureClass | None:
+        value = self.record.get("failure_class")
+        return None if value is None else FailureClass(value)
 
     @classmethod
-    def outside(cls, failure_class: str, error_class: str, message: str, tb: str = "",
-                worker: str | None = None, status: str = "failed") -> JobOutcome:
+    def outside(cls, failure_class: FailureClass, error_class: str, message: str, tb: str = "",
+                worker: str | None = None, status: Status = Status.FAILED) -> JobOutcome:
         """The outcome of an attempt that ended outside ``run_job``."""
         return cls({"status": status, "failure_class": failure_class,
                     "error_class": error_class, "error_message": message,

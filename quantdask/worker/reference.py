@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,14 +22,11 @@ from dask.sizeof import sizeof
 
 from quantdask.errors import JobTimeout
 from quantdask.worker import cpu_share
-from quantdask.worker.metrics import (
-    PeakMemory,
-    QualityMeter,
-    eval_windows,
-    exact_sum,
-    reference_slice,
-)
+from quantdask.worker.attempt import attempt_scope
+from quantdask.worker.measure import PeakMemory
+from quantdask.worker.metrics import QualityMeter, eval_windows, exact_sum, reference_slice
 from quantdask.worker.model_source import cached_model_source
+from quantdask.worker.outcome import peak_columns
 
 if TYPE_CHECKING:
     import torch
@@ -146,23 +142,12 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
 
     Raises :class:`JobTimeout` when that took longer than ``timeout_s`` (the jobs waiting on it
     then fail as ``timeout``, as they do when the driver cuts a hung one)."""
-    from quantdask.worker.devices import this_workers_sampler
-    from quantdask.worker.runtime import announce_start, quiet_libraries
-
-    announce_start()  # its deadline starts now
-    began = time.monotonic()
-    quiet_libraries()
-    sampler = this_workers_sampler()
-    if sampler is not None:  # the device's samples meanwhile belong to the reference
-        sampler.job_started(reference_key(model, settings))
-    try:
-        with cpu_share.busy():  # borrows idle slots' cores (CPU slots)
-            shard = _compute_shard(model, settings, text, rows)
-    finally:
-        if sampler is not None:
-            # Its samples stay on the worker: the next job's record (or the sweep's end) takes them.
-            sampler.job_finished(reference_key(model, settings), take=False)
-    elapsed = time.monotonic() - began
+    # Its device samples stay on the worker: the next job's record (or the sweep's end)
+    # takes them.
+    with attempt_scope(reference_key(model, settings), take_samples=False) as scope, \
+            cpu_share.busy():  # borrows idle slots' cores (CPU slots)
+        shard = _compute_shard(model, settings, text, rows)
+    elapsed = scope.elapsed()
     if elapsed > timeout_s:
         raise JobTimeout("its model's reference (eval windows and baseline log-probs)", elapsed,
                          timeout_s)
@@ -193,10 +178,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                 if name == "rest":
                     tail.append(exact_sum(part.double().exp()))
         del fp_model
-    peaks = {"peak_device_mem_bytes": peak.peak_device_bytes,
-             "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-             "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
-    return ReferenceShard(rows, windows, compact, meter, tail, peaks)
+    return ReferenceShard(rows, windows, compact, meter, tail, peak_columns(peak))
 
 
 def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: ReferenceShard,

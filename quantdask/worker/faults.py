@@ -1,0 +1,48 @@
+"""Faults a sweep injects on purpose (``faults:`` in a sweep file), to rehearse what the driver
+does when an attempt raises, runs out of memory, loses its worker, hangs, or is merely slow."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quantdask.spec.sweep import Job
+
+log = logging.getLogger("quantdask.job")  # into the attempt's own log
+
+SLOW_FAULT_S = 1.5
+"""How much longer a ``slow`` fault makes an attempt (before it quantizes)."""
+
+
+def inject_faults(job: Job, attempt: int) -> None:
+    """Make ``attempt`` of ``job`` fail the way its faults for that attempt say."""
+    for fault_attempt, kind in job.faults:
+        if fault_attempt == attempt:
+            inject_fault(kind, attempt)
+
+
+def inject_fault(kind: str, attempt: int) -> None:
+    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``); ``slow`` only
+    delays it: a job that is surely still running a second after it began (to rehearse a
+    worker lost mid-job or to watch one run), at no cost in CPU."""
+    import torch
+
+    log.warning("injecting fault %r on attempt %d", kind, attempt)
+    if kind == "slow":
+        time.sleep(SLOW_FAULT_S)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on attempt {attempt}")
+    if kind == "oom":
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected on attempt {attempt})")
+    if kind == "kill":
+        # A crash in mid-job: the worker's start announcement has left before it dies (one
+        # lost at once would make the job look never started, and it would be requeued).
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:  # only the scheduler's deadline (a worker restart) ends this
+            time.sleep(60)
