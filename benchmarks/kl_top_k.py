@@ -1,19 +1,25 @@
-"""How close the top-k KL (eval.kl_top_k) comes to the exact KL, by k, model and config.
+"""How close quantdask's KL comes to the exact KL, by k (eval.kl_top_k), tail samples
+(eval.kl_tail_samples; 0: the one-bucket lower bound), model and config.
 
-    .venv/bin/python -m benchmarks.kl_top_k [--ks 8,16,32,64,128] [--work DIR]
+    .venv/bin/python -m benchmarks.kl_top_k [--ks 8,64] [--tails 0,16,64] [--work DIR]
 
 For each model, the unquantized model's full next-token distribution and each quantized
 model's are computed once (quantdask's own sliced path, in this process); the exact KL over the
-whole vocabulary and the top-k + rest-bucket KL that quantdask's compact reference gives are
-then computed from the same log-probs. Models:
+whole vocabulary and the KL that quantdask's compact reference gives (the top k exact, the
+tail estimated from its samples, or as one bucket) are then computed from the same log-probs.
+Models:
 
 - ``demo``: the built-in demo model (a 320-token vocabulary, trained);
 - ``wide-32k``: a small Llama trained here on the demo text with a 32,768-token output layer
   (the tokenizer's 320 tokens occur; the rest are a real model's rare tokens);
 - ``qwen2-151k-random``: Qwen2's 151,936-token vocabulary on an untrained tiny body, the worst
-  case (near-uniform distributions: the top k hold little of the mass).
+  case (near-uniform distributions: the top k hold little of the mass);
+- ``llama-32k-random``: a randomly initialised Llama with a 32,000-token vocabulary (flat);
+- ``realistic``: tests/data/realistic-model, a small Llama trained on text with a natural
+  word-frequency spread (perplexity above 20, long tails: the regime of real language models).
 
-Prints a Markdown table of the relative error (exact - top-k) / exact, in percent.
+Prints a Markdown table of the relative error (quantdask - exact) / exact, in percent, with
+quantdask's own standard error beside it (also relative to the exact KL).
 """
 
 from __future__ import annotations
@@ -22,26 +28,55 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from quantdask.demo_model import DEMO_EVAL_TEXT
+
 CONFIGS = [("nf4", {"bits": 4, "quant_type": "nf4"}),
            ("fp4", {"bits": 4, "quant_type": "fp4"}),
            ("int8", {"bits": 8})]
 
 
-def models(work: Path) -> dict[str, str]:
+def models(work: Path, chosen: list[str]) -> dict[str, str]:
+    """The models named in ``chosen``, built under ``work`` the first time."""
     import sys
 
     from quantdask.demo_model import DEMO_MODEL_DIR, train_small_llama
 
-    wide = work / "wide-32k"
-    if not (wide / "config.json").exists():
-        train_small_llama(str(wide), steps=400, vocab_size=32_768, hidden_size=128, layers=2)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.tiny_families import build_tiny
 
-    qwen = work / "qwen2-151k-random"
-    if not (qwen / "config.json").exists():
-        build_tiny("qwen2_151k", qwen)
-    return {"demo": DEMO_MODEL_DIR, "wide-32k": str(wide), "qwen2-151k-random": str(qwen)}
+    builders = {
+        "wide-32k": lambda out: train_small_llama(str(out), steps=400, vocab_size=32_768,
+                                                  hidden_size=128, layers=2),
+        "qwen2-151k-random": lambda out: build_tiny("qwen2_151k", out),
+        "llama-32k-random": lambda out: _random_llama(out, vocab_size=32_000),
+    }
+    paths = {"demo": DEMO_MODEL_DIR,
+             "realistic": str(Path(__file__).resolve().parent.parent / "tests" / "data"
+                              / "realistic-model")}
+    for name in chosen:
+        if name in builders:
+            out = work / name
+            if not (out / "config.json").exists():
+                builders[name](out)
+            paths[name] = str(out)
+    return {name: paths[name] for name in chosen}
+
+
+def _random_llama(out: Path, vocab_size: int) -> None:
+    """An untrained Llama with the demo model's tokenizer and a wider output layer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantdask.demo_model import DEMO_MODEL_DIR
+
+    config = AutoConfig.from_pretrained(DEMO_MODEL_DIR)
+    config.vocab_size = vocab_size
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEMO_MODEL_DIR) / name, out / name)
 
 
 def full_log_probs(model, windows):
@@ -55,49 +90,75 @@ def full_log_probs(model, windows):
     return out
 
 
-def kl(reference, log_q, windows) -> float:
+def exact_kl(log_p, log_q) -> float:
+    """The exact KL over the whole vocabulary in float64, each distribution renormalized in
+    float64 first: float32 log-softmax leaves a normalization error of about 1e-7, as large as
+    the whole KL of an 8-bit config on a flat model."""
+    import torch
+
+    p = log_p.double() - torch.logsumexp(log_p.double(), dim=-1, keepdim=True)
+    q = log_q.double() - torch.logsumexp(log_q.double(), dim=-1, keepdim=True)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def kl(reference, log_q, windows) -> tuple[float, float]:
+    """quantdask's KL of ``log_q`` against ``reference`` on ``windows``, and its standard
+    error."""
     from quantdask.worker.metrics import QualityMeter
 
     meter = QualityMeter(windows, reference)
     meter.add(slice(0, windows.size(0)), slice(0, windows.size(1) - 1), log_q)
-    return meter.scores()["kl_divergence"]
+    scores = meter.scores()
+    return scores["kl_divergence"], scores["kl_se"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ks", default="8,16,32,64,128,256")
+    parser.add_argument("--ks", default="8,64")
+    parser.add_argument("--tails", default="0,16,64")
+    parser.add_argument("--models", default="demo,wide-32k,qwen2-151k-random,llama-32k-random,"
+                                            "realistic")
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "quantdask-kl"))
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--samples", type=int, default=16)
     args = parser.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
+    settings = [(int(k), int(m)) for k in args.ks.split(",") for m in args.tails.split(",")]
     import torch
 
+    torch.manual_seed(0)
+    print("| model | vocab | top-64 mass | config | exact KL | "
+          + " | ".join(f"k={k} m={m}" for k, m in settings) + " |")
+    print("|---|---:|---:|---|---:|" + "---:|" * len(settings))
+    for name, path in models(Path(args.work), args.models.split(",")).items():
+        for row in _rows(name, path, settings, args.seq_len, args.samples):
+            print(row, flush=True)
+
+
+def _rows(name: str, path: str, settings: list[tuple[int, int]], seq_len: int,
+          samples: int):
     from quantdask.backends import get_backend
-    from quantdask.demo_model import DEMO_EVAL_TEXT
     from quantdask.spec.model import ModelSpec
-    from quantdask.worker.metrics import eval_windows, reference_slice
+    from quantdask.worker.metrics import eval_windows, reference_slice, tail_offsets
     from quantdask.worker.model_source import load_model_source
 
-    torch.manual_seed(0)
-    text = Path(DEMO_EVAL_TEXT).read_text(encoding="utf-8")
-    print("| model | vocab | config | exact KL | " + " | ".join(f"k={k}" for k in ks) + " |")
-    print("|---|---:|---|---:|" + "---:|" * len(ks))
-    for name, path in models(Path(args.work)).items():
-        source = load_model_source(ModelSpec(name=name, path=path))
-        windows = eval_windows(source.tokenizer(text)["input_ids"], args.seq_len, args.samples)
-        log_p = full_log_probs(source.build("cpu"), windows)
-        for label, options in CONFIGS:
-            backend = get_backend("bitsandbytes")
-            model = backend.quantize(source, backend.normalize(options, "options"), "cpu")
-            log_q = full_log_probs(model, windows)
-            exact = kl({"log_probs": log_p}, log_q, windows)
-            errors = []
-            for k in ks:
-                approx = kl(reference_slice(log_p, k), log_q, windows)
-                errors.append(f"{100 * (exact - approx) / exact:.2f}%")
-            print(f"| {name} | {log_p.size(-1):,} | {label} | {exact:.4g} | "
-                  + " | ".join(errors) + " |", flush=True)
+    source = load_model_source(ModelSpec(name=name, path=path))
+    text_file = Path(path).parent / "realistic-eval.txt" if name == "realistic" else None
+    text = (text_file or Path(DEMO_EVAL_TEXT)).read_text(encoding="utf-8")
+    windows = eval_windows(source.tokenizer(text)["input_ids"], seq_len, samples)
+    log_p = full_log_probs(source.build("cpu"), windows)
+    mass = log_p.topk(64, dim=-1).values.exp().sum(-1).mean().item()
+    offsets = tail_offsets(range(windows.size(0)), windows.size(1) - 1)
+    for label, options in CONFIGS:
+        backend = get_backend("bitsandbytes")
+        model = backend.quantize(source, backend.normalize(options, "options"), "cpu")
+        log_q = full_log_probs(model, windows)
+        exact = exact_kl(log_p, log_q)
+        cells = []
+        for k, m in settings:
+            approx, se = kl(reference_slice(log_p, k, m, offsets), log_q, windows)
+            cells.append(f"{100 * (approx - exact) / exact:+.2f}% (se {100 * se / exact:.1f}%)")
+        yield (f"| {name} | {log_p.size(-1):,} | {mass:.1%} | {label} | {exact:.4g} | "
+               + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,30 @@ def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_T
     return out_dir
 
 
+def train_causal_lm(model, ids, steps: int, seq_len: int, batch: int = 32, seed: int = 0,
+                    log=print) -> None:
+    """Train ``model`` for ``steps`` steps on random windows of ``seq_len`` tokens of ``ids``
+    (AdamW, one-cycle learning rate peaking at 3e-3), deterministically for a seed."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps)
+    generator = torch.Generator().manual_seed(seed)
+    started = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=generator)
+        x = torch.stack([ids[s:s + seq_len] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - started:.0f}s")
+
+
 def train_small_llama(out_dir: str, steps: int = 600, seed: int = 0, vocab_size: int | None = None,
                       hidden_size: int = 128, layers: int = 4, log=print) -> str:
     """Train a small Llama on the generated text and save it with its tokenizer to ``out_dir``.
@@ -133,24 +157,8 @@ def train_small_llama(out_dir: str, steps: int = 600, seed: int = 0, vocab_size:
         pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(config)
-    ids = torch.tensor(tokenizer(train_text)["input_ids"])
-    seq_len, batch = 64, 32
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps)
-    generator = torch.Generator().manual_seed(seed)
-    started = time.perf_counter()
-    model.train()
-    for step in range(steps):
-        starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=generator)
-        x = torch.stack([ids[s:s + seq_len] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - started:.0f}s")
+    train_causal_lm(model, torch.tensor(tokenizer(train_text)["input_ids"]), steps,
+                    seq_len=64, seed=seed, log=log)
     model.eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)

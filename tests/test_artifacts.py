@@ -4,7 +4,12 @@ frontier kept and the rest deleted; failures recorded without losing a result.""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import re
+import shlex
+import shutil
+import subprocess
 
 import polars as pl
 import pytest
@@ -18,7 +23,7 @@ from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.worker.job import run_job
 from quantdask.worker.reference import compute_reference
-from tests.conftest import sweep_dict
+from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,11 +76,8 @@ def test_pareto_keeps_exactly_the_undominated_artifacts(pareto_run):
     models, results, _ = pareto_run
     assert set(results["status"]) == {"done"} and results.height == len(BNB) + 1
     rows = results.to_dicts()
-    # Dominated, computed here: another job no larger and no worse, better in one.
-    dominated = {r["job_id"] for r in rows if any(
-        o["size_bytes"] <= r["size_bytes"] and o["kl_divergence"] <= r["kl_divergence"]
-        and (o["size_bytes"] < r["size_bytes"] or o["kl_divergence"] < r["kl_divergence"])
-        for o in rows)}
+    # Dominated, computed here by docs/quality.md's rule (tied configs are not ranked).
+    dominated = off_frontier(rows)
     assert dominated and len(dominated) < len(rows)  # the test means something
     assert {r["job_id"] for r in rows if not r["artifact_kept"]} == dominated
     assert sorted(os.listdir(models)) == sorted(r["job_id"] for r in rows
@@ -168,3 +170,154 @@ def test_a_local_artifact_path_with_a_scheduler_is_refused_unless_shared(write_s
     err = capsys.readouterr().err
     assert "artifacts.to" in err and "artifacts.shared: true" in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "models").exists()
+
+
+# The reload check on a different model --------------------------------------------------------
+
+def exact_kl(model, windows, reference_log_probs) -> float:
+    """KL(reference || model) per predicted token, in float64 over the whole vocabulary."""
+    import torch
+
+    with torch.inference_mode():
+        log_q = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), dim=-1)
+    p = reference_log_probs.exp()
+    return (p * (reference_log_probs - log_q)).sum(-1).mean().item()
+
+
+@pytest.mark.timeout(120)
+def test_the_reload_check_of_a_different_saved_model_reports_that_models_difference(
+        tmp_path, monkeypatch):
+    """Where the saved directory holds another model than the one in memory, ``reload_kl_delta``
+    is that model's KL minus the in-memory one's (computed here with plain transformers, exact
+    float64 KL), not 0: the check looks at what was saved."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    import quantdask.worker.artifacts as artifacts
+    from quantdask.worker.artifacts import VERIFY_WINDOWS
+
+    data = sweep_dict(backends=[{"backend": "bitsandbytes", "configs": [BNB[0], BNB[3]]}],
+                      artifacts={"keep": "done", "to": str(tmp_path / "models"),
+                                 "verify": True})
+    data["eval"]["kl_top_k"] = "all"
+    jobs = {job.config_label: job for job in expand_grid(sweep_from_dict(data))}
+    nf4, int8 = jobs["nf4"], jobs["int8 t=6"]
+    text = nf4.eval.read_text()
+    reference = compute_reference(nf4.model, nf4.eval, text)
+    # int8 first, as the sweep would: its artifact is what nf4's reload is then pointed at.
+    honest = run_job(int8, get_backend("bitsandbytes"), reference=reference).record
+    assert honest["status"] == "done" and abs(honest["reload_kl_delta"]) < 1e-4
+    other = tmp_path / "models" / int8.id
+    publish = artifacts._publish
+
+    def publish_then_swap(local, settings, job_id):
+        publish(local, settings, job_id)
+        return str(other)  # the reload now reads int8's saved model
+
+    monkeypatch.setattr(artifacts, "_publish", publish_then_swap)
+    record = run_job(nf4, get_backend("bitsandbytes"), reference=reference).record
+    assert record["status"] == "done", record.get("error_message")
+
+    # The same difference, independently: plain transformers, the demo model's own log-probs.
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    ids = tokenizer(text)["input_ids"][:nf4.eval.seq_len * nf4.eval.samples]
+    windows = torch.tensor(ids).view(nf4.eval.samples, nf4.eval.seq_len)[:VERIFY_WINDOWS]
+    fp32 = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference_log_probs = torch.log_softmax(fp32(input_ids=windows).logits[:, :-1].double(),
+                                                dim=-1)
+    in_memory = AutoModelForCausalLM.from_pretrained(
+        DEMO_MODEL_DIR, dtype=torch.float32, device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=torch.float32)).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(other, device_map="cpu").eval()
+    expected = (exact_kl(reloaded, windows, reference_log_probs)
+                - exact_kl(in_memory, windows, reference_log_probs))
+    assert abs(expected) > 1e-3  # int8 and nf4 differ far beyond the tolerance below
+    assert record["reload_kl_delta"] == pytest.approx(expected, rel=1e-3, abs=1e-5)
+    # And nf4's own artifact (saved before the swap) is the model it measured: a save must not
+    # change it (bitsandbytes' CPU repacking, undone wrongly, once did, in memory too).
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / nf4.id,
+                                                 device_map="cpu").eval()
+    assert exact_kl(saved, windows, reference_log_probs) == pytest.approx(
+        exact_kl(in_memory, windows, reference_log_probs), rel=1e-4)
+
+
+# keep: pareto with two models ------------------------------------------------------------------
+
+def off_frontier(rows: list[dict], per_model: bool = True) -> set[str]:
+    """Job ids off the size/KL frontier, by docs/quality.md's rule: another job (of the same
+    model, with ``per_model``) is no larger and lower in KL by more than their tie margin,
+    2 sqrt(se_a^2 + se_b^2), or smaller and not higher by more than it (no ``kl_se``: every
+    difference counts)."""
+    def margin(a, b) -> float:
+        return 2 * math.sqrt((a.get("kl_se") or 0.0) ** 2 + (b.get("kl_se") or 0.0) ** 2)
+
+    return {a["job_id"] for a in rows if any(
+        b is not a and (not per_model or b["model"] == a["model"]) and (
+            (b["size_bytes"] <= a["size_bytes"]
+             and b["kl_divergence"] < a["kl_divergence"] - margin(a, b))
+            or (b["size_bytes"] < a["size_bytes"]
+                and b["kl_divergence"] <= a["kl_divergence"] + margin(a, b)))
+        for b in rows)}
+
+
+@pytest.mark.timeout(300)
+def test_with_two_models_each_keeps_its_own_frontier(cluster, tmp_path):
+    """The demo model and a tiny Llama, smaller and flatter (lower KL) in every config: pooled,
+    the tiny model's jobs would push every demo job off the frontier; kept per model, each
+    model keeps exactly its own frontier, computed here from the results."""
+    from tests.tiny_families import build_tiny
+
+    data = sweep_dict(models=[{"name": "demo", "path": DEMO_MODEL_DIR},
+                              {"name": "tiny", "path": str(build_tiny("llama",
+                                                                      tmp_path / "tiny"))}],
+                      backends=[{"backend": "bitsandbytes", "configs": [BNB[0], BNB[1], BNB[3]]}],
+                      artifacts={"keep": "pareto", "to": str(tmp_path / "models")})
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    assert set(results["status"]) == {"done"} and results.height == 8
+    rows = results.to_dicts()
+    kept = {r["job_id"] for r in rows if r["artifact_kept"]}
+    for model in ("demo", "tiny"):
+        own = [r for r in rows if r["model"] == model]
+        frontier = {r["job_id"] for r in own} - off_frontier(own)
+        assert {r["job_id"] for r in own if r["artifact_kept"]} == frontier, model
+        assert frontier, model
+    assert sorted(os.listdir(tmp_path / "models")) == sorted(kept)
+    # The test means something: a frontier over both models would drop kept jobs (all of the
+    # demo model's), and the models' frontiers differ from it.
+    pooled_off = off_frontier(rows, per_model=False)
+    demo_kept = {r["job_id"] for r in rows if r["model"] == "demo" and r["artifact_kept"]}
+    assert demo_kept and demo_kept <= pooled_off
+
+
+# The docs' recipe for artifact_sha256 -----------------------------------------------------------
+
+DIGEST_RECIPE = re.compile(r"`(cd DIR && [^`]*sha256sum)`")
+
+
+def installed_locale(name: str) -> bool:
+    found = subprocess.run(["locale", "-a"], capture_output=True, text=True, check=False)
+    wanted = name.lower().replace("-", "")
+    return any(line.lower().replace("-", "") == wanted for line in found.stdout.split())
+
+
+@pytest.mark.timeout(300)
+def test_the_docs_recipe_recomputes_the_digest_under_a_non_c_locale(pareto_run):
+    """docs/sweep-files.md's shell recipe, run as written (under en_US.UTF-8, whose collation
+    orders ``tokenizer_config.json`` before ``tokenizer.json``: unlike C's and Python's) on a
+    kept artifact, prints its ``artifact_sha256``."""
+    if shutil.which("sha256sum") is None or not installed_locale("en_US.utf8"):
+        pytest.skip("needs sha256sum and the en_US.UTF-8 locale (Debian: apt-get install "
+                    "locales; localedef -i en_US -f UTF-8 en_US.UTF-8)")
+    text = (REPO / "docs" / "sweep-files.md").read_text(encoding="utf-8")
+    [recipe] = DIGEST_RECIPE.findall(text)
+    models, results, _ = pareto_run
+    row = results.filter(pl.col("artifact_kept")).row(0, named=True)
+    directory = models / row["job_id"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(directory))
+    command = " ".join(recipe.split()).replace("cd DIR", f"cd {shlex.quote(str(directory))}")
+    env = {**os.environ, "LC_ALL": "en_US.UTF-8"}
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env,
+                          check=True, timeout=60)
+    assert done.stdout.split()[0] == row["artifact_sha256"], (command, done.stderr)

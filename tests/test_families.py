@@ -7,7 +7,10 @@ a notebook loop of HQQLinear layers) agrees on perplexity.
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -26,6 +29,12 @@ CONFIGS = [{"backend": "bitsandbytes", "grid": {"bits": [4, 8]}},
            {"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
 SEQ_LEN, SAMPLES = 32, 4
 NO_LAYER = "no layer was quantized: "
+QUALITY_DOC = Path(__file__).resolve().parent.parent / "docs" / "quality.md"
+TABLE_INTRO = "What the backends do with tiny random models of 8 families"
+# The table's columns after the family, and the configs each one stands for.
+TABLE_COLUMNS = {"bitsandbytes nf4 / int8": ("nf4", "int8 t=6"),
+                 "torchao int8 weight-only": ("ao int8wo",),
+                 "hqq 4-bit g32": ("hqq 4b g32",)}
 
 
 def family_sweep(models: dict) -> dict:
@@ -207,3 +216,61 @@ def test_the_plan_predicts_the_share_and_the_configs_that_quantize_nothing(run):
     assert unsupported[("falcon", "nf4")] == (
         "would quantize no layer: bitsandbytes replaces none of this model's layers (its "
         "weights are in FalconLinear 57%, Embedding 43%, LayerNorm <1%)")
+
+
+def family_table() -> list[list[str]]:
+    """The rows of docs/quality.md's family table (after its header and rule), as cells."""
+    text = QUALITY_DOC.read_text(encoding="utf-8")
+    lines = text[text.index(TABLE_INTRO):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+             for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+    assert table[0][1:] == list(TABLE_COLUMNS), table[0]
+    return table[2:]
+
+
+def family_of(cell: str) -> str:
+    """The family a row names: its first word (``qwen2`` is the tiny 151k-vocabulary one)."""
+    word = cell.split()[0]
+    [family] = [f for f in FAMILIES if f == word] or [f for f in FAMILIES if f.startswith(word)]
+    return family
+
+
+def check_cell(cell: str, row: dict) -> None:
+    """One cell against one measured result: a share as the cell rounds it (``36%``: to whole
+    percent, ``0.4%``: to a tenth), or ``skipped: <gist> (...)`` where the result is skipped
+    for that reason (a backticked name: its error class; words: what its message says)."""
+    where = (row["model"], row["config_label"], cell)
+    share = re.match(r"(\d+(?:\.(\d+))?)%", cell)
+    if share:
+        assert row["status"] == "done", where
+        decimals = len(share[2] or "")
+        assert f"{100 * row['quantized_share']:.{decimals}f}" == share[1], (
+            *where, row["quantized_share"])
+        return
+    assert cell.startswith("skipped: "), where
+    assert (row["status"], row["failure_class"]) == ("skipped", "unsupported"), where
+    gist = cell.removeprefix("skipped: ").split(" (")[0]
+    if re.fullmatch(r"`\w+`", gist):
+        assert row["error_class"] == gist.strip("`"), (*where, row["error_class"])
+    else:
+        assert row["error_message"].startswith(gist), (*where, row["error_message"])
+
+
+@pytest.mark.timeout(400)
+def test_the_family_table_in_the_docs_is_what_the_sweep_measured(run):
+    """docs/quality.md's table, cell by cell, against this module's sweep: every family and
+    every config in it, each share as measured and each skip for its reason."""
+    _, results, _ = run
+    measured = {(r["model"], r["config_label"]): r for r in results.to_dicts()}
+    table = family_table()
+    assert sorted(family_of(cells[0]) for cells in table) == sorted(FAMILIES)
+    checked = 0
+    for cells in table:
+        family = family_of(cells[0])
+        assert len(cells) == 1 + len(TABLE_COLUMNS), cells
+        for cell, labels in zip(cells[1:], TABLE_COLUMNS.values()):
+            for label in labels:
+                check_cell(cell, measured[(family, label)])
+                checked += 1
+    assert checked == len(FAMILIES) * 4  # every quantized job of the sweep has its cell

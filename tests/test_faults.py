@@ -94,6 +94,21 @@ def test_each_failure_class_gets_its_treatment(fault_cluster, tmp_path):
     assert len(result_files(tmp_path / "run")) == 4  # each job's result written once
 
 
+@pytest.mark.timeout(120)
+def test_a_job_failing_every_attempt_makes_exactly_one_retry_with_retries_1(fault_cluster,
+                                                                             tmp_path):
+    """Every attempt of nf4 raises (faults on attempts 1 to 3): with ``retries: 1`` it is tried
+    twice, recorded failed, and the attempts frame holds exactly those two tries."""
+    data = sweep_dict(retries=1, faults=[{"config": "nf4", "attempt": n, "kind": "raise"}
+                                         for n in (1, 2, 3)])
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", fault_cluster.client)
+    row = results.filter(pl.col("config_label") == "nf4").row(0, named=True)
+    assert (row["status"], row["failure_class"], row["attempts"]) == ("failed", "job_error", 2)
+    attempts = read_attempts(tmp_path / "run").filter(pl.col("job_id") == row["job_id"])
+    assert sorted(attempts["attempt"].to_list()) == [1, 2]
+    assert attempts["failure_class"].to_list() == ["job_error"] * 2
+
+
 def worker_pids(client) -> dict[str, int]:
     """Worker name -> pid of its worker process."""
     names = {a: str(w["name"]) for a, w in

@@ -119,3 +119,43 @@ def test_slices_fit_the_budget_and_one_position_is_the_least(windows, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(build_tiny("llama", tmp_path / "m")).eval()
     _, pieces = sliced(model, windows, 5, 1)
     assert {shape[:2] for shape in pieces} == {(5, 1)} and len(pieces) == 39
+
+
+@pytest.mark.timeout(60)
+def test_the_head_computes_only_its_slices_positions_and_they_tile_each_batch_once(demo_model):
+    """A forward hook on the demo model's output head sees each slice's positions only (never
+    the whole window), and per batch of windows the slices cover positions 0..seq_len-2
+    exactly once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.worker.logits import PROBE_TOKENS, sliced_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model).eval()
+    vocab, seq_len = model.config.vocab_size, 40
+    windows = torch.randint(4, vocab, (5, seq_len), generator=torch.Generator().manual_seed(1))
+    seen: list[tuple[int, int]] = []  # (batch, positions) of each input the head computed on
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: seen.append(tuple(inputs[0].shape[:2])))
+    covered: dict[tuple[int, int], list[int]] = {}
+    try:
+        for number, piece in enumerate(sliced_log_probs(model, windows, 2, "cpu",
+                                                        budget_bytes=2 * 6 * vocab * 4)):
+            rows = (piece.rows.start, piece.rows.stop)
+            length = piece.positions.stop - piece.positions.start
+            if number == 0:  # the first slice comes after the sliced head's check on a probe
+                *probe, head = seen
+                assert probe and all(batch == 1 and positions <= PROBE_TOKENS
+                                     for batch, positions in probe)
+            else:
+                [head] = seen  # one head call per slice
+            assert head == (rows[1] - rows[0], length) and length < seq_len - 1
+            assert piece.log_probs.shape[:2] == head
+            covered.setdefault(rows, []).extend(range(piece.positions.start,
+                                                      piece.positions.stop))
+            seen.clear()
+    finally:
+        handle.remove()
+    assert list(covered) == [(0, 2), (2, 4), (4, 5)]
+    for positions in covered.values():
+        assert positions == list(range(seq_len - 1))  # each once, in order

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import re
 import shutil
@@ -159,6 +160,56 @@ def test_pareto_frontier_keeps_only_undominated_configs():
         "base": True, "a": True, "b": False, "c": True, "d": False}
 
 
+def test_configs_within_their_noise_are_tied_not_ranked():
+    # nf4 and nf4 dq as in the demo: 0.005934 against 0.005904, each +- 0.0002, dq smaller.
+    results = pl.DataFrame({
+        "model": ["m"] * 5 + ["other"], "status": ["done"] * 6,
+        "config_label": ["base", "nf4", "nf4 dq", "int8", "fp4", "nf4"],
+        "bits_per_weight": [32.0, 4.5, 4.13, 8.0, 4.5, 4.5],
+        "kl_divergence": [0.0, 0.005934, 0.005904, 0.0003, 0.0080, 0.005904],
+        "kl_se": [0.0, 0.0002, 0.0002, 0.00002, 0.0002, 0.0002]})
+    frontier = {(r["model"], r["config_label"]): r for r in
+                report.pareto_frontier(results).iter_rows(named=True)}
+    # nf4 is larger than nf4 dq and not better by more than 2 * sqrt(2) * 0.0002: off it.
+    assert not frontier[("m", "nf4")]["pareto"] and frontier[("m", "nf4 dq")]["pareto"]
+    assert frontier[("m", "nf4")]["tied_with"] == "nf4 dq"
+    assert frontier[("m", "nf4 dq")]["tied_with"] == "nf4"
+    # fp4 is as large as nf4 and 10 standard errors worse: dominated, tied with nothing.
+    assert not frontier[("m", "fp4")]["pareto"] and frontier[("m", "fp4")]["tied_with"] is None
+    assert frontier[("m", "int8")]["pareto"] and frontier[("m", "base")]["pareto"]
+    assert frontier[("other", "nf4")]["pareto"]  # another model's configs are not compared
+    ties = report.kl_ties(results)
+    assert ties.select("model", "config", "tied_with").rows() == [("m", "nf4 dq", "nf4")]
+    assert ties["difference"][0] == pytest.approx(0.00003)
+    assert ties["margin"][0] == pytest.approx(2 * math.sqrt(2) * 0.0002)
+    # Without standard errors every difference counts, as before.
+    plain = report.pareto_frontier(results.drop("kl_se"))
+    assert dict(plain.filter(pl.col("model") == "m").select("config_label", "pareto")
+                .iter_rows()) == {"base": True, "nf4": False, "nf4 dq": True, "int8": True,
+                                  "fp4": False}
+    assert report.kl_ties(results.drop("kl_se")).is_empty()
+
+
+def test_figures_are_shown_with_their_error_and_a_bound_as_a_bound():
+    import doctest
+
+    import quantdask.store.figures
+    import quantdask.store.summary
+    from quantdask.store.figures import with_quality_text
+
+    for module in (quantdask.store.figures, quantdask.store.summary):
+        failed, attempted = doctest.testmod(module)
+        assert attempted >= 2 and failed == 0, module
+    frame = pl.DataFrame({
+        "perplexity": [1.56391, 1.6, None], "ln_ppl_se": [0.00787, None, None],
+        "kl_divergence": [0.005934, 0.000114, None], "kl_se": [0.000121, 0.00001, None],
+        "kl_kind": ["estimate", "lower_bound", None], "kl_tail_mass": [0.1, 0.992, None],
+        "top1_agreement": [0.96431, 0.9, None], "top1_agreement_se": [0.00213, 0.01, None]})
+    shown = with_quality_text(frame).select("ppl", "kl", "top1").rows()
+    assert shown == [("1.564 ± 0.012", "0.00593 ± 0.00012", "0.9643 ± 0.0021"),
+                     ("1.6", "≥ 0.000114 (tail 99%)", "0.900 ± 0.010"), (None, None, None)]
+
+
 def test_every_chart_carries_every_job(mixed_run):
     results, layers, attempts, samples, _ = frames(mixed_run)
     done = set(results.filter(pl.col("status") == "done")["job_id"])
@@ -306,7 +357,7 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
         assert heading in page.text
     # The jobs table holds every job (4 rows), not a truncated listing.
     every_job = page.text.split("Every job", 1)[1].split("Failed and skipped jobs", 1)[0]
-    assert "shape: (4, 16)" in every_job and "…" not in every_job
+    assert "shape: (4, 22)" in every_job and "…" not in every_job
     for label in ("baseline", "nf4", "int8 t=6", "ao int4wo"):
         assert label in every_job
     print(f"screenshot: {screenshot}")

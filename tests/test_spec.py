@@ -15,7 +15,7 @@ from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
 from quantdask.resources import demo_sweep
 from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import DEFAULT_KL_TOP_K, EvalSettings
+from quantdask.spec.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
 from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid, plan_rows
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 
@@ -94,8 +94,8 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     # of the sha256 of the canonical job spec as JSON (keys sorted, no spaces, ASCII). The spec:
     # the model (its directory's name, and a fingerprint: the sha256 of config.json's bytes
     # then "<name>:<size>" of each weight file, none here), the backend, its canonical options
-    # (defaults filled in), the eval (the text's sha256, seq_len, samples, and kl_top_k unless
-    # it is "all") and the seed.
+    # (defaults filled in), the eval (the text's sha256, seq_len, samples, and kl_top_k with
+    # kl_tail_samples unless it is "all"; tail samples only when not 0) and the seed.
     def expected_id(backend: str, options: dict, **eval_identity) -> str:
         spec = {
             "model": {"path": "m", "fingerprint": hashlib.sha256(b"{}").hexdigest()[:16],
@@ -111,8 +111,13 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
 
     int8 = {"bits": 8, "int8_threshold": 6.0}
     ids = [j.id for j in expand_grid(sweep())]
-    assert ids == [expected_id("none", {}, kl_top_k=DEFAULT_KL_TOP_K),
-                   expected_id("bitsandbytes", int8, kl_top_k=DEFAULT_KL_TOP_K)]
+    sampled = {"kl_top_k": DEFAULT_KL_TOP_K, "kl_tail_samples": DEFAULT_KL_TAIL_SAMPLES}
+    assert ids == [expected_id("none", {}, **sampled),
+                   expected_id("bitsandbytes", int8, **sampled)]
+    # Without tail samples: the ids of the runs that measured the lower bound before them.
+    bound = [j.id for j in expand_grid(sweep(kl_tail_samples=0))]
+    assert bound == [expected_id("none", {}, kl_top_k=DEFAULT_KL_TOP_K),
+                     expected_id("bitsandbytes", int8, kl_top_k=DEFAULT_KL_TOP_K)]
     exact = [j.id for j in expand_grid(sweep(kl_top_k="all"))]
     assert exact == [expected_id("none", {}), expected_id("bitsandbytes", int8)]
     # And the values themselves, so ids cannot drift between versions or machines unnoticed;
@@ -127,7 +132,8 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     lambda s: dataclasses.replace(s, models=[ModelSpec(path=DEMO_MODEL_DIR, dtype="bfloat16")]),
     lambda s: dataclasses.replace(s, eval=dataclasses.replace(s.eval, kl_top_k=8)),
     lambda s: dataclasses.replace(s, eval=dataclasses.replace(s.eval, kl_top_k="all")),
-], ids=["seed", "seq_len", "samples", "dtype", "kl_top_k", "exact kl"])
+    lambda s: dataclasses.replace(s, eval=dataclasses.replace(s.eval, kl_tail_samples=8)),
+], ids=["seed", "seq_len", "samples", "dtype", "kl_top_k", "exact kl", "kl_tail_samples"])
 def test_any_changed_field_gives_new_ids(change):
     before = {j.id for j in expand_grid(make_sweep())}
     after = {j.id for j in expand_grid(change(make_sweep()))}
@@ -212,7 +218,10 @@ def test_invalid_specs_name_the_field(build, field):
 
 # Pinned before backend options became dataclasses (issue 28) from the code of then: a change to
 # any job id, or to the options JSON that results store in `config`, fails here, since it would
-# orphan every earlier run's results. (config_label, job id, config)
+# orphan every earlier run's results. (config_label, job id, config). These are the ids with
+# eval.kl_tail_samples: 0, the lower-bound KL every run measured then; the default since issue
+# 29 samples the tail, a different measurement, so its jobs have ids of their own
+# (test_id_is_a_pure_function_of_the_canonical_spec).
 DEMO_SWEEP_JOBS = [
     ("baseline", "none-650a1d1e8ad89e29", '{}'),
     ("nf4", "bitsandbytes-05d05ed5f6b34de0",
@@ -283,7 +292,9 @@ TYPED_OPTIONS_JOBS = [
      TYPED_OPTIONS_JOBS),
 ], ids=["demo sweep", "torchao, hqq, autoround"])
 def test_job_ids_and_stored_options_are_pinned(sweep, pinned):
-    jobs = expand_grid(sweep())
+    sweep = sweep()
+    jobs = expand_grid(dataclasses.replace(
+        sweep, eval=dataclasses.replace(sweep.eval, kl_tail_samples=0)))
     assert [(r["config_label"], r["job_id"], r["config"]) for r in plan_rows(jobs)] == pinned
     for job in jobs:
         backend = get_backend(job.backend)

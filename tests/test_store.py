@@ -24,8 +24,14 @@ def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> d
         device="cpu", queued_at=NOW, started_at=NOW, finished_at=NOW, wall_s=1.0, load_s=0.1,
         quantize_s=0.2, eval_s=0.3, source_cached=True, peak_device_mem_bytes=10,
         peak_device_reserved_bytes=10, peak_host_rss_bytes=10, param_count=100, size_bytes=60,
-        bits_per_weight=4.8, quantized_params=90, quantized_share=0.9, perplexity=2.5,
+        bits_per_weight=4.8, quantized_bytes=50, bits_per_quantized_weight=50 * 8 / 90,
+        unquantized_bytes=10, unquantized_dtypes="float32 100%", quantized_params=90,
+        quantized_share=0.9, perplexity=2.5,
         kl_divergence=0.01, kl_tail_mass=0.001, top1_agreement=0.95, eval_tokens=100,
+        kl_kind="estimate", kl_median=0.005, kl_p90=0.02, kl_p99=0.05, kl_p999=0.1, kl_max=0.2,
+        top1_agreement_se=0.02, delta_p_mean=-0.001, delta_p_rms=0.01, delta_p_p01=-0.03,
+        delta_p_p05=-0.01, delta_p_median=0.0, delta_p_p95=0.01, delta_p_p99=0.03,
+        ln_ppl_ratio=0.004,
     )
     record.update(overrides)
     return record
@@ -47,8 +53,20 @@ def test_done_record_round_trips_with_the_full_schema(tmp_path):
     assert frame.row(0, named=True)["finished_at"] == NOW
 
 
+def test_a_baseline_record_has_no_bits_per_quantized_weight(tmp_path):
+    store = RunStore(tmp_path).create()
+    store.write_result(done_record(
+        backend="baseline", quantized_params=0, quantized_share=0.0, quantized_bytes=0,
+        bits_per_quantized_weight=None, unquantized_bytes=60))  # nothing quantized: null
+    row = read_results(tmp_path).row(0, named=True)
+    assert row["bits_per_quantized_weight"] is None and row["unquantized_bytes"] == 60
+
+
 @pytest.mark.parametrize("change, message", [
     ({"perplexity": None}, "lacks perplexity"),
+    ({"unquantized_dtypes": None}, "lacks unquantized_dtypes"),
+    ({"quantized_bytes": None, "unquantized_bytes": None},
+     "lacks quantized_bytes, unquantized_bytes"),
     ({"size_bytes": "60"}, "size_bytes must be Int64"),
     ({"attempts": True}, "attempts must be Int64"),
     ({"finished_at": NOW.replace(tzinfo=None)}, "timezone-aware"),

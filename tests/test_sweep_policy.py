@@ -37,7 +37,7 @@ from quantdask.errors import JobTimeout
 from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.worker.job import run_job
-from quantdask.worker.outcome import failure_class_of
+from quantdask.worker.outcome import FailureClass, failure_class_of
 from quantdask.worker.reference import compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
@@ -394,6 +394,26 @@ def test_an_attempt_that_ended_without_a_result_gets_the_outcome_of_its_cause(jo
     assert oom["error_message"] == "in its model's reference: cannot allocate 2 GiB"
     assert oom["traceback"].startswith("Traceback") and "raise MemoryError" in oom["traceback"]
     assert outcome(ValueError())["error_message"] == "ValueError"  # never an empty message
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("retries", [0, 1, 3])
+@pytest.mark.parametrize("failure_class", list(FailureClass))
+def test_no_class_of_failure_gets_an_attempt_beyond_the_retries(jobs, retries, failure_class):
+    """Every attempt fails the same way: the policy stops after exactly ``retries`` retries
+    (unsupported: after the first attempt), whatever job the retry would run (out of memory
+    asks for more room each time)."""
+    job = dataclasses.replace(jobs["nf4"], retries=retries)
+    made, limit = 1, retries + 10  # a policy that never stopped would run past the limit
+    while made < limit:
+        decision = after_failure(job, made, failure_class, backoff_s=0.1, final=False)
+        assert decision == decide(job, made, failure_class, backoff_s=0.1)
+        if not decision.retry:
+            break
+        job, made = decision.job, made + 1
+        assert job.retries == retries  # a roomier retry keeps the job's limit
+    expected = 1 if failure_class == FailureClass.UNSUPPORTED else retries + 1
+    assert made == expected
 
 
 def test_a_failure_settled_as_final_is_never_retried(jobs):

@@ -92,7 +92,9 @@ class Backend:
     A ``calibrated`` backend fits its quantization to data: a sweep of it needs a
     ``calibration`` block, and its ``quantize`` is called with ``calibration=``, a
     :class:`~quantdask.worker.calibration.Calibration` holding the token windows and the block to
-    time its data-driven step in (``calibrate_s``).
+    time its data-driven step in (``calibrate_s``). ``prepare_save(model)`` puts a quantized
+    model (in memory) in the state ``save_pretrained`` must see, just before an artifact is
+    saved (bitsandbytes: its 4-bit weights repacked for the CPU, unpacked).
     """
 
     name: str
@@ -109,6 +111,7 @@ class Backend:
     stored_bytes: Callable[[torch.Tensor], int] | None = None
     calibrated: bool = False  # quantize(..., calibration=) gets the sweep's calibration data
     saves: bool = True  # its models save with save_pretrained and reload with from_pretrained
+    prepare_save: Callable[[torch.nn.Module], None] | None = None
     options_type: type[BackendOptions] | None = None  # set from ``options``
 
     def __post_init__(self):

@@ -126,6 +126,31 @@ def dequantize_layer(module):
     return None
 
 
+def unpack_for_save(model) -> None:
+    """Undo, in place, the CPU layout bitsandbytes gives 4-bit weights at their first forward
+    pass on a CPU with AVX512-BF16 (``packing_format_for_cpu``), before ``save_pretrained``.
+
+    bitsandbytes 0.50 undoes it itself when saving, but leaves the absmax of a layer without
+    double quantization transposed (blocks x rows) and in bfloat16: the saved model, and the
+    one in memory after the save, then scale each block by another row's absmax (KL 30x the
+    measured one on the demo model). Here the absmax is put back in row order, in its dtype
+    (the bfloat16 values the measured forward passes used, so the saved model is the measured
+    one); the layer repacks itself at its next forward pass."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if not (isinstance(module, bnb.nn.Linear4bit)
+                and getattr(state, "packing_format_for_cpu", False)):
+            continue
+        nested = state.original_nested  # the inverse re-quantizes a nested absmax itself
+        data, state = bnb.functional._convert_weight_packed_for_cpu_inverse(module.weight.data,
+                                                                            state)
+        if not nested:
+            state.absmax = state.absmax.T.reshape(-1).to(state.original_dtype).contiguous()
+        module.weight.data, module.weight.quant_state = data, state
+
+
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
     quantize=quantize_bitsandbytes,
@@ -136,5 +161,6 @@ bitsandbytes_backend = Backend(
     check=check_bitsandbytes,
     weight_bits=weight_bits,
     selects=selects,
+    prepare_save=unpack_for_save,
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )

@@ -78,6 +78,7 @@ def _run(sweep, args) -> int:
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
     from quantdask.driver.sweep import run_sweep
+    from quantdask.store.figures import with_quality_text
     from quantdask.store.run_store import read_attempts
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
@@ -103,12 +104,13 @@ def _run(sweep, args) -> int:
         else:
             results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
-    rows = results.sort(pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
-                        pl.col("config_label"), descending=[False, False, True, False],
-                        nulls_last=True)
+    rows = with_quality_text(results).sort(
+        pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
+        pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
+    # Each quality figure with its standard error; a KL that is only a bound says so.
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "quantized_share", "perplexity",
-                                   "kl_divergence", "top1_agreement", "wall_s"]))
+                                   "bits_per_weight", "quantized_share", "ppl", "kl", "top1",
+                                   "wall_s"]))
     counts = {s: results.filter(pl.col("status") == s).height for s in Status}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
     retried = attempts.filter(pl.col("status") == Status.FAILED).height

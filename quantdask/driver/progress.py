@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantdask.store.figures import kl_text, perplexity_text
 from quantdask.util import atomic_write, utcnow
 from quantdask.worker.outcome import FailureClass, Status
 
@@ -34,8 +35,11 @@ QUEUE_KEPT = 20  # the head of the queue a view is given
 def describe_result(record: dict) -> str:
     """One line on how an attempt ended: its metrics, or its error's first line."""
     if record["status"] == Status.DONE:
-        line = (f"ppl {record['perplexity']:.4g}, KL {record['kl_divergence']:.3g}, "
-                f"{record['bits_per_weight']:.3g} bits/weight, {record['wall_s']:.1f}s")
+        kl = kl_text(record["kl_divergence"], record.get("kl_se"), record.get("kl_kind"),
+                     record.get("kl_tail_mass"))
+        line = (f"ppl {perplexity_text(record['perplexity'], record.get('ln_ppl_se'))}, "
+                f"KL {kl}, {record['bits_per_weight']:.3g} bits/weight, "
+                f"{record['wall_s']:.1f}s")
         share = record.get("quantized_share")
         if record.get("quantized_params"):  # the baseline quantizes nothing, by definition
             line += f", {share:.0%} of weights quantized"

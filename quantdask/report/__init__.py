@@ -12,7 +12,7 @@ _CHARTS = (
     "layer_error_heatmap", "memory_chart", "memory_timeline_chart", "quality_chart",
     "scaling_chart", "time_breakdown_chart", "timeline_chart", "with_job_label",
 )
-_SUMMARIES = ("device_summary", "pareto_frontier", "sweep_summary")
+_SUMMARIES = ("device_summary", "kl_ties", "pareto_frontier", "sweep_summary")
 
 __all__ = [*_CHARTS, *_SUMMARIES]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 
+from quantdask.store.figures import with_quality_text
 from quantdask.store.summary import device_summary, pareto_frontier
 from quantdask.worker.outcome import Status
 
@@ -52,24 +53,45 @@ def _job_order(results: pl.DataFrame) -> list[str]:
     return list(dict.fromkeys(ordered["job"].to_list()))
 
 
-def quality_chart(results: pl.DataFrame) -> alt.Chart:
-    """Quality against size: bits per weight against perplexity and against KL divergence.
+QUALITY_TOOLTIP = [*JOB_TOOLTIP, alt.Tooltip("bits_per_weight:Q", format=".3f"),
+                   alt.Tooltip("bits_per_quantized_weight:Q", format=".3f",
+                               title="bits per quantized weight"),
+                   alt.Tooltip("unquantized_dtypes:N", title="the rest is"),
+                   alt.Tooltip("quantized_share:Q", title="share of weights quantized",
+                               format=".1%"),
+                   alt.Tooltip("size_mib:Q", title="size MiB", format=".2f"),
+                   alt.Tooltip("ppl:N", title="perplexity"),
+                   alt.Tooltip("kl:N", title="KL nats/token"),
+                   alt.Tooltip("kl_kind:N", title="KL is"),
+                   alt.Tooltip("top1:N", title="top-1 agreement"),
+                   alt.Tooltip("kind:N"), alt.Tooltip("tied_with:N", title="tied on it with")]
 
-    The Pareto frontier (smallest size for its KL) is drawn as a line through its configs, the
-    unquantized baseline as a dashed rule; drag to pan, scroll to zoom.
+
+def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
+    """``done`` with the quality text columns, the size in MiB, and each metric's error bar
+    ends (``<metric>_lo``, ``<metric>_hi``): one standard error either side, ln PPL's on
+    perplexity (so asymmetric there)."""
+    ln_ppl_se, kl_se = pl.col("ln_ppl_se").fill_null(0), pl.col("kl_se").fill_null(0)
+    return with_quality_text(done).with_columns(
+        (pl.col("size_bytes") / MIB).alias("size_mib"),
+        (pl.col("perplexity") * (-ln_ppl_se).exp()).alias("perplexity_lo"),
+        (pl.col("perplexity") * ln_ppl_se.exp()).alias("perplexity_hi"),
+        (pl.col("kl_divergence") - kl_se).clip(lower_bound=0).alias("kl_divergence_lo"),
+        (pl.col("kl_divergence") + kl_se).alias("kl_divergence_hi"))
+
+
+def quality_chart(results: pl.DataFrame) -> alt.Chart:
+    """Quality against size: bits per weight (the whole model as stored) against perplexity and
+    against KL divergence, each point with its error bar (one standard error).
+
+    The Pareto frontier (smallest size for its KL, tied configs not ranked: see
+    ``pareto_frontier``) is drawn as a line through its configs, the unquantized baseline as a
+    dashed rule; drag to pan, scroll to zoom.
     """
-    data = results.filter(pl.col("status") == Status.DONE).with_columns(
-        (pl.col("size_bytes") / MIB).alias("size_mib"))
+    data = _with_error_bars(results.filter(pl.col("status") == Status.DONE))
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
-    tooltip = [*JOB_TOOLTIP, alt.Tooltip("bits_per_weight:Q", format=".3f"),
-               alt.Tooltip("quantized_share:Q", title="share of weights quantized",
-                           format=".1%"),
-               alt.Tooltip("size_mib:Q", title="size MiB", format=".2f"),
-               alt.Tooltip("perplexity:Q", format=".4f"),
-               alt.Tooltip("kl_divergence:Q", title="KL nats/token", format=".3g"),
-               alt.Tooltip("top1_agreement:Q", title="top-1 agreement", format=".4f"),
-               alt.Tooltip("kind:N")]
+    tooltip = QUALITY_TOOLTIP
 
     panels: list[str] = []
 
@@ -80,8 +102,11 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
             .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
             .otherwise(pl.lit("dominated")).alias("kind"))
         base = alt.Chart(data).encode(
-            x=alt.X("bits_per_weight:Q", title="bits per weight",
+            x=alt.X("bits_per_weight:Q", title="bits per weight (whole model, as stored)",
                     scale=alt.Scale(zero=False, padding=12)))
+        error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
+            y=f"{metric}_lo:Q", y2=f"{metric}_hi:Q", color=alt.Color("backend:N"),
+            tooltip=tooltip)
         points = base.mark_point(size=90, filled=True).encode(
             y=alt.Y(f"{metric}:Q", title=title, scale=alt.Scale(zero=False, padding=12)),
             color=alt.Color("backend:N"),
@@ -98,7 +123,7 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
         panels.append(metric)  # each panel zooms on its own: its selection has its own name
         zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{len(panels)}")
         model = data["model"][0]
-        return alt.layer(frontier, baseline, points.add_params(zoom)).properties(
+        return alt.layer(frontier, baseline, error_bars, points.add_params(zoom)).properties(
             width=360, height=260, title=f"{model}: {title} vs bits per weight")
 
     # One row of panels per model: perplexities of different models do not share a scale.
@@ -340,9 +365,15 @@ def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:
 
 
 def jobs_table(results: pl.DataFrame) -> pl.DataFrame:
-    """Every job in one table, best quality first per model: the report's full listing."""
-    return results.sort(pl.col("model"), pl.col("status") != Status.DONE, pl.col("kl_divergence"),
-                        nulls_last=True).select(
+    """Every job in one table, best quality first per model: the report's full listing, each
+    quality figure with its standard error, and the configs each is tied with on KL."""
+    tied = pareto_frontier(results).select("job_id", "tied_with")
+    return with_quality_text(results).join(tied, on="job_id", how="left").sort(
+        pl.col("model"), pl.col("status") != Status.DONE, pl.col("kl_divergence"),
+        nulls_last=True).select(
         "model", "config_label", "status", "attempts", "worker", "bits_per_weight",
-        "quantized_share", "full_precision", "size_bytes", "perplexity", "kl_divergence",
-        "top1_agreement", "wall_s", "peak_device_mem_bytes", "failure_class", "job_id")
+        "bits_per_quantized_weight", "quantized_share", "unquantized_dtypes", "full_precision",
+        "size_bytes", "ppl", "kl", "tied_with", "top1",
+        "ln_ppl_ratio", "kl_p99", "delta_p_mean", "wall_s", "peak_device_mem_bytes",
+        "failure_class", "job_id")
+

@@ -13,6 +13,10 @@ from quantdask.spec.text_source import DatasetSource, TextSource
 DEFAULT_KL_TOP_K = 64
 """The reference's tokens per position for KL (eval.kl_top_k), chosen by measurement: see
 benchmarks/kl_top_k.py and its figures in benchmarks/RESULTS.md."""
+DEFAULT_KL_TAIL_SAMPLES = 64
+"""Tokens per position sampled from the reference's tail, beyond its top k, for an unbiased
+estimate of the tail's share of the KL (eval.kl_tail_samples; 0: the tail as one bucket, a
+lower bound). Chosen by measurement: benchmarks/kl_top_k.py."""
 
 
 @dataclass(frozen=True)
@@ -21,16 +25,18 @@ class EvalSettings(TextSource):
     which is a UTF-8 text file (``text``) or a ``datasets`` dataset's text column
     (``dataset``: see :class:`~quantdask.spec.text_source.DatasetSource`; read locally only).
 
-    ``kl_top_k``: KL divergence against the reference's ``k`` most likely tokens at each
-    position plus one bucket for the rest (a lower bound; see ``QualityMeter``), or ``"all"``
-    for the exact figure over the whole vocabulary (a reference of samples x seq_len x vocab
-    floats)."""
+    ``kl_top_k``: KL divergence exact over the reference's ``k`` most likely tokens at each
+    position, and over the rest of the vocabulary estimated without bias from
+    ``kl_tail_samples`` tokens sampled from it (0: the rest as one bucket, a lower bound; see
+    ``QualityMeter``); or ``"all"`` for the exact figure over the whole vocabulary (a reference
+    of samples x seq_len x vocab floats)."""
 
     text: str | None = None
     seq_len: int = 128
     samples: int = 32
     batch_size: int = 8
     kl_top_k: int | str = DEFAULT_KL_TOP_K
+    kl_tail_samples: int = DEFAULT_KL_TAIL_SAMPLES
     dataset: DatasetSource | dict | None = None
     root: str = field(default="", compare=False)
     text_sha256: str = field(default="", init=False)
@@ -46,6 +52,11 @@ class EvalSettings(TextSource):
         if self.kl_top_k != "all":
             positive_int("kl_top_k", self.kl_top_k,
                           f"a number of tokens such as {DEFAULT_KL_TOP_K}, or all")
+        if isinstance(self.kl_tail_samples, bool) or not isinstance(self.kl_tail_samples, int) \
+                or self.kl_tail_samples < 0:
+            raise SpecError("kl_tail_samples", f"must be a number of tokens >= 0 such as "
+                                               f"{DEFAULT_KL_TAIL_SAMPLES} (0: a lower bound), "
+                                               f"got {self.kl_tail_samples!r}")
 
     @property
     def top_k(self) -> int | None:
@@ -59,7 +70,14 @@ class EvalSettings(TextSource):
                     "samples": self.samples}
         if self.top_k is not None:
             identity["kl_top_k"] = self.top_k
+            if self.kl_tail_samples:  # 0 is what every run measured before the tail samples
+                identity["kl_tail_samples"] = self.kl_tail_samples
         return identity
+
+    @property
+    def tail_samples(self) -> int:
+        """Tokens sampled per position from the reference's tail (0 with an exact reference)."""
+        return 0 if self.top_k is None else self.kl_tail_samples
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,16 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "param_count": pl.Int64(),
     "size_bytes": pl.Int64(),
     "bits_per_weight": pl.Float64(),
+    # size_bytes split: the quantized weights with their quantization constants (scales, zeros,
+    # absmax, quant maps, packing metadata), and the rest (embeddings, norms, head, biases,
+    # unquantized layers) in whatever dtype the backend leaves it, with its dtypes' shares
+    # ("float16 93%, float32 7%"). Methods compare on bits_per_quantized_weight (8 x
+    # quantized_bytes / quantized_params; null when nothing is quantized, as for the baseline):
+    # bits_per_weight counts the rest's dtype too.
+    "quantized_bytes": pl.Int64(),
+    "bits_per_quantized_weight": pl.Float64(),
+    "unquantized_bytes": pl.Int64(),
+    "unquantized_dtypes": pl.String(),
     # Weights the backend holds quantized (logical count), and their share of param_count:
     # 0 for the baseline; a quantized config that quantized nothing is skipped, never done.
     "quantized_params": pl.Int64(),
@@ -56,10 +66,33 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "full_precision": pl.String(),  # what stayed in full precision, largest share first
     "layers_unmeasured": pl.Int64(),  # quantized layers the per-layer stats could not measure
     "perplexity": pl.Float64(),
+    # Standard errors (_se) are over eval windows, null with one window; docs/quality.md.
+    "ln_ppl_se": pl.Float64(),  # of ln(perplexity)
     "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
+    "kl_kind": pl.String(),  # exact, estimate (unbiased, tail sampled) or lower_bound
+    "kl_se": pl.Float64(),
+    # KL per position: percentiles over positions, and the largest
+    "kl_median": pl.Float64(),
+    "kl_p90": pl.Float64(),
+    "kl_p99": pl.Float64(),
+    "kl_p999": pl.Float64(),
+    "kl_max": pl.Float64(),
     # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
     "kl_tail_mass": pl.Float64(),
     "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
+    "top1_agreement_se": pl.Float64(),  # binomial, over tokens
+    # The correct next token's probability, quantized minus baseline, per position
+    "delta_p_mean": pl.Float64(),
+    "delta_p_se": pl.Float64(),
+    "delta_p_rms": pl.Float64(),
+    "delta_p_p01": pl.Float64(),
+    "delta_p_p05": pl.Float64(),
+    "delta_p_median": pl.Float64(),
+    "delta_p_p95": pl.Float64(),
+    "delta_p_p99": pl.Float64(),
+    # ln(PPL(quantized) / PPL(baseline)) on the same tokens, and its paired standard error
+    "ln_ppl_ratio": pl.Float64(),
+    "ln_ppl_ratio_se": pl.Float64(),
     "eval_tokens": pl.Int64(),
     # The saved quantized model (artifacts: keep), null when none was asked for: where it went,
     # its bytes on disk and sha256 (quantdask.worker.artifacts.directory_digest), whether it is
@@ -83,8 +116,12 @@ ALWAYS_REQUIRED = ("job_id", "sweep", "model", "backend", "config", "config_labe
 METRICS = ("worker", "host", "device", "started_at", "wall_s", "load_s", "quantize_s", "eval_s",
            "source_cached", "peak_device_mem_bytes", "peak_device_reserved_bytes",
            "peak_host_rss_bytes", "param_count", "size_bytes", "bits_per_weight",
-           "quantized_params", "quantized_share", "perplexity", "kl_divergence",
-           "kl_tail_mass", "top1_agreement", "eval_tokens")
+           "quantized_bytes", "unquantized_bytes", "unquantized_dtypes", "quantized_params",
+           "quantized_share", "perplexity", "kl_divergence",
+           "kl_tail_mass", "top1_agreement", "eval_tokens", "kl_kind", "kl_median", "kl_p90",
+           "kl_p99", "kl_p999", "kl_max", "top1_agreement_se", "delta_p_mean", "delta_p_rms",
+           "delta_p_p01", "delta_p_p05", "delta_p_median", "delta_p_p95", "delta_p_p99",
+           "ln_ppl_ratio")
 REQUIRED_BY_STATUS = {
     Status.DONE: ALWAYS_REQUIRED + METRICS,
     Status.FAILED: ALWAYS_REQUIRED + ("failure_class", "error_class", "error_message"),

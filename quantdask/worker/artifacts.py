@@ -8,8 +8,9 @@ there, so on several machines it must be shared storage. The result records wher
 bytes on disk and a sha256 (see :func:`directory_digest`). With ``verify: true`` the worker
 reloads the saved directory with ``from_pretrained``, as a user would, and measures KL on the
 first :data:`VERIFY_WINDOWS` eval windows against the reference, for the reloaded model and the
-one in memory: ``reload_kl_delta`` is the difference. ``keep: pareto`` then deletes, once the
-sweep ends, the artifacts of jobs off each model's size/KL Pareto frontier.
+one in memory (measured before the save, which may change it: see ``Backend.prepare_save``):
+``reload_kl_delta`` is the difference. ``keep: pareto`` then deletes, once the sweep ends, the
+artifacts of jobs off each model's size/KL Pareto frontier.
 
 A failed save never loses the job's result: the error goes to ``artifact_error``, and the job
 fails (and is retried) only with ``required: true``.
@@ -63,18 +64,24 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> dic
             # skip it as unsupported and drop its measurements).
             raise RuntimeError(f"{backend.name} models have no save format quantdask can "
                                "reload yet")
+        # The model as the job scored it: a save may change the model in memory (bitsandbytes'
+        # CPU repacking, undone lossily), and the reloaded copy would then agree with the damage.
+        before = (verify_kl(model, reference, job.eval.batch_size, device)
+                  if settings.verify else None)
         with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
             local = os.path.join(scratch, job.id)
+            if backend.prepare_save is not None:
+                backend.prepare_save(model)
             model.save_pretrained(local)
             tokenizer.save_pretrained(local)
             digest, size = directory_digest(local)
             saved = _publish(local, settings, job.id)
             figures = {"artifact_uri": settings.location(job.id), "artifact_bytes": size,
                        "artifact_sha256": digest, "artifact_kept": True}
-            if settings.verify:
+            if before is not None:
                 # The saved directory itself where it is local; a URL's from the same bytes.
                 figures["reload_kl_delta"] = reload_kl_delta(
-                    model, saved or local, reference, job.eval.batch_size, device)
+                    before, saved or local, reference, job.eval.batch_size, device)
         log.info("artifact saved to %s: %d bytes, sha256 %s%s", figures["artifact_uri"], size,
                  digest, f", reload KL delta {figures['reload_kl_delta']:.3g}"
                  if "reload_kl_delta" in figures else "")
@@ -108,18 +115,23 @@ def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
     return target
 
 
-def reload_kl_delta(model, directory: str, reference, batch_size: int, device: str) -> float:
-    """KL of the model reloaded from ``directory`` minus KL of ``model`` (in memory), both
-    against the reference on its first :data:`VERIFY_WINDOWS` windows."""
-    from transformers import AutoModelForCausalLM
-
+def verify_kl(model, reference, batch_size: int, device: str) -> float:
+    """KL of ``model`` against the reference on its first :data:`VERIFY_WINDOWS` windows."""
     from quantdask.worker.metrics import quality
 
     windows = reference.windows[:VERIFY_WINDOWS]
     distribution = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
+    return quality(model, windows, distribution, batch_size, device)["kl_divergence"]
+
+
+def reload_kl_delta(before: float, directory: str, reference, batch_size: int,
+                    device: str) -> float:
+    """KL of the model reloaded from ``directory`` (see :func:`verify_kl`) minus ``before``,
+    the in-memory model's, measured before it was saved."""
+    from transformers import AutoModelForCausalLM
+
     reloaded = AutoModelForCausalLM.from_pretrained(directory, device_map=device)
     reloaded.eval()
-    after = quality(reloaded, windows, distribution, batch_size, device)["kl_divergence"]
+    after = verify_kl(reloaded, reference, batch_size, device)
     del reloaded
-    before = quality(model, windows, distribution, batch_size, device)["kl_divergence"]
     return after - before

@@ -5,6 +5,11 @@ A backend may quantize all of a model, part of it (a mixture-of-experts model wh
 fused 3-D parameters that bitsandbytes does not replace) or none of it (a model whose layers are
 a class the backend does not recognize). A result must say which: ``quantized_share`` is the
 same measure on every model, and a quantized config that quantized nothing is not ``done``.
+
+The same walk splits the model's stored bytes (``size_bytes``) into the quantized part (the
+quantized weights with their quantization constants) and the rest, by dtype: the rest is in
+whatever dtype the backend leaves it (AutoRound's export casts it to 16 bits, bitsandbytes keeps
+the model's), so methods compare on ``bits_per_quantized_weight``, not on ``bits_per_weight``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from quantdask.worker.measure import stored_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +59,13 @@ def module_role(name: str, module_class: type) -> str:
 
 @dataclass(frozen=True)
 class Coverage:
-    """Weights held quantized and weights left in full precision (by module role)."""
+    """Weights held quantized and weights left in full precision (by module role); and the
+    stored bytes of each part, the rest's by dtype (empty when not measured)."""
 
     quantized_params: int
     full_precision: dict[str, int] = field(default_factory=dict)
+    quantized_bytes: int = 0
+    unquantized_by_dtype: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_params(self) -> int:
@@ -64,6 +74,27 @@ class Coverage:
     @property
     def quantized_share(self) -> float:
         return self.quantized_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def unquantized_bytes(self) -> int:
+        return sum(self.unquantized_by_dtype.values())
+
+    @property
+    def size_bytes(self) -> int:
+        return self.quantized_bytes + self.unquantized_bytes
+
+    @property
+    def bits_per_quantized_weight(self) -> float | None:
+        """8 x quantized_bytes / quantized_params; None when nothing is quantized."""
+        return 8.0 * self.quantized_bytes / self.quantized_params if self.quantized_params \
+            else None
+
+    def unquantized_dtypes(self) -> str:
+        """The rest's dtypes as shares of its bytes, largest first, e.g.
+        ``float16 93%, float32 7%`` (empty when nothing stays unquantized)."""
+        total = self.unquantized_bytes
+        ranked = sorted(self.unquantized_by_dtype.items(), key=lambda kv: (-kv[1], kv[0]))
+        return ", ".join(f"{dtype} {_percent(n / total)}" for dtype, n in ranked if n)
 
     def summary(self, top: int = 3) -> str:
         """What stayed in full precision by module role, largest first, as shares of all
@@ -126,34 +157,76 @@ def _plain_bias(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [("bias", bias)] if isinstance(bias, torch.Tensor) else []
 
 
-def coverage(model: torch.nn.Module,
-             originals: dict[str, torch.Tensor] | None = None) -> Coverage:
+def coverage(model: torch.nn.Module, originals: dict[str, torch.Tensor] | None = None,
+             stored_bytes=None) -> Coverage:
     """Count ``model``'s weights by whether they are held quantized; a shared (tied) parameter
     counts once. With ``originals`` (the checkpoint's state dict), a float parameter whose
     values differ from the checkpoint's counts as quantized too (simulated quantization).
     Parameters (and a bias a layer keeps as a plain tensor); buffers hold no weights in the
     backends quantdask knows but GPTQ-style packed layers (:func:`packed_linear_weights`,
-    whose float ``bias`` buffer counts as full precision)."""
+    whose float ``bias`` buffer counts as full precision).
+
+    The stored bytes (:func:`~quantdask.worker.measure.stored_tensors`, counted by the backend's
+    ``stored_bytes``) split along the same line: every entry of a module that holds quantized
+    weights is the quantized part (the weights and their constants: absmax, quant maps, scales,
+    zeros, packing metadata) but the full-precision weights it keeps (a bias); all else is
+    the rest.
+
+    >>> import torch
+    >>> covered = coverage(torch.nn.Linear(4, 2))
+    >>> covered.quantized_params, covered.unquantized_bytes, covered.unquantized_dtypes()
+    (0, 40, 'float32 100%')
+    """
     seen: set[int] = set()
     quantized = 0
     left: Counter[str] = Counter()
+    modules: set[str] = set()
+    holders: set[str] = set()  # modules holding quantized weights
+    kept: set[str] = set()  # the state-dict keys of the weights left in full precision
     for name, module in model.named_modules():
+        modules.add(name)
         packed = packed_linear_weights(module)
         if packed:
             quantized += packed
+            holders.add(name)
             bias = module._buffers.get("bias")  # a bias parameter is counted below
             if bias is not None:
                 left[module_role(name, type(module))] += bias.numel()
+                kept.add(_key(name, "bias"))
         for pname, param in [*module.named_parameters(recurse=False), *_plain_bias(module)]:
             if id(param) in seen:
                 continue
             seen.add(id(param))
             held = quantized_weights(param, module)
             if not held and originals is not None and _changed(
-                    param, originals.get(f"{name}.{pname}" if name else pname)):
+                    param, originals.get(_key(name, pname))):
                 held = param.numel()
             if held:
                 quantized += held
+                holders.add(name)
             else:
                 left[module_role(name, type(module))] += param.numel()
-    return Coverage(quantized, dict(left))
+                kept.add(_key(name, pname))
+    quantized_bytes = 0
+    rest: Counter[str] = Counter()
+    for key, tensor, nbytes in stored_tensors(model, stored_bytes):
+        if _owner(key, modules) in holders and key not in kept:
+            quantized_bytes += nbytes
+        else:
+            rest[str(tensor.dtype).removeprefix("torch.")] += nbytes
+    return Coverage(quantized, dict(left), quantized_bytes, dict(rest))
+
+
+def _key(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
+
+
+def _owner(key: str, modules: set[str]) -> str:
+    """The module a state-dict entry belongs to: the longest module name prefixing it
+    (``q_proj.weight.absmax`` and ``q_proj.weight.quant_state.bitsandbytes__nf4``: ``q_proj``)."""
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        if name in modules:
+            return name
+    return ""

@@ -32,7 +32,7 @@ from quantdask.worker.calibration import Calibration
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.faults import inject_faults
 from quantdask.worker.layers import add_output_errors, weight_errors
-from quantdask.worker.measure import PeakMemory, Stopwatch, model_size_bytes
+from quantdask.worker.measure import PeakMemory, Stopwatch
 from quantdask.worker.metrics import SCORES, quality
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.outcome import (
@@ -124,14 +124,15 @@ def quantize(run: JobRun) -> None:
 
 
 def check_coverage(run: JobRun) -> None:
-    """What the backend quantized, and the model's stored size; a quantizing backend that
-    replaced no weight is unsupported here, never a clean result."""
-    run.covered = coverage(run.model, run.originals)
+    """What the backend quantized, and the model's stored size, split into the quantized part
+    and the rest; a quantizing backend that replaced no weight is unsupported here, never a
+    clean result."""
+    run.covered = coverage(run.model, run.originals, run.backend.stored_bytes)
     if run.backend.quantizes and not run.covered.quantized_params:
         raise UnsupportedHere(
             f"no layer was quantized: {run.backend.name} replaced none of this model's "
             f"weights, which stay in {run.covered.by_class()}")
-    run.size_bytes = model_size_bytes(run.model, run.backend.stored_bytes)
+    run.size_bytes = run.covered.size_bytes
 
 
 def layer_weights(run: JobRun) -> None:
@@ -190,10 +191,15 @@ def done_record(run: JobRun) -> dict[str, Any]:
         "quantize_s": seconds["quantize"], "eval_s": seconds["eval"],
         "source_cached": run.source_cached, "param_count": source.param_count,
         "size_bytes": run.size_bytes, "bits_per_weight": 8.0 * run.size_bytes / source.param_count,
+        "quantized_bytes": covered.quantized_bytes,
+        "bits_per_quantized_weight": covered.bits_per_quantized_weight,
+        "unquantized_bytes": covered.unquantized_bytes,
+        "unquantized_dtypes": covered.unquantized_dtypes(),
         "quantized_params": covered.quantized_params, "quantized_share": covered.quantized_share,
         "full_precision": covered.summary() if run.backend.quantizes else None,
         "layers_unmeasured": len(run.unmeasured),
-        "kl_tail_mass": run.reference.baseline["kl_tail_mass"], **run.scores, **run.extra,
+        "kl_tail_mass": run.reference.baseline["kl_tail_mass"],
+        "kl_kind": run.reference.baseline["kl_kind"], **run.scores, **run.extra,
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from quantdask.backends.base import tensor_nbytes
@@ -155,17 +156,25 @@ class _Section:
         self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
 
 
-def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
-    """Bytes of the model's serialized state: quantized weights plus their quantization constants.
+def stored_tensors(model: torch.nn.Module,
+                   stored_bytes=None) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """The tensors of the model's serialized state, each once: ``(state_dict key, tensor,
+    bytes it counts)``.
 
     ``state_dict`` is what a checkpoint of the quantized model holds (bitsandbytes adds absmax,
-    quant maps and scales there); shared tensors are counted once. ``stored_bytes(tensor)``
-    (a backend's) counts a tensor whose layout pads it as the weight it holds.
+    quant maps and scales there); shared tensors are counted once, under their first key.
+    ``stored_bytes(tensor)`` (a backend's) counts a tensor whose layout pads it as the weight it
+    holds.
     """
     seen: set[int] = set()
-    total = 0
-    for tensor in model.state_dict(keep_vars=True).values():
+    for key, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:  # keep_vars: a tied tensor is the same object twice
             seen.add(id(tensor))
-            total += (stored_bytes or tensor_nbytes)(tensor)
-    return total
+            yield key, tensor, (stored_bytes or tensor_nbytes)(tensor)
+
+
+def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
+    """Bytes of the model's serialized state: quantized weights plus their quantization
+    constants, and the rest (see :func:`stored_tensors`; the split of the two is
+    :func:`quantdask.worker.coverage.coverage`'s)."""
+    return sum(nbytes for *_, nbytes in stored_tensors(model, stored_bytes))

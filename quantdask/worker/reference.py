@@ -24,7 +24,14 @@ from quantdask.errors import JobTimeout
 from quantdask.worker import cpu_share
 from quantdask.worker.attempt import attempt_scope
 from quantdask.worker.measure import PeakMemory
-from quantdask.worker.metrics import QualityMeter, eval_windows, exact_sum, reference_slice
+from quantdask.worker.metrics import (
+    KLKind,
+    QualityMeter,
+    eval_windows,
+    exact_sum,
+    reference_slice,
+    tail_offsets,
+)
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.outcome import peak_columns
 
@@ -46,9 +53,12 @@ REFERENCE_TOPIC = "quantdask-reference"
 class Reference:
     """Eval windows (samples x seq_len token ids) and the unquantized model's next-token
     distribution at each position but the last, in the compact form :func:`reference_slice`
-    makes: ``log_probs`` (samples x seq_len-1 x k, float32) of the tokens ``ids`` (int32), and
-    ``rest``, the log of the mass outside them; with ``eval.kl_top_k: all``, every token's
-    log-prob and no ``ids``. ``baseline``: the unquantized model's own scores on the windows.
+    makes: ``log_probs`` (samples x seq_len-1 x k, float32) of the tokens ``ids`` (int32),
+    ``rest``, the log of the mass outside them, and ``tail_ids`` / ``tail_log_probs``, tokens
+    sampled from that rest; with ``eval.kl_top_k: all`` (or a vocabulary small enough), every
+    token's log-prob and no ``ids``. ``target_log_probs`` (float64): each position's log-prob
+    of the token that follows it. ``baseline``: the unquantized model's own scores on the
+    windows, and ``kl_kind``, what the jobs' KL against this reference is.
     ``calibration``: the sweep's calibration windows (samples x seq_len token ids) when it has
     a calibration block, cut once per model here for its calibrated jobs."""
 
@@ -57,6 +67,9 @@ class Reference:
     log_probs: torch.Tensor
     ids: torch.Tensor | None = None
     rest: torch.Tensor | None = None
+    tail_ids: torch.Tensor | None = None
+    tail_log_probs: torch.Tensor | None = None
+    target_log_probs: torch.Tensor | None = None
     baseline: dict = field(default_factory=dict)
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
@@ -64,8 +77,10 @@ class Reference:
     @property
     def distribution(self) -> dict[str, torch.Tensor]:
         """The tensors :class:`~quantdask.worker.metrics.QualityMeter` compares against."""
-        return {name: t for name, t in (("log_probs", self.log_probs), ("ids", self.ids),
-                                        ("rest", self.rest)) if t is not None}
+        return {name: t for name, t in (
+            ("log_probs", self.log_probs), ("ids", self.ids), ("rest", self.rest),
+            ("tail_ids", self.tail_ids), ("tail_log_probs", self.tail_log_probs),
+            ("target_log_probs", self.target_log_probs)) if t is not None}
 
     @property
     def nbytes(self) -> int:
@@ -166,11 +181,14 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
     tail: list[float] = []
+    offsets = tail_offsets(range(*rows), windows.size(1) - 1)  # seeded by the global row
     with PeakMemory(cuda) as peak:
         fp_model = source.build(device)
         for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
             meter.add(piece.rows, piece.positions, piece.log_probs)
-            for name, part in reference_slice(piece.log_probs, settings.top_k).items():
+            for name, part in reference_slice(piece.log_probs, settings.top_k,
+                                              settings.tail_samples,
+                                              offsets[piece.rows, piece.positions]).items():
                 if name not in compact:  # sized by the first slice: k, or the whole vocabulary
                     compact[name] = part.new_empty((windows.size(0), windows.size(1) - 1,
                                                     *part.shape[2:]))
@@ -198,9 +216,7 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
         raise ValueError(f"reference shards cover windows {[s.rows for s in shards]}, not "
                          f"0..{settings.samples}")
     windows = torch.cat([shard.windows for shard in shards])
-    meter = QualityMeter(windows, None)
-    for shard in shards:
-        meter.merge(shard.meter)
+    meter = QualityMeter.joined(windows, [shard.meter for shard in shards])
     compact = {name: torch.cat([shard.compact[name] for shard in shards])
                for name in shards[0].compact}
     key = reference_key(model, settings, calibration)
@@ -221,18 +237,21 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
             calibration_error = f"{type(error).__name__}: {error}"
             log.error("%s: calibration windows not cut: %s", model.label, calibration_error)
     _announce(key)
-    tail_mass = math.fsum(t for shard in shards for t in shard.tail) / meter.tokens
-    if tail_mass > TAIL_WARNING:
+    tail_mass = math.fsum(t for shard in shards for t in shard.tail) / meter.nll.numel()
+    kind = (KLKind.EXACT if "ids" not in compact or tail_mass == 0
+            else KLKind.ESTIMATE if settings.tail_samples else KLKind.LOWER_BOUND)
+    if kind == KLKind.LOWER_BOUND and tail_mass > TAIL_WARNING:
         log.warning("%s: the top %s tokens hold only %.1f%% of the unquantized model's "
                     "probability mass on average: KL is a loose lower bound here (its "
-                    "predictions are flat); eval.kl_top_k: all gives the exact figure",
+                    "predictions are flat); eval.kl_tail_samples > 0 estimates the rest",
                     model.label, settings.kl_top_k, 100 * (1 - tail_mass))
     # The baseline job's figures: the unquantized model, evaluated here.
-    baseline = {**meter.scores(), "kl_tail_mass": tail_mass,
+    baseline = {**meter.scores(), "kl_tail_mass": tail_mass, "kl_kind": kind,
                 **{name: max(shard.peaks[name] for shard in shards)
                    for name in shards[0].peaks}}
     return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
-                     calibration_error=calibration_error, **compact)
+                     calibration_error=calibration_error, target_log_probs=-meter.nll,
+                     **compact)
 
 
 def _announce(key: str) -> None:

@@ -1,0 +1,57 @@
+"""Quality figures as people read them: each value with its error, a bound marked as a bound.
+
+>>> with_error(0.005934, 0.000121)
+'0.00593 ± 0.00012'
+>>> kl_text(0.000114, None, "lower_bound", 0.992)
+'≥ 0.000114 (tail 99%)'
+"""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+
+from quantdask.worker.metrics import KLKind
+
+
+def with_error(value: float | None, se: float | None) -> str | None:
+    """``value ± se``, both to the second significant digit of ``se`` (the value alone to 4
+    significant digits without an error)."""
+    if value is None:
+        return None
+    if se is None or not math.isfinite(se):
+        return f"{value:.4g}"
+    if se == 0:
+        return f"{value:.4g} ± 0"
+    digits = max(0, 1 - math.floor(math.log10(se)))
+    return f"{value:.{digits}f} ± {se:.{digits}f}"
+
+
+def kl_text(kl: float | None, se: float | None, kind: str | None,
+            tail_mass: float | None) -> str | None:
+    """The KL as the terminal and the report show it: ``≥ x (tail y%)`` for a lower bound,
+    else with its error."""
+    if kl is None:
+        return None
+    if kind == KLKind.LOWER_BOUND:
+        return f"≥ {kl:.3g} (tail {tail_mass or 0:.0%})"
+    return with_error(kl, se)
+
+
+def perplexity_text(perplexity: float | None, ln_ppl_se: float | None) -> str | None:
+    """Perplexity with its error (from ln PPL's: PPL x se, to first order)."""
+    if perplexity is None:
+        return None
+    return with_error(perplexity, None if ln_ppl_se is None else perplexity * ln_ppl_se)
+
+
+def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
+    """``results`` with the text columns ``ppl``, ``kl`` and ``top1``: each figure with its
+    error, a lower-bound KL marked so (null for jobs without figures)."""
+    rows = results.select("perplexity", "ln_ppl_se", "kl_divergence", "kl_se", "kl_kind",
+                          "kl_tail_mass", "top1_agreement", "top1_agreement_se").rows()
+    return results.with_columns(
+        pl.Series("ppl", [perplexity_text(r[0], r[1]) for r in rows], dtype=pl.String),
+        pl.Series("kl", [kl_text(r[2], r[3], r[4], r[5]) for r in rows], dtype=pl.String),
+        pl.Series("top1", [with_error(r[6], r[7]) for r in rows], dtype=pl.String))
