@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--kl-top-k", default=None, help="eval.kl_top_k (default: quantdask's)")
+    parser.add_argument("--kl-tail-samples", type=int, default=None,
+                        help="eval.kl_tail_samples (default: quantdask's; 0: the lower bound)")
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "quantdask-evalmem"))
     args = parser.parse_args()
     import quantdask as qd
@@ -79,6 +81,8 @@ def main() -> None:
         if args.kl_top_k:
             evaluation["kl_top_k"] = (args.kl_top_k if args.kl_top_k == "all"
                                       else int(args.kl_top_k))
+        if args.kl_tail_samples is not None:
+            evaluation["kl_tail_samples"] = args.kl_tail_samples
         sweep = qd.sweep_from_dict({
             "name": f"evalmem-{n}", "models": [{"name": "wide", "path": str(model)}],
             "backends": [{"backend": "bitsandbytes", "configs": [{"bits": 4}]}],
@@ -101,9 +105,11 @@ def main() -> None:
 
 def reference_nbytes(settings, vocab: int) -> int:
     """The bytes of a model's reference on ``settings``: its windows (int64) and, per predicted
-    token, k int32 ids + k float32 log-probs + one float32 rest mass (or vocab float32)."""
+    token, k int32 ids + k float32 log-probs + one float32 rest mass + m tail samples (int32 id
+    and float32 log-prob each) (or vocab float32), and the next token's float64 log-prob."""
     positions = settings.samples * (settings.seq_len - 1)
-    per_position = 4 * vocab if settings.top_k is None else 8 * settings.top_k + 4
+    per_position = 8 + (4 * vocab if settings.top_k is None
+                        else 8 * settings.top_k + 4 + 8 * settings.tail_samples)
     return settings.samples * settings.seq_len * 8 + positions * per_position
 
 

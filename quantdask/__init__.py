@@ -39,6 +39,7 @@ from quantdask.store.run_store import (
     read_layers,
     read_results,
     read_sessions,
+    read_windows,
 )
 from quantdask.store.summary import device_summary, sweep_summary
 
@@ -50,6 +51,7 @@ __all__ = [
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep", "option",
     "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_progress",
-    "read_results", "read_scaling", "read_sessions", "register_backend", "run_sweep", "scale_sweep",
-    "start_cluster", "sweep_from_dict", "sweep_summary", "tls_security", "write_report",
+    "read_results", "read_scaling", "read_sessions", "read_windows", "register_backend",
+    "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict", "sweep_summary",
+    "tls_security", "write_report",
 ]

@@ -21,6 +21,7 @@ README_MAX_BYTES = 12_000
 FRAME_HEADINGS = {
     "RESULT_SCHEMA": "Results frame",
     "LAYER_SCHEMA": "Per-layer frame",
+    "WINDOW_SCHEMA": "Per-window frame",
     "SAMPLE_SCHEMA": "Device samples frame",
     "ATTEMPT_SCHEMA": "Attempts frame",
     "SESSION_SCHEMA": "Sessions frame",

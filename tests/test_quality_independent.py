@@ -337,3 +337,25 @@ def test_every_error_bar_and_percentile_is_numpys_on_the_per_position_values(ind
                  "ln_ppl_ratio", "ln_ppl_ratio_se", "top1_agreement_se"):
         assert baseline[name] == 0, name
     assert baseline["ln_ppl_se"] == pytest.approx(window_se(nll_p), rel=2e-3)
+
+
+def test_the_windows_frame_holds_each_windows_means(independent):
+    """The per-window rows a paired comparison needs: each window's mean KL, NLL, top-1 and
+    change in the correct token's probability, against numpy on transformers' own values."""
+    import numpy as np
+
+    outcome = run_job(jobs()["fp4"], get_backend("bitsandbytes"))
+    log_p, log_q = independent["log_p"].numpy(), independent["log_q"].numpy()
+    targets = independent["windows"][:, 1:].numpy()[..., None]
+    nll_q = -np.take_along_axis(log_q, targets, -1)[..., 0]
+    nll_p = -np.take_along_axis(log_p, targets, -1)[..., 0]
+    expected = {"kl": (np.exp(log_p) * (log_p - log_q)).sum(-1).mean(1),
+                "ln_ppl": nll_q.mean(1),
+                "top1_agreement": (log_p.argmax(-1) == log_q.argmax(-1)).mean(1),
+                "delta_p": (np.exp(-nll_q) - np.exp(-nll_p)).mean(1)}
+    assert [row["window"] for row in outcome.windows] == list(range(SAMPLES))
+    assert {row["tokens"] for row in outcome.windows} == {SEQ_LEN - 1}
+    for name, values in expected.items():
+        scale = np.abs(values).mean()
+        for row, value in zip(outcome.windows, values):
+            assert row[name] == pytest.approx(value, rel=2e-3, abs=1e-3 * scale), name

@@ -190,14 +190,42 @@ def test_configs_within_their_noise_are_tied_not_ranked():
     assert report.kl_ties(results.drop("kl_se")).is_empty()
 
 
+def test_ties_are_judged_on_the_windows_both_configs_were_measured_on():
+    # Two configs whose KLs swing together from window to window (hard windows are hard for
+    # both): unpaired their errors swamp a difference of 0.001; paired, b is the higher on
+    # every window and the difference is far past its noise. c tracks a within the noise.
+    import numpy as np
+
+    hardness = np.linspace(0.001, 0.02, 16)
+    wobble = np.tile([1e-4, -1e-4], 8)
+    per_window = {"a": hardness, "b": hardness + 0.001, "c": hardness + wobble}
+    windows = pl.DataFrame([{"job_id": job, "window": w, "kl": float(v)}
+                            for job, values in per_window.items() for w, v in enumerate(values)])
+    se = float(hardness.std(ddof=1) / 4)
+    results = pl.DataFrame({
+        "job_id": ["a", "b", "c"], "model": ["m"] * 3, "status": ["done"] * 3,
+        "config_label": ["a", "b", "c"], "bits_per_weight": [4.0, 4.0, 4.5],
+        "kl_divergence": [float(v.mean()) for v in per_window.values()], "kl_se": [se] * 3})
+    unpaired = report.kl_ties(results)
+    assert set(unpaired.select("config", "tied_with").rows()) == {
+        ("a", "c"), ("a", "b"), ("c", "b")}
+    paired = report.kl_ties(results, windows)
+    assert paired.select("config", "tied_with").rows() == [("a", "c")]
+    differences = per_window["c"] - per_window["a"]
+    assert paired["margin"][0] == pytest.approx(2 * differences.std(ddof=1) / 4)
+    frontier = report.pareto_frontier(results, windows=windows)
+    assert dict(frontier.select("config_label", "pareto").iter_rows()) == {
+        "a": True, "b": False, "c": False}
+
+
 def test_figures_are_shown_with_their_error_and_a_bound_as_a_bound():
     import doctest
 
     import quantdask.store.figures
-    import quantdask.store.summary
+    import quantdask.store.frontier
     from quantdask.store.figures import with_quality_text
 
-    for module in (quantdask.store.figures, quantdask.store.summary):
+    for module in (quantdask.store.figures, quantdask.store.frontier):
         failed, attempted = doctest.testmod(module)
         assert attempted >= 2 and failed == 0, module
     frame = pl.DataFrame({

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.store.run_store import RunStore, job_status, read_results
+from quantdask.store.run_store import RunStore, job_status, read_results, read_windows
 from quantdask.store.schema import RESULT_SCHEMA, records_to_frame, validate_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,6 +40,7 @@ def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> d
 def record_done(store: RunStore, job_id: str) -> None:
     """What the scheduler writes for a done job: its layer rows, then its result."""
     store.write_layers(job_id, [])
+    store.write_windows(job_id, [])
     store.write_result(done_record(job_id))
 
 
@@ -186,3 +187,17 @@ def test_job_status_marks_unrecorded_jobs_pending(tmp_path):
     store.write_result(done_record("a"))
     status = dict(job_status(tmp_path).select("job_id", "status").iter_rows())
     assert status == {"a": "done", "b": "pending"}
+
+
+def test_a_done_jobs_windows_round_trip_and_are_part_of_it(tmp_path):
+    store = RunStore(tmp_path / "run").create()
+    rows = [{"window": w, "tokens": 127, "ln_ppl": 0.5 + w, "kl": 0.01 * w,
+             "top1_agreement": 0.9, "delta_p": -0.001} for w in range(3)]
+    store.write_layers("a", [])
+    store.write_windows("a", rows)
+    store.write_result(done_record("a"))
+    store.write_layers("b", [])  # its windows never written (a crash, or an older version)
+    store.write_result(done_record("b"))
+    frame = read_windows(tmp_path / "run")
+    assert frame["job_id"].to_list() == ["a"] * 3 and frame.drop("job_id").to_dicts() == rows
+    assert store.finished_job_ids() == {"a"}  # b runs again

@@ -15,15 +15,15 @@ if TYPE_CHECKING:
     from quantdask.store.run_store import RunStore
 
 
-def dominated(results: pl.DataFrame) -> list[str]:
-    """Job ids of done jobs with a kept artifact that another such job of the same model
-    dominates: no larger (``size_bytes``) and no worse (``kl_divergence``), better in one."""
+def dominated(results: pl.DataFrame, windows: pl.DataFrame | None = None) -> list[str]:
+    """Job ids of done jobs with a kept artifact off their model's size (``size_bytes``)
+    against KL frontier, ties not ranked (``pareto_frontier``, paired over ``windows``)."""
     import polars as pl
 
-    from quantdask.store.summary import pareto_frontier
+    from quantdask.store.frontier import pareto_frontier
 
     kept = results.filter(pl.col("artifact_kept").fill_null(False))
-    frontier = pareto_frontier(kept, cost="size_bytes")
+    frontier = pareto_frontier(kept, cost="size_bytes", windows=windows)
     return frontier.filter(~pl.col("pareto"))["job_id"].to_list()
 
 
@@ -32,7 +32,7 @@ def prune_to_pareto(store: RunStore, settings: ArtifactSettings) -> list[str]:
     kept (``artifact_kept`` false, the location and digest stay as a record of what was
     made); return their job ids."""
     results = store.read_results()
-    pruned = dominated(results)
+    pruned = dominated(results, store.read_windows())
     for row in results.filter(results["job_id"].is_in(pruned)).iter_rows(named=True):
         location = settings.location(row["job_id"])
         if settings.is_url:

@@ -57,6 +57,7 @@ class Recorder:
         )
         if record["status"] == Status.DONE:
             self.store.write_layers(job.id, outcome.layers)
+            self.store.write_windows(job.id, outcome.windows)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record

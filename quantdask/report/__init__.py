@@ -12,9 +12,10 @@ _CHARTS = (
     "layer_error_heatmap", "memory_chart", "memory_timeline_chart", "quality_chart",
     "scaling_chart", "time_breakdown_chart", "timeline_chart", "with_job_label",
 )
-_SUMMARIES = ("device_summary", "kl_ties", "pareto_frontier", "sweep_summary")
+_SUMMARIES = ("device_summary", "sweep_summary")
+_FRONTIER = ("kl_ties", "pareto_frontier")
 
-__all__ = [*_CHARTS, *_SUMMARIES]
+__all__ = [*_CHARTS, *_SUMMARIES, *_FRONTIER]
 
 
 def __getattr__(name: str):
@@ -22,4 +23,6 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("quantdask.report.charts"), name)
     if name in _SUMMARIES:
         return getattr(importlib.import_module("quantdask.store.summary"), name)
+    if name in _FRONTIER:
+        return getattr(importlib.import_module("quantdask.store.frontier"), name)
     raise AttributeError(f"module 'quantdask.report' has no attribute {name!r}")

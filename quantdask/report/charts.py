@@ -13,7 +13,8 @@ import altair as alt
 import polars as pl
 
 from quantdask.store.figures import with_quality_text
-from quantdask.store.summary import device_summary, pareto_frontier
+from quantdask.store.frontier import pareto_frontier
+from quantdask.store.summary import device_summary
 from quantdask.worker.outcome import Status
 
 MIB = 1024 * 1024
@@ -80,13 +81,13 @@ def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
         (pl.col("kl_divergence") + kl_se).alias("kl_divergence_hi"))
 
 
-def quality_chart(results: pl.DataFrame) -> alt.Chart:
+def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) -> alt.Chart:
     """Quality against size: bits per weight (the whole model as stored) against perplexity and
     against KL divergence, each point with its error bar (one standard error).
 
-    The Pareto frontier (smallest size for its KL, tied configs not ranked: see
-    ``pareto_frontier``) is drawn as a line through its configs, the unquantized baseline as a
-    dashed rule; drag to pan, scroll to zoom.
+    The Pareto frontier (smallest size for its KL, tied configs not ranked, paired over the
+    per-window rows ``windows`` when given: see ``pareto_frontier``) is drawn as a line through
+    its configs, the unquantized baseline as a dashed rule; drag to pan, scroll to zoom.
     """
     data = _with_error_bars(results.filter(pl.col("status") == Status.DONE))
     if data.is_empty():
@@ -97,7 +98,7 @@ def quality_chart(results: pl.DataFrame) -> alt.Chart:
 
     def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart:
         # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
-        data = pareto_frontier(data, loss=metric).with_columns(
+        data = pareto_frontier(data, loss=metric, windows=windows).with_columns(
             pl.when(pl.col("backend") == "none").then(pl.lit("baseline"))
             .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
             .otherwise(pl.lit("dominated")).alias("kind"))
@@ -364,10 +365,11 @@ def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:
                 pl.col("artifact_sha256").str.slice(0, 16).alias("sha256 (first 16)"), "job_id")
 
 
-def jobs_table(results: pl.DataFrame) -> pl.DataFrame:
+def jobs_table(results: pl.DataFrame, windows: pl.DataFrame | None = None) -> pl.DataFrame:
     """Every job in one table, best quality first per model: the report's full listing, each
-    quality figure with its standard error, and the configs each is tied with on KL."""
-    tied = pareto_frontier(results).select("job_id", "tied_with")
+    quality figure with its standard error, and the configs each is tied with on KL (paired
+    over ``windows``, the per-window rows, when given)."""
+    tied = pareto_frontier(results, windows=windows).select("job_id", "tied_with")
     return with_quality_text(results).join(tied, on="job_id", how="left").sort(
         pl.col("model"), pl.col("status") != Status.DONE, pl.col("kl_divergence"),
         nulls_last=True).select(

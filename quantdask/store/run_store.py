@@ -5,6 +5,7 @@ Layout::
     RUN_DIR/jobs.json               the planned jobs of the last sweep run here
     RUN_DIR/results/<job_id>.parquet  one row per finished job (the results schema)
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
+    RUN_DIR/windows/<job_id>.parquet  per-window quality of a done job, written before its result
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
     RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
@@ -41,6 +42,7 @@ from quantdask.store.schema import (
     RESULT_SCHEMA,
     SAMPLE_SCHEMA,
     SESSION_SCHEMA,
+    WINDOW_SCHEMA,
     empty_frame,
     records_to_frame,
     rows_to_frame,
@@ -82,6 +84,7 @@ class RunStore:
             raise RunDirError(f"run directory {self.root} exists and is not a directory")
         self.results_dir = self.root / "results"
         self.layers_dir = self.root / "layers"
+        self.windows_dir = self.root / "windows"
         self.samples_dir = self.root / "samples"
         self.attempts_dir = self.root / "attempts"
         self.sessions_dir = self.root / "sessions"
@@ -100,7 +103,8 @@ class RunStore:
         return self.job_logs_dir / f"{job_id}.log"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.layers_dir, self.samples_dir, self.attempts_dir,
+        for d in (self.results_dir, self.layers_dir, self.windows_dir, self.samples_dir,
+                  self.attempts_dir,
                   self.sessions_dir, self.job_logs_dir, self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
@@ -121,6 +125,14 @@ class RunStore:
                                for i, row in enumerate(rows)], LAYER_SCHEMA, "layer",
                               optional=("output_rel_error",))
         path = self.layers_dir / f"{job_id}.parquet"
+        write_parquet(path, frame)
+        return path
+
+    def write_windows(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist a job's per-window rows (``job_id`` added), atomically."""
+        frame = rows_to_frame([{**row, "job_id": job_id} for row in rows], WINDOW_SCHEMA,
+                              "window")
+        path = self.windows_dir / f"{job_id}.parquet"
         write_parquet(path, frame)
         return path
 
@@ -217,7 +229,8 @@ class RunStore:
         """Move result files that cannot be read (or do not fit the schema) aside, and delete
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
         moved = []
-        for directory in (self.results_dir, self.layers_dir, self.attempts_dir, self.samples_dir,
+        for directory in (self.results_dir, self.layers_dir, self.windows_dir, self.attempts_dir,
+                          self.samples_dir,
                           self.sessions_dir):
             if not directory.is_dir():
                 continue
@@ -245,6 +258,13 @@ class RunStore:
         layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
         return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
 
+    def read_windows(self) -> pl.DataFrame:
+        """Per-window rows of the jobs recorded done (as for ``read_layers``)."""
+        recorded = self.read_results().filter(pl.col("status") == Status.DONE)["job_id"]
+        windows = _read_dir(self.windows_dir, WINDOW_SCHEMA)
+        return windows.filter(pl.col("job_id").is_in(recorded.to_list())).sort("job_id",
+                                                                                "window")
+
     def finished_job_ids(self) -> set[str]:
         """Jobs whose recorded result is final: done, with every metric this version requires
         (a result from an older version that lacks one is measured again)."""
@@ -254,8 +274,10 @@ class RunStore:
                 validate_record({k: v for k, v in row.items() if v is not None})
             except SchemaError:
                 continue
-            # Its per-layer rows are part of a done job: one set aside means run it again.
-            if (self.layers_dir / f"{row['job_id']}.parquet").exists():
+            # Its per-layer and per-window rows are part of a done job: one set aside (or one
+            # from a version that wrote none) means run it again.
+            name = f"{row['job_id']}.parquet"
+            if (self.layers_dir / name).exists() and (self.windows_dir / name).exists():
                 finished.add(row["job_id"])
         return finished
 
@@ -290,7 +312,8 @@ class RunStore:
             f.write(text if text.endswith("\n") else text + "\n")
 
 
-_SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "samples": SAMPLE_SCHEMA,
+_SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "windows": WINDOW_SCHEMA,
+            "samples": SAMPLE_SCHEMA,
             "attempts": ATTEMPT_SCHEMA, "sessions": SESSION_SCHEMA}
 
 
@@ -337,6 +360,11 @@ def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:
 def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:
     """Utilization and memory of every worker's device over time (one row per sample)."""
     return RunStore(run_dir).read_samples()
+
+
+def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Per-window quality of every done job of ``run_dir``: one row per (job, eval window)."""
+    return RunStore(run_dir).read_windows()
 
 
 def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:

@@ -141,6 +141,17 @@ LAYER_SCHEMA: dict[str, pl.DataType] = {
     "output_rel_error": pl.Float64(),
 }
 
+WINDOW_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "window": pl.Int64(),  # the eval window's index (the same windows for every job of a model)
+    "tokens": pl.Int64(),  # tokens predicted in it
+    "ln_ppl": pl.Float64(),  # mean negative log-likelihood of the next token (nats)
+    "kl": pl.Float64(),  # mean KL(baseline || quantized) over its positions
+    "top1_agreement": pl.Float64(),
+    "delta_p": pl.Float64(),  # mean change in the correct token's probability
+}
+"""One row per (done job, eval window): what paired comparisons of two configs need."""
+
 FAILURE_CLASSES = tuple(FailureClass)
 """How a failed or skipped job is classified, and so what the scheduler does about it."""
 

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import math
-
 import polars as pl
 
 from quantdask.worker.outcome import Status
@@ -148,82 +146,3 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
         .select(list(SWEEP_SUMMARY_SCHEMA))
         .cast(SWEEP_SUMMARY_SCHEMA)
     )
-
-
-TIE_SIGMAS = 2.0
-"""Two configs are tied on a metric when they differ by less than this many combined standard
-errors, sqrt(se_a^2 + se_b^2) (docs/quality.md, Ties)."""
-
-
-def tie_margin(se_a: float | None, se_b: float | None) -> float:
-    """How far apart two figures with these standard errors must be to differ (0 without
-    errors: every difference counts)."""
-    return TIE_SIGMAS * math.sqrt((se_a or 0.0) ** 2 + (se_b or 0.0) ** 2)
-
-
-STANDARD_ERRORS = {"kl_divergence": "kl_se", "top1_agreement": "top1_agreement_se",
-                   "ln_ppl_ratio": "ln_ppl_ratio_se", "delta_p_mean": "delta_p_se"}
-"""The column holding each metric's standard error."""
-
-
-def _loss_se(results: pl.DataFrame, loss: str, loss_se: str | None) -> str | None:
-    name = loss_se or STANDARD_ERRORS.get(loss, f"{loss}_se")
-    return name if name in results.columns else None
-
-
-def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
-                    loss: str = "kl_divergence", loss_se: str | None = None) -> pl.DataFrame:
-    """``results`` (done jobs) with a ``pareto`` column and ``tied_with`` (the configs of the
-    same model tied with each on ``loss``, comma-separated, or null).
-
-    A job is on the frontier unless another job of the same model is at most as large
-    (``cost``) and significantly better (``loss`` lower by more than their tie margin), or
-    smaller and not significantly worse: tied configs are not ranked, so a larger config is
-    on the frontier only when it beats every smaller one by more than the noise. ``loss_se``
-    (default: its column in ``STANDARD_ERRORS``, when the frame has it) is the loss's standard
-    error; without one,
-    every difference counts.
-
-    >>> frame = pl.DataFrame({"model": ["m"] * 3, "status": ["done"] * 3,
-    ...     "config_label": ["a", "b", "c"], "bits_per_weight": [4.0, 4.5, 8.0],
-    ...     "kl_divergence": [0.010, 0.009, 0.001], "kl_se": [0.001] * 3})
-    >>> pareto_frontier(frame)["pareto"].to_list()  # b ties a and is larger: not on it
-    [True, False, True]
-    """
-    se = _loss_se(results, loss, loss_se)
-    done = results.filter((pl.col("status") == Status.DONE) & pl.col(cost).is_not_null()
-                          & pl.col(loss).is_not_null())
-    rows = done.to_dicts()
-    frontier, tied = [], []
-    for a in rows:
-        others = [b for b in rows if b is not a and b["model"] == a["model"]]
-        margins = [tie_margin(se and a[se], se and b[se]) for b in others]
-        frontier.append(not any(
-            (b[cost] <= a[cost] and b[loss] < a[loss] - margin)
-            or (b[cost] < a[cost] and b[loss] <= a[loss] + margin)
-            for b, margin in zip(others, margins)))
-        ties = [b["config_label"] for b, margin in zip(others, margins)
-                if abs(b[loss] - a[loss]) < margin]
-        tied.append(", ".join(ties) if ties and "config_label" in a else None)
-    return done.with_columns(pl.Series("pareto", frontier, dtype=pl.Boolean),
-                             pl.Series("tied_with", tied, dtype=pl.String))
-
-
-def kl_ties(results: pl.DataFrame, loss: str = "kl_divergence",
-            loss_se: str | None = None) -> pl.DataFrame:
-    """The pairs of done configs of one model whose ``loss`` differ by less than their tie
-    margin: one row per pair (model, the two configs, their difference and the margin)."""
-    se = _loss_se(results, loss, loss_se)
-    done = results.filter((pl.col("status") == Status.DONE) & pl.col(loss).is_not_null())
-    rows = done.sort("model", loss).to_dicts()
-    pairs = []
-    for i, a in enumerate(rows):
-        for b in rows[i + 1:]:
-            margin = tie_margin(se and a[se], se and b[se])
-            if a["model"] == b["model"] and abs(b[loss] - a[loss]) < margin:
-                pairs.append({"model": a["model"], "config": a["config_label"],
-                              "tied_with": b["config_label"],
-                              "difference": b[loss] - a[loss], "margin": margin})
-    return pl.DataFrame(pairs, schema={"model": pl.String, "config": pl.String,
-                                       "tied_with": pl.String, "difference": pl.Float64,
-                                       "margin": pl.Float64})

@@ -33,7 +33,7 @@ from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.faults import inject_faults
 from quantdask.worker.layers import add_output_errors, weight_errors
 from quantdask.worker.measure import PeakMemory, Stopwatch
-from quantdask.worker.metrics import SCORES, quality
+from quantdask.worker.metrics import SCORES, measure_quality
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.outcome import (
     FailureClass,
@@ -83,6 +83,7 @@ class JobRun:
     layers: list[dict[str, Any]] = field(default_factory=list)
     unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
     scores: dict[str, Any] = field(default_factory=dict)
+    windows: list[dict[str, Any]] = field(default_factory=list)  # per-window quality
     extra: dict[str, Any] = field(default_factory=dict)  # more record columns from phases
 
     @contextlib.contextmanager
@@ -152,11 +153,13 @@ def score(run: JobRun) -> None:
         # baseline's (the unquantized model is not evaluated twice; the time it took is the
         # reference task's, not this job's).
         run.scores = {k: run.reference.baseline[k] for k in SCORES}
+        run.windows = run.reference.baseline_windows
         run.watch.seconds["eval"] = 0.0
         return
     with run.watch("eval"):
-        run.scores = quality(run.model, run.reference.windows, run.reference.distribution,
-                             run.job.eval.batch_size, run.device)
+        meter = measure_quality(run.model, run.reference.windows, run.reference.distribution,
+                                run.job.eval.batch_size, run.device)
+        run.scores, run.windows = meter.scores(), meter.window_rows()
 
 
 def layer_outputs(run: JobRun) -> None:
@@ -282,7 +285,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 for phase in PHASES:
                     phase(run)
             record.update(done_record(run))
-            outcome.layers = run.layers
+            outcome.layers, outcome.windows = run.layers, run.windows
             _log_done(record, len(run.layers))
         except Exception as error:
             record.update(not_done_record(error, job.backend))
@@ -306,4 +309,4 @@ def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: Attempt
     outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
     outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
                           error_class="JobTimeout", error_message=str(late))
-    outcome.layers = []
+    outcome.layers, outcome.windows = [], []

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from quantdask.worker.statistics import QUALITY_COLUMNS, quality_figures
+from quantdask.worker.statistics import QUALITY_COLUMNS, quality_figures, window_rows
 
 if TYPE_CHECKING:
     import torch
@@ -200,6 +200,11 @@ class QualityMeter:
             setattr(whole, name, torch.cat([getattr(m, name) for m in meters]))
         return whole
 
+    def window_rows(self) -> list[dict[str, Any]]:
+        """The windows frame's rows (see ``statistics.window_rows``)."""
+        return window_rows(self.nll.numpy(), self.kl.numpy(), self.agree.numpy(),
+                           self.delta_p.numpy())
+
     def scores(self) -> dict[str, float]:
         """The record's quality columns (see ``statistics.quality_figures``)."""
         if not bool(self.seen.all()):
@@ -247,14 +252,21 @@ def _kl_and_agreement(ref: dict[str, torch.Tensor], log_q: torch.Tensor
     return kl, ids[..., 0] == log_q.argmax(-1)
 
 
-def quality(model: torch.nn.Module, windows: torch.Tensor,
-            reference: dict[str, torch.Tensor] | None, batch_size: int,
-            device: str) -> dict[str, float]:
-    """Perplexity on ``windows``, and KL divergence and top-1 agreement against ``reference``
-    (see :class:`QualityMeter`), the logits computed a slice of positions at a time."""
+def measure_quality(model: torch.nn.Module, windows: torch.Tensor,
+                    reference: dict[str, torch.Tensor] | None, batch_size: int,
+                    device: str) -> QualityMeter:
+    """``model`` measured on ``windows`` against ``reference`` (see :class:`QualityMeter`),
+    the logits computed a slice of positions at a time."""
     from quantdask.worker.logits import sliced_log_probs
 
     meter = QualityMeter(windows, reference)
     for piece in sliced_log_probs(model, windows, batch_size, device):
         meter.add(piece.rows, piece.positions, piece.log_probs)
-    return meter.scores()
+    return meter
+
+
+def quality(model: torch.nn.Module, windows: torch.Tensor,
+            reference: dict[str, torch.Tensor] | None, batch_size: int,
+            device: str) -> dict[str, float]:
+    """The record's quality columns of ``model`` on ``windows`` (see ``measure_quality``)."""
+    return measure_quality(model, windows, reference, batch_size, device).scores()

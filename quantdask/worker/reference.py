@@ -71,6 +71,7 @@ class Reference:
     tail_log_probs: torch.Tensor | None = None
     target_log_probs: torch.Tensor | None = None
     baseline: dict = field(default_factory=dict)
+    baseline_windows: list = field(default_factory=list)  # the windows frame's rows
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
 
@@ -251,6 +252,7 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
                    for name in shards[0].peaks}}
     return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
                      calibration_error=calibration_error, target_log_probs=-meter.nll,
+                     baseline_windows=meter.window_rows(),
                      **compact)
 
 

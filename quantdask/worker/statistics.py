@@ -8,7 +8,9 @@ window means over the square root of their number), which counts each window as 
 independent draw of text. Top-1 agreement's is the binomial error over predicted tokens, as
 llama.cpp reports it. Percentiles are over positions (numpy's linear interpolation).
 
-Nothing here is a per-position array in the record: the record keeps the figures below only.
+Nothing here is a per-position array in the record: the record keeps the figures below only,
+and the windows frame one row per window (:func:`window_rows`), which is what comparing two
+configs on the same windows needs (the pairs share each window's difficulty).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ def mean_and_window_se(values: np.ndarray) -> tuple[float, float | None]:
     centre = math.fsum(means.tolist()) / windows
     spread = math.fsum(((means - centre) ** 2).tolist()) / (windows - 1)
     return mean, math.sqrt(spread / windows)
+
+
+def window_rows(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
+                delta_p: np.ndarray) -> list[dict[str, Any]]:
+    """One row per window (windows x positions in): its tokens, mean negative log-likelihood,
+    KL, top-1 agreement and change in the correct token's probability."""
+    return [{"window": w, "tokens": int(nll.shape[1]),
+             "ln_ppl": math.fsum(nll[w].tolist()) / nll.shape[1],
+             "kl": math.fsum(kl[w].tolist()) / nll.shape[1],
+             "top1_agreement": float(agree[w].sum()) / nll.shape[1],
+             "delta_p": math.fsum(delta_p[w].tolist()) / nll.shape[1]}
+            for w in range(nll.shape[0])]
 
 
 def binomial_se(share: float, trials: int) -> float:
