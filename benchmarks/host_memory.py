@@ -55,7 +55,7 @@ def main() -> None:
     from benchmarks.vs_loop import build_model
     from quantdask.demo_model import DEMO_EVAL_TEXT
 
-    model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-{args.layers}",
+    model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-1408-{args.layers}",
                              args.layers)
     checkpoint = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
     sweep = qd.sweep_from_dict({

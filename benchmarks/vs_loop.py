@@ -49,7 +49,9 @@ def build_model(out: Path, layers: int) -> Path:
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32_000, hidden_size=512, intermediate_size=1376,
+    # Every width a multiple of 64: bitsandbytes' CPU 4-bit kernel needs it on processors with
+    # AVX512-BF16 (1,376, the width of before, is refused there; see the bitsandbytes backend).
+    config = LlamaConfig(vocab_size=32_000, hidden_size=512, intermediate_size=1408,
                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                          pad_token_id=0, tie_word_embeddings=False)
@@ -158,7 +160,7 @@ def main() -> None:
 
         print(quantdask_run(Path(args.quantdask_only), args.slots, args.layer_stats == "on"))
         return
-    model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-{args.layers}",
+    model_path = build_model(Path(tempfile.gettempdir()) / f"quantdask-llama58m-1408-{args.layers}",
                              args.layers)
     slots = ("--slots", str(args.slots))
     ways = {"loop": lambda: in_fresh_process("--loop-only", str(model_path), *slots)}

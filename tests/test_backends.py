@@ -157,6 +157,44 @@ def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_an
     assert record["error_message"] == reason
 
 
+@pytest.mark.parametrize("bf16_kernel", [True, False])
+def test_bnb_4bit_on_a_cpu_whose_kernel_cannot_take_a_width_is_unsupported_up_front(
+        tmp_path, monkeypatch, bf16_kernel):
+    """On a processor with AVX512-BF16, bitsandbytes' CPU 4-bit kernel repacks each layer at
+    its first forward pass and fails on an input width that is no multiple of 64 (a reshape
+    error, on every retry): quantdask says so in the plan and skips the job with the reason.
+    Without that kernel the same model runs."""
+    import bitsandbytes.functional
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from quantdask.driver.planning import plan_sweep
+    from tests.tiny_families import copy_demo_tokenizer
+
+    monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: bf16_kernel)
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)  # down_proj takes 96 inputs
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    copy_demo_tokenizer(tmp_path)
+    sweep = sweep_of(str(tmp_path), BackendBlock("bitsandbytes", configs=[{"bits": 4},
+                                                                         {"bits": 8}]))
+    reason = ("bitsandbytes' CPU 4-bit kernel on this processor (AVX512-BF16) needs each "
+              "quantized layer's input width to be a multiple of 64: "
+              "model.layers.0.mlp.down_proj.in_features=96; quantize on a GPU, or leave the "
+              "layer out (skip_modules)")
+    plan = {row["config_label"]: row for row in plan_sweep(sweep).iter_rows(named=True)}
+    assert plan["int8 t=6"]["state"] == "to run"
+    assert (plan["nf4"]["state"], plan["nf4"]["reason"]) == (
+        ("unsupported", reason) if bf16_kernel else ("to run", None))
+    if bf16_kernel:  # the worker decides alike, before any forward pass
+        job = next(j for j in expand_grid(sweep) if j.config_label == "nf4")
+        record = run_job(job, get_backend("bitsandbytes")).record
+        assert (record["status"], record["failure_class"]) == ("skipped", "unsupported")
+        assert record["error_message"] == reason
+
+
 def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[{"bits": 4}])))[1]

@@ -225,18 +225,22 @@ def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
     pieces = [(slice(r, r + 2), slice(p, p + 3 if p < 6 else 8))
               for r in range(0, 6, 2) for p in (0, 3, 6)]
 
-    def measured(meters: list[QualityMeter], order: list[int]) -> dict:
+    def measured(order: list[int], parts: int) -> dict:
+        # ``parts`` meters over consecutive windows (the reference's shards), each given the
+        # pieces of its own windows in ``order``, then joined.
+        rows_per_part = 6 // parts
+        meters = [QualityMeter(windows[p * rows_per_part:(p + 1) * rows_per_part],
+                               {n: t[p * rows_per_part:(p + 1) * rows_per_part]
+                                for n, t in reference.items()}) for p in range(parts)]
         for i in order:
             rows, positions = pieces[i]
-            meters[i % len(meters)].add(rows, positions, log_q[rows, positions])
-        whole = QualityMeter(windows, reference)
-        for meter in reversed(meters):
-            whole.merge(meter)
-        return whole.scores()
+            part, start = divmod(rows.start, rows_per_part)
+            local = slice(start, start + rows.stop - rows.start)
+            meters[part].add(local, positions, log_q[rows, positions])
+        return QualityMeter.joined(windows, meters, reference).scores()
 
-    one = measured([QualityMeter(windows, reference)], list(range(len(pieces))))
-    split = measured([QualityMeter(windows, reference) for _ in range(3)],
-                     list(reversed(range(len(pieces)))))
+    one = measured(list(range(len(pieces))), parts=1)
+    split = measured(list(reversed(range(len(pieces)))), parts=3)
     assert one == split
     assert one["eval_tokens"] == 6 * 8 and one["kl_divergence"] > 0
 

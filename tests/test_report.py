@@ -232,8 +232,12 @@ def test_figures_are_shown_with_their_error_and_a_bound_as_a_bound():
         "perplexity": [1.56391, 1.6, None], "ln_ppl_se": [0.00787, None, None],
         "kl_divergence": [0.005934, 0.000114, None], "kl_se": [0.000121, 0.00001, None],
         "kl_kind": ["estimate", "lower_bound", None], "kl_tail_mass": [0.1, 0.992, None],
-        "top1_agreement": [0.96431, 0.9, None], "top1_agreement_se": [0.00213, 0.01, None]})
+        "top1_agreement": [0.96431, 0.9, None], "top1_agreement_se": [0.00213, 0.01, None],
+        "ln_ppl_ratio": [0.0086, 0.01, None], "ln_ppl_ratio_se": [0.0012, None, None],
+        "delta_p_mean": [-0.0021, 0.0, None], "delta_p_se": [0.0004, None, None]})
     shown = with_quality_text(frame).select("ppl", "kl", "top1").rows()
+    assert with_quality_text(frame).select("vs_baseline", "delta_p").rows() == [
+        ("0.0086 ± 0.0012", "-0.00210 ± 0.00040"), ("0.01", "0"), (None, None)]
     assert shown == [("1.564 ± 0.012", "0.00593 ± 0.00012", "0.9643 ± 0.0021"),
                      ("1.6", "≥ 0.000114 (tail 99%)", "0.900 ± 0.010"), (None, None, None)]
 

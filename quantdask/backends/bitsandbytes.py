@@ -12,7 +12,7 @@ from quantdask.backends.base import (
     skip_label,
 )
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
-from quantdask.errors import SpecError
+from quantdask.errors import SpecError, UnsupportedHere
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,48 @@ def bitsandbytes_config(options: BitsAndBytesOptions):
 BITSANDBYTES = ("bitsandbytes", "bitsandbytes", "bitsandbytes")  # module, name, what to install
 
 
+CPU_4BIT_BLOCK = 64
+"""bitsandbytes' 4-bit block size: on a processor with AVX512-BF16 its CPU kernel repacks each
+4-bit layer at the first forward pass, which needs the layer's input width to be a multiple
+of it (a reshape error otherwise, on every attempt)."""
+
+
+def cpu_4bit_unsupported(widths: dict[str, int]) -> str | None:
+    """Why bitsandbytes' CPU 4-bit kernel cannot run layers of these input ``widths`` on this
+    processor, or None."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    narrow = [(name, width) for name, width in widths.items() if width % CPU_4BIT_BLOCK]
+    if not narrow or not has_avx512bf16():
+        return None
+    name, width = narrow[0]
+    return (f"bitsandbytes' CPU 4-bit kernel on this processor (AVX512-BF16) needs each "
+            f"quantized layer's input width to be a multiple of {CPU_4BIT_BLOCK}: "
+            f"{name}.in_features={width}; quantize on a GPU, or leave the layer out "
+            "(skip_modules)")
+
+
 def quantize_bitsandbytes(source, options: BitsAndBytesOptions, device: str):
-    require_library(*BITSANDBYTES)
-    return source.build(device, quantization_config=bitsandbytes_config(options))
+    bnb = require_library(*BITSANDBYTES)
+    model = source.build(device, quantization_config=bitsandbytes_config(options))
+    if device == "cpu" and options.bits == 4:
+        reason = cpu_4bit_unsupported({name: module.in_features
+                                       for name, module in model.named_modules()
+                                       if isinstance(module, bnb.nn.Linear4bit)})
+        if reason:
+            raise UnsupportedHere(reason)
+    return model
 
 
 def check_bitsandbytes(options: BitsAndBytesOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
-    return missing_library(*BITSANDBYTES)
+    missing = missing_library(*BITSANDBYTES)
+    if missing or facts.cuda or options.bits != 4:
+        return missing
+    replaced = {name for name, module_class, _ in facts.weight_modules
+                if selects(name, module_class, options)}
+    return cpu_4bit_unsupported({name: width for name, width in facts.linear_in_features.items()
+                                 if name in replaced})
 
 
 def weight_bits(options: BitsAndBytesOptions, loaded_bits: int) -> float:

@@ -109,8 +109,8 @@ def _run(sweep, args) -> int:
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
     # Each quality figure with its standard error; a KL that is only a bound says so.
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "quantized_share", "ppl", "kl", "top1",
-                                   "wall_s"]))
+                                   "bits_per_weight", "quantized_share", "ppl", "vs_baseline",
+                                   "kl", "top1", "wall_s"]))
     counts = {s: results.filter(pl.col("status") == s).height for s in Status}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
     retried = attempts.filter(pl.col("status") == Status.FAILED).height

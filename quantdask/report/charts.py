@@ -375,7 +375,7 @@ def jobs_table(results: pl.DataFrame, windows: pl.DataFrame | None = None) -> pl
         nulls_last=True).select(
         "model", "config_label", "status", "attempts", "worker", "bits_per_weight",
         "bits_per_quantized_weight", "quantized_share", "unquantized_dtypes", "full_precision",
-        "size_bytes", "ppl", "kl", "tied_with", "top1",
-        "ln_ppl_ratio", "kl_p99", "delta_p_mean", "wall_s", "peak_device_mem_bytes",
+        "size_bytes", "ppl", "vs_baseline", "kl", "tied_with", "kl_p99", "top1", "delta_p",
+        "wall_s", "peak_device_mem_bytes",
         "failure_class", "job_id")
 

@@ -47,11 +47,15 @@ def perplexity_text(perplexity: float | None, ln_ppl_se: float | None) -> str | 
 
 
 def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
-    """``results`` with the text columns ``ppl``, ``kl`` and ``top1``: each figure with its
-    error, a lower-bound KL marked so (null for jobs without figures)."""
+    """``results`` with the text columns ``ppl``, ``kl``, ``top1``, ``vs_baseline`` (ln of
+    the perplexity ratio to the baseline's, with its paired error) and ``delta_p``: each figure
+    with its error, a lower-bound KL marked so (null for jobs without figures)."""
     rows = results.select("perplexity", "ln_ppl_se", "kl_divergence", "kl_se", "kl_kind",
-                          "kl_tail_mass", "top1_agreement", "top1_agreement_se").rows()
+                          "kl_tail_mass", "top1_agreement", "top1_agreement_se",
+                          "ln_ppl_ratio", "ln_ppl_ratio_se", "delta_p_mean", "delta_p_se").rows()
     return results.with_columns(
         pl.Series("ppl", [perplexity_text(r[0], r[1]) for r in rows], dtype=pl.String),
         pl.Series("kl", [kl_text(r[2], r[3], r[4], r[5]) for r in rows], dtype=pl.String),
-        pl.Series("top1", [with_error(r[6], r[7]) for r in rows], dtype=pl.String))
+        pl.Series("top1", [with_error(r[6], r[7]) for r in rows], dtype=pl.String),
+        pl.Series("vs_baseline", [with_error(r[8], r[9]) for r in rows], dtype=pl.String),
+        pl.Series("delta_p", [with_error(r[10], r[11]) for r in rows], dtype=pl.String))

@@ -90,7 +90,7 @@ def reference_slice(log_probs: torch.Tensor, k: int | None, tail_samples: int = 
     return part
 
 
-TAIL_CHUNK_BYTES = 64 * 2**20
+TAIL_CHUNK_BYTES = 16 * 2**20
 """Float64 probabilities held at once while sampling a slice's tails."""
 
 
@@ -111,8 +111,9 @@ def sample_tail(log_probs: torch.Tensor, top_ids: torch.Tensor, m: int,
     step = max(1, TAIL_CHUNK_BYTES // (8 * vocab))
     for begin in range(0, flat.size(0), step):
         end = begin + step
-        probs = flat[begin:end].double().exp().scatter_(1, top[begin:end], 0.0)
-        cumulative = probs.cumsum(dim=1)
+        # One float64 copy of the chunk, turned in place into the tail's cumulative mass.
+        cumulative = flat[begin:end].to(torch.float64)
+        cumulative.exp_().scatter_(1, top[begin:end], 0.0).cumsum_(dim=1)
         targets = starts[begin:end] / m * cumulative[:, -1:]
         chosen[begin:end] = torch.searchsorted(cumulative, targets, right=True).clamp_(
             max=vocab - 1)
@@ -184,18 +185,14 @@ class QualityMeter:
             self.delta_p[rows, positions] = (target_log_q.exp()
                                              - ref["target_log_probs"].double().exp()).cpu()
 
-    def merge(self, other: QualityMeter) -> None:
-        """Take the positions another meter over the same windows measured."""
-        for name in ("nll", "kl", "delta_p", "agree"):
-            getattr(self, name)[other.seen] = getattr(other, name)[other.seen]
-        self.seen |= other.seen
-
     @classmethod
-    def joined(cls, windows: torch.Tensor, meters: list[QualityMeter]) -> QualityMeter:
-        """One meter over ``windows`` from meters over consecutive parts of them, in order."""
+    def joined(cls, windows: torch.Tensor, meters: list[QualityMeter],
+               reference: dict[str, torch.Tensor] | None = None) -> QualityMeter:
+        """One meter over ``windows`` (against ``reference``, the parts' joined) from meters
+        over consecutive parts of them, in order."""
         import torch
 
-        whole = cls(windows, None)
+        whole = cls(windows, reference)
         for name in ("nll", "kl", "delta_p", "agree", "seen"):
             setattr(whole, name, torch.cat([getattr(m, name) for m in meters]))
         return whole
