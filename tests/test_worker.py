@@ -386,11 +386,12 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, ou
         assert 0.05 < mine["weight_rel_error"] < 0.2  # nf4 with 64-wide blocks
 
 
-def layer_errors_by_hand(demo_model, label: str, probe) -> dict[str, dict]:
+def layer_errors_by_hand(demo_model, label: str, batch, probe: int) -> dict[str, dict]:
     """Per-layer errors of the demo model quantized by transformers' own ``BitsAndBytesConfig``,
     in float64: each weight dequantized with bitsandbytes' functional API (before any forward
-    pass repacks it) against the checkpoint's (safetensors); each layer's output on ``probe``
-    (captured with forward hooks) against ``F.linear`` of its input and the checkpoint's
+    pass repacks it) against the checkpoint's (safetensors); each layer's output on the first
+    ``probe`` windows of ``batch`` (captured with forward hooks during a forward pass of the
+    whole batch) against ``F.linear`` of its input and the checkpoint's
     weight; and the weight-only output error, ``F.linear`` with the dequantized weight."""
     import bitsandbytes as bnb
     import torch
@@ -415,13 +416,13 @@ def layer_errors_by_hand(demo_model, label: str, probe) -> dict[str, dict]:
 
     def capture(name):
         def hook(module, inputs, output):
-            seen[name] = (inputs[0].double(), output.double())
+            seen[name] = (inputs[0][:probe].double(), output[:probe].double())
         return hook
 
     handles = [model.get_submodule(name).register_forward_hook(capture(name))
                for name in dequantized]
     with torch.inference_mode():
-        model(input_ids=probe)
+        model(input_ids=batch)
     for handle in handles:
         handle.remove()
     checkpoint = load_file(os.path.join(demo_model, "model.safetensors"))
@@ -446,7 +447,9 @@ def layer_errors_by_hand(demo_model, label: str, probe) -> dict[str, dict]:
 @pytest.mark.parametrize("label", ["nf4", "int8 t=6"])
 def test_per_layer_errors_match_an_independent_computation(demo_model, outcomes, label):
     """Every per-layer row, recomputed here with bitsandbytes, safetensors and torch alone on the
-    probe (the first 4 eval windows, cut from the text here).
+    probe: the first 4 eval windows (cut from the text here), as the eval's first batch of 8
+    runs them (LLM.int8 picks its outlier columns per batch, so an int8 layer's output on a
+    window depends on the batch it runs in: the eval's own passes are what is measured).
 
     ``output_rel_error`` is the layer's own output (as the docs define it), not the dequantized
     weight's: for int8, LLM.int8 quantizes the activations too, so it differs from the weight-only
@@ -460,8 +463,8 @@ def test_per_layer_errors_match_an_independent_computation(demo_model, outcomes,
     seq_len, samples = 64, 8  # jobs_for's eval
     with open(DEMO_EVAL_TEXT, encoding="utf-8") as f:
         ids = AutoTokenizer.from_pretrained(demo_model)(f.read())["input_ids"]
-    probe = torch.tensor(ids[:seq_len * samples]).view(samples, seq_len)[:PROBE_WINDOWS]
-    expected = layer_errors_by_hand(demo_model, label, probe)
+    first_batch = torch.tensor(ids[:seq_len * samples]).view(samples, seq_len)[:8]
+    expected = layer_errors_by_hand(demo_model, label, first_batch, PROBE_WINDOWS)
     rows = outcomes[label].layers
     assert [row["layer"] for row in rows] == list(expected)  # every quantized layer, in order
     for row in rows:

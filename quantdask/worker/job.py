@@ -2,9 +2,9 @@
 
 ``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
 ``JobRun``, the state an attempt carries from phase to phase: load, quantize, coverage, layer
-weights, score, layer outputs, artifacts. A new measurement is one more phase function here
-(with its own section of the stopwatch) and one more entry in ``PHASES``; the record is made
-from the ``JobRun`` at the end.
+weights, score (with the layers' output errors), artifacts. A new measurement is one more phase
+function here (with its own section of the stopwatch) and one more entry in ``PHASES``; the
+record is made from the ``JobRun`` at the end.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -31,7 +31,7 @@ from quantdask.worker.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.worker.calibration import Calibration
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.faults import inject_faults
-from quantdask.worker.layers import add_output_errors, weight_errors
+from quantdask.worker.layers import OutputErrors, weight_errors
 from quantdask.worker.measure import PeakMemory, Stopwatch
 from quantdask.worker.metrics import SCORES, measure_quality
 from quantdask.worker.model_source import cached_model_source
@@ -147,7 +147,9 @@ def layer_weights(run: JobRun) -> None:
 
 
 def score(run: JobRun) -> None:
-    """Perplexity, KL and top-1 agreement against the reference on the eval windows."""
+    """Perplexity, KL and top-1 agreement against the reference on the eval windows, and the
+    measured layers' output errors on the first ``PROBE_WINDOWS`` of them, taken by forward
+    hooks during the same passes (``layers.OutputErrors``)."""
     if run.job.is_baseline:
         # The reference evaluated this very model on these windows: its scores are the
         # baseline's (the unquantized model is not evaluated twice; the time it took is the
@@ -156,17 +158,11 @@ def score(run: JobRun) -> None:
         run.windows = run.reference.baseline_windows
         run.watch.seconds["eval"] = 0.0
         return
-    with run.watch("eval"):
+    outputs = OutputErrors(run.model, run.layers, run.originals, PROBE_WINDOWS)
+    with run.watch("eval"), outputs:
         meter = measure_quality(run.model, run.reference.windows, run.reference.distribution,
-                                run.job.eval.batch_size, run.device)
-        run.scores, run.windows = meter.scores(), meter.window_rows()
-
-
-def layer_outputs(run: JobRun) -> None:
-    """Each measured layer's output error on a probe batch."""
-    if run.layers:
-        run.layers = add_output_errors(run.model, run.layers, run.originals,
-                                       run.reference.windows[:PROBE_WINDOWS], run.device)
+                                run.job.eval.batch_size, run.device, on_batch=outputs.batch)
+    run.scores, run.windows, run.layers = meter.scores(), meter.window_rows(), outputs.rows()
 
 
 def keep_artifacts(run: JobRun) -> None:
@@ -179,7 +175,7 @@ def keep_artifacts(run: JobRun) -> None:
 
 Phase = Callable[[JobRun], None]
 PHASES: tuple[Phase, ...] = (load, quantize, check_coverage, layer_weights, score,
-                             layer_outputs, keep_artifacts)
+                             keep_artifacts)
 """What an attempt does, in order."""
 
 

@@ -7,7 +7,6 @@ the same input (captured with a forward hook, so each layer is judged on its own
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -85,58 +84,68 @@ def weight_errors(
     return rows, unmeasured
 
 
-def add_output_errors(
-    model: torch.nn.Module,
-    rows: list[dict[str, Any]],
-    originals: dict[str, torch.Tensor],
-    probe: torch.Tensor,
-    device: str,
-) -> list[dict[str, Any]]:
-    """``rows`` with ``output_rel_error``: each layer's output on ``probe`` (token ids) against
-    the original weight applied to the same input (null for a layer whose output could not be
+class OutputErrors:
+    """Each measured layer's output error (``output_rel_error``): its output on the first
+    ``probe`` eval windows against the original weight applied to the same input, captured
+    with forward hooks while the model evaluates (no forward pass of its own). Use it as a
+    context around the eval, with ``batch`` as ``sliced_log_probs``' ``on_batch``; then
+    ``rows()`` are the layer rows with the error (null for a layer whose output could not be
     compared, e.g. one that returns more than a tensor)."""
-    import torch
 
-    sums = {row["layer"]: [0.0, 0.0] for row in rows}
-    failed: set[str] = set()
-    transposed = {row["layer"]: row["transposed"] for row in rows}
+    def __init__(self, model: torch.nn.Module, rows: list[dict[str, Any]],
+                 originals: dict[str, torch.Tensor], probe: int):
+        self.model, self.originals, self.probe = model, originals, probe
+        self._rows = rows
+        self.sums = {row["layer"]: [0.0, 0.0] for row in rows}
+        self.transposed = {row["layer"]: row["transposed"] for row in rows}
+        self.failed: set[str] = set()
+        self.take = 0  # leading windows of the running batch that belong to the probe
+        self._handles: list = []
 
-    def hook(name: str):
-        weight = originals[f"{name}.weight"]
-        bias = originals.get(f"{name}.bias")
+    def batch(self, rows: slice) -> None:
+        """The next forward pass runs windows ``rows``: measure the probe's among them."""
+        self.take = max(0, min(rows.stop, self.probe) - rows.start)
+
+    def __enter__(self) -> OutputErrors:
+        self._handles = [self.model.get_submodule(name).register_forward_hook(self._hook(name))
+                         for name in self.sums]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _hook(self, name: str):
+        import torch
+
+        weight = self.originals[f"{name}.weight"]
+        bias = self.originals.get(f"{name}.bias")
 
         def capture(module, inputs, output):
+            if not self.take:
+                return
             try:
-                x = inputs[0].float()
+                x = inputs[0][:self.take].float()
                 w = weight.float().to(x.device)
                 expected = torch.nn.functional.linear(
-                    x, w.t() if transposed[name] else w,
+                    x, w.t() if self.transposed[name] else w,
                     None if bias is None else bias.float().to(x.device))
-                sums[name][0] += _sum_of_squares(output.float() - expected)
-                sums[name][1] += _sum_of_squares(expected)
+                self.sums[name][0] += _sum_of_squares(output[:self.take].float() - expected)
+                self.sums[name][1] += _sum_of_squares(expected)
             except Exception:  # noqa: BLE001 - this layer's output error stays null
-                failed.add(name)
+                self.failed.add(name)
 
         return capture
 
-    handles = [model.get_submodule(name).register_forward_hook(hook(name)) for name in sums]
-    try:
-        # The output head for the last position only, where the model can: every layer sees
-        # the probe, and no probe x seq_len x vocab logits are made (gigabytes at 128k).
-        head_of_last = ({"logits_to_keep": 1} if "logits_to_keep" in
-                        inspect.signature(model.forward).parameters else {})
-        with torch.inference_mode():
-            model(input_ids=probe.to(device), **head_of_last)
-    finally:
-        for handle in handles:
-            handle.remove()
-    out = []
-    for row in rows:
-        error, norm = sums[row["layer"]]
-        measured = None if row["layer"] in failed else (math.sqrt(error / norm) if norm else 0.0)
-        out.append({k: v for k, v in row.items() if k != "transposed"}
-                   | {"output_rel_error": measured})
-    return out
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for row in self._rows:
+            error, norm = self.sums[row["layer"]]
+            measured = (None if row["layer"] in self.failed
+                        else math.sqrt(error / norm) if norm else 0.0)
+            out.append({k: v for k, v in row.items() if k != "transposed"}
+                       | {"output_rel_error": measured})
+        return out
 
 
 def _sum_of_squares(values: torch.Tensor) -> float:

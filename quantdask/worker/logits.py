@@ -16,7 +16,7 @@ a plain forward. A model where that gives other logits than a plain forward on a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,10 +47,13 @@ def positions_per_slice(batch: int, vocab: int, budget_bytes: int = SLICE_BUDGET
 
 
 def sliced_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
-                     device: str, budget_bytes: int = SLICE_BUDGET_BYTES
+                     device: str, budget_bytes: int = SLICE_BUDGET_BYTES,
+                     on_batch: Callable[[slice], None] | None = None
                      ) -> Iterator[LogProbSlice]:
     """Yield the float32 log-probs of the next token at every position but the last of each
-    window, as :class:`LogProbSlice` pieces, batch by batch and slice by slice."""
+    window, as :class:`LogProbSlice` pieces, batch by batch and slice by slice.
+    ``on_batch(rows)`` is called before each batch's forward pass (and not before the probe
+    that checks the sliced head): forward hooks then know which windows they see."""
     import torch
 
     from quantdask.worker.cpu_share import rebalance
@@ -63,6 +66,8 @@ def sliced_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: 
             batch = windows[start:start + batch_size].to(device)
             rows = slice(start, start + batch.size(0))
             step = positions_per_slice(batch.size(0), _vocab_size(model), budget_bytes)
+            if on_batch is not None:
+                on_batch(rows)
             if sliced is None:  # whole-batch logits, then a sliced log-softmax
                 logits = model(input_ids=batch).logits[:, :-1]
                 for p in range(0, predicted, step):

@@ -251,13 +251,14 @@ def _kl_and_agreement(ref: dict[str, torch.Tensor], log_q: torch.Tensor
 
 def measure_quality(model: torch.nn.Module, windows: torch.Tensor,
                     reference: dict[str, torch.Tensor] | None, batch_size: int,
-                    device: str) -> QualityMeter:
+                    device: str, on_batch=None) -> QualityMeter:
     """``model`` measured on ``windows`` against ``reference`` (see :class:`QualityMeter`),
-    the logits computed a slice of positions at a time."""
+    the logits computed a slice of positions at a time (``on_batch``: see
+    ``logits.sliced_log_probs``)."""
     from quantdask.worker.logits import sliced_log_probs
 
     meter = QualityMeter(windows, reference)
-    for piece in sliced_log_probs(model, windows, batch_size, device):
+    for piece in sliced_log_probs(model, windows, batch_size, device, on_batch=on_batch):
         meter.add(piece.rows, piece.positions, piece.log_probs)
     return meter
 
