@@ -32,6 +32,7 @@ from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import EvalSettings
 from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.run_store import (
     job_status,
     read_attempts,
@@ -49,9 +50,9 @@ __all__ = [
     "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Job",
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
-    "execute_notebook", "expand_grid", "get_backend", "job_status", "load_sweep", "option",
-    "place_jobs", "read_attempts", "read_device_samples", "read_layers", "read_progress",
-    "read_results", "read_scaling", "read_sessions", "read_windows", "register_backend",
-    "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict", "sweep_summary",
-    "tls_security", "write_report",
+    "execute_notebook", "expand_grid", "get_backend", "job_status", "kl_ties", "load_sweep",
+    "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
+    "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_windows",
+    "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
+    "sweep_summary", "tls_security", "write_report",
 ]

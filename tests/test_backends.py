@@ -211,7 +211,7 @@ def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
     from torchao.quantization import Int4TilePackedTo4dTensor
 
     from quantdask.backends.torchao import stored_bytes
-    from quantdask.worker.measure import model_size_bytes
+    from quantdask.worker.measure import stored_tensors
 
     rows, width, group = 200, 384, 128
     padded_rows, padded_width = 200, 1024
@@ -225,8 +225,11 @@ def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
 
     layer = torch.nn.Linear(width, rows, bias=False, dtype=torch.bfloat16)
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    assert model_size_bytes(layer, stored_bytes) == own
-    assert model_size_bytes(layer) == 108_800  # what is stored, padding and all
+    def size(counted_by=None) -> int:
+        return sum(nbytes for *_, nbytes in stored_tensors(layer, counted_by))
+
+    assert size(stored_bytes) == own
+    assert size() == 108_800  # what is stored, padding and all
     plain = torch.nn.Linear(4, 2, bias=False)  # any other tensor: its stored bytes
     assert stored_bytes(plain.weight) == 32
 

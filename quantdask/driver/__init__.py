@@ -3,8 +3,8 @@ pure policy with an injected clock, retries, device health, placement by device 
 planning, per-model references, progress, scaling runs and artifact pruning.
 
 The driver logs on the ``quantdask.driver`` channel. Its name before 0.2 was
-``quantdask.scheduler``; for one release a handler attached to that name (or a level set on it)
-still gets the driver's lines.
+``quantdask.scheduler``; for one release a handler attached to that name still gets the
+driver's lines, those the ``quantdask.driver`` logger lets through (set the level there).
 """
 
 from __future__ import annotations

@@ -98,7 +98,10 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
 
     def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart:
         # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
-        data = pareto_frontier(data, loss=metric, windows=windows).with_columns(
+        # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
+        # error over the windows (ties).
+        ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
+        data = pareto_frontier(data, loss=ranked_by, windows=windows).with_columns(
             pl.when(pl.col("backend") == "none").then(pl.lit("baseline"))
             .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
             .otherwise(pl.lit("dominated")).alias("kind"))

@@ -13,6 +13,7 @@ import math
 import polars as pl
 
 from quantdask.worker.outcome import Status
+from quantdask.worker.statistics import mean_and_window_se
 
 TIE_SIGMAS = 2.0
 """Two configs are tied on a metric when they differ by less than this many standard errors of
@@ -55,13 +56,13 @@ class TieMargins:
         return TIE_SIGMAS * math.sqrt((a[self.se] or 0.0) ** 2 + (b[self.se] or 0.0) ** 2)
 
     def _paired_se(self, a: str | None, b: str | None) -> float | None:
+        import numpy as np
+
         first, second = self.by_window.get(a), self.by_window.get(b)
-        if not first or not second or first.keys() != second.keys() or len(first) < 2:
+        if not first or not second or first.keys() != second.keys():
             return None
-        differences = [first[w] - second[w] for w in first]
-        mean = math.fsum(differences) / len(differences)
-        spread = math.fsum((d - mean) ** 2 for d in differences) / (len(differences) - 1)
-        return math.sqrt(spread / len(differences))
+        differences = np.array([[first[w] - second[w]] for w in first])  # windows x 1
+        return mean_and_window_se(differences)[1]
 
 
 def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
@@ -110,8 +111,10 @@ def kl_ties(results: pl.DataFrame, windows: pl.DataFrame | None = None,
     pairs = []
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
+            if a["model"] != b["model"]:
+                continue
             m = margin(a, b)
-            if a["model"] == b["model"] and abs(b[loss] - a[loss]) < m:
+            if abs(b[loss] - a[loss]) < m:
                 pairs.append({"model": a["model"], "config": a["config_label"],
                               "tied_with": b["config_label"], "difference": b[loss] - a[loss],
                               "margin": m})

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("quantdask.job")
 
 PROBE_WINDOWS = 4
-"""Eval windows in the probe batch that per-layer output error is measured on."""
+"""The first eval windows, per-layer output error is measured on (during the eval's passes)."""
 
 WHERE_COLUMNS = ("worker", "host", "started_at", "device")
 """What a record keeps of an attempt whatever became of it."""
@@ -93,8 +93,10 @@ class JobRun:
         with self.watch("wall"), PeakMemory(self.cuda) as self.peak, \
                 contextlib.ExitStack() as self.holding:
             self.holding.enter_context(cpu_share.busy())  # borrows idle slots' cores
-            yield
-            self.model = self.originals = None
+            try:
+                yield
+            finally:
+                self.model = self.originals = None
 
 
 def load(run: JobRun) -> None:
@@ -155,7 +157,7 @@ def score(run: JobRun) -> None:
         # baseline's (the unquantized model is not evaluated twice; the time it took is the
         # reference task's, not this job's).
         run.scores = {k: run.reference.baseline[k] for k in SCORES}
-        run.windows = run.reference.baseline_windows
+        run.windows = list(run.reference.baseline_windows)
         run.watch.seconds["eval"] = 0.0
         return
     outputs = OutputErrors(run.model, run.layers, run.originals, PROBE_WINDOWS)
@@ -163,6 +165,8 @@ def score(run: JobRun) -> None:
         meter = measure_quality(run.model, run.reference.windows, run.reference.distribution,
                                 run.job.eval.batch_size, run.device, on_batch=outputs.batch)
     run.scores, run.windows, run.layers = meter.scores(), meter.window_rows(), outputs.rows()
+    for name, reason in outputs.failed.items():
+        log.warning("per-layer output error skips %s: %s", name, reason)
 
 
 def keep_artifacts(run: JobRun) -> None:

@@ -90,7 +90,11 @@ class OutputErrors:
     with forward hooks while the model evaluates (no forward pass of its own). Use it as a
     context around the eval, with ``batch`` as ``sliced_log_probs``' ``on_batch``; then
     ``rows()`` are the layer rows with the error (null for a layer whose output could not be
-    compared, e.g. one that returns more than a tensor)."""
+    compared, e.g. one that returns more than a tensor, with the reason in the job's log).
+
+    The output head (a measured one: most backends skip it) is compared on the last position
+    of each of its calls only: over every position it would make probe x seq_len x vocab
+    floats, several times over (gigabytes at a 128k vocabulary)."""
 
     def __init__(self, model: torch.nn.Module, rows: list[dict[str, Any]],
                  originals: dict[str, torch.Tensor], probe: int):
@@ -98,42 +102,60 @@ class OutputErrors:
         self._rows = rows
         self.sums = {row["layer"]: [0.0, 0.0] for row in rows}
         self.transposed = {row["layer"]: row["transposed"] for row in rows}
-        self.failed: set[str] = set()
+        self.failed: dict[str, str] = {}  # layer -> why its output could not be compared
         self.take = 0  # leading windows of the running batch that belong to the probe
         self._handles: list = []
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._head = next((n for n, m in model.named_modules() if m is head), None)
 
     def batch(self, rows: slice) -> None:
-        """The next forward pass runs windows ``rows``: measure the probe's among them."""
+        """The next forward pass runs windows ``rows``: measure the probe's among them (past
+        the probe, the hooks go: the rest of the eval runs without them)."""
         self.take = max(0, min(rows.stop, self.probe) - rows.start)
+        if rows.start >= self.probe:
+            self._remove_hooks()
 
     def __enter__(self) -> OutputErrors:
-        self._handles = [self.model.get_submodule(name).register_forward_hook(self._hook(name))
-                         for name in self.sums]
+        try:
+            for name in self.sums:
+                module = self.model.get_submodule(name)
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        except BaseException:
+            self._remove_hooks()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
     def _hook(self, name: str):
         import torch
 
         weight = self.originals[f"{name}.weight"]
         bias = self.originals.get(f"{name}.bias")
+        positions = slice(-1, None) if name == self._head else slice(None)
 
         def capture(module, inputs, output):
-            if not self.take:
+            if not self.take or name in self.failed:
                 return
             try:
-                x = inputs[0][:self.take].float()
-                w = weight.float().to(x.device)
+                x = inputs[0][:self.take, positions].float()
+                w = weight.to(x.device).float()
                 expected = torch.nn.functional.linear(
                     x, w.t() if self.transposed[name] else w,
-                    None if bias is None else bias.float().to(x.device))
-                self.sums[name][0] += _sum_of_squares(output[:self.take].float() - expected)
+                    None if bias is None else bias.to(x.device).float())
+                produced = output[:self.take, positions].float()
+                self.sums[name][0] += _sum_of_squares(produced - expected)
                 self.sums[name][1] += _sum_of_squares(expected)
-            except Exception:  # noqa: BLE001 - this layer's output error stays null
-                self.failed.add(name)
+            except (MemoryError, torch.cuda.OutOfMemoryError):
+                raise  # the eval's own device is full: the job's failure, retried with room
+            except Exception as error:  # noqa: BLE001 - this layer's output error stays null
+                self.failed[name] = f"{type(error).__name__}: {error}"
 
         return capture
 

@@ -171,10 +171,3 @@ def stored_tensors(model: torch.nn.Module,
         if id(tensor) not in seen:  # keep_vars: a tied tensor is the same object twice
             seen.add(id(tensor))
             yield key, tensor, (stored_bytes or tensor_nbytes)(tensor)
-
-
-def model_size_bytes(model: torch.nn.Module, stored_bytes=None) -> int:
-    """Bytes of the model's serialized state: quantized weights plus their quantization
-    constants, and the rest (see :func:`stored_tensors`; the split of the two is
-    :func:`quantdask.worker.coverage.coverage`'s)."""
-    return sum(nbytes for *_, nbytes in stored_tensors(model, stored_bytes))

@@ -8,10 +8,11 @@ probability. With p the reference and q the model, r = q / p, p_T and q_T their 
 
     KL_tail = sum_tail p log(p / q) = (p_T - q_T) + p_T * E_{v ~ p | tail}[r - 1 - log r]
 
-The first term is known exactly; the expectation is of a term that is never negative and is
-about (log r)^2 / 2, so its sample mean is unbiased and its relative spread small (this is the
-"k3" estimator of KL). Its sampling noise is part of the per-position values, so it is in
-the KL's standard error too.
+The first term is known exactly. The tokens are drawn in proportion to p, so the samples' mean
+of r - 1 - log r is an unbiased estimate of the expectation (the "k3" estimator of KL); the
+term is never negative, and about (log r)^2 / 2 where the two models are close (r near 1),
+which keeps its relative spread small there. Its sampling noise is part of the per-position
+values, so it is in the KL's standard error too.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def sample_tail(log_probs: torch.Tensor, top_ids: torch.Tensor, m: int,
     for begin in range(0, flat.size(0), step):
         end = begin + step
         # One float64 copy of the chunk, turned in place into the tail's cumulative mass.
-        cumulative = flat[begin:end].to(torch.float64)
+        cumulative = flat[begin:end].to(torch.float64, copy=True)
         cumulative.exp_().scatter_(1, top[begin:end], 0.0).cumsum_(dim=1)
         targets = starts[begin:end] / m * cumulative[:, -1:]
         chosen[begin:end] = torch.searchsorted(cumulative, targets, right=True).clamp_(
