@@ -144,26 +144,37 @@ def train_small_llama(out_dir: str, steps: int = 600, seed: int = 0, vocab_size:
     occur, so training pushes their probability down, as for a real model's rare tokens); the
     demo model keeps the tokenizer's size."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     train_text = generate_text(40_000, seed=seed)
     tokenizer = build_tokenizer(train_text)
-    config = LlamaConfig(
-        vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size,
-        intermediate_size=3 * hidden_size, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    return train_and_save_llama(tokenizer, train_text, out_dir, steps=steps, seq_len=64,
+                                seed=seed, log=log, vocab_size=vocab_size or len(tokenizer),
+                                hidden_size=hidden_size, intermediate_size=3 * hidden_size,
+                                num_hidden_layers=layers)
+
+
+def train_and_save_llama(tokenizer, train_text: str, out_dir, *, steps: int, seq_len: int,
+                         seed: int, log=print, **shape) -> str:
+    """A Llama of ``shape`` (``LlamaConfig`` fields; 4 heads, 2 key/value heads, untied
+    embeddings unless given) trained on ``train_text`` (``train_causal_lm``) and saved with its
+    tokenizer to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{
+        "vocab_size": len(tokenizer), "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, **shape})
     model = LlamaForCausalLM(config)
     train_causal_lm(model, torch.tensor(tokenizer(train_text)["input_ids"]), steps,
-                    seq_len=64, seed=seed, log=log)
+                    seq_len=seq_len, seed=seed, log=log)
     model.eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return os.fspath(out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -260,26 +260,14 @@ def build_realistic_model(out_dir: str | os.PathLike = REALISTIC_MODEL,
     ``python tests/kl_models.py`` rebuilds the committed copy.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantdask.demo_model import train_causal_lm
+    from quantdask.demo_model import train_and_save_llama
 
     torch.manual_seed(seed)
     tokenizer = build_word_tokenizer()
     train_text = realistic_text(80_000, seed=seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    train_causal_lm(model, torch.tensor(tokenizer(train_text)["input_ids"]), steps,
-                    seq_len=128, seed=seed, log=log)
-    model.eval()
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    train_and_save_llama(tokenizer, train_text, out_dir, steps=steps, seq_len=128, seed=seed,
+                         log=log, hidden_size=64, intermediate_size=256, num_hidden_layers=2)
     os.makedirs(os.path.dirname(os.fspath(eval_text_path)) or ".", exist_ok=True)
     with open(eval_text_path, "w", encoding="utf-8") as f:
         f.write(realistic_text(1_200, seed=seed + 1))
