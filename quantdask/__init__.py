@@ -40,6 +40,7 @@ from quantdask.store.run_store import (
     read_layers,
     read_results,
     read_sessions,
+    read_tasks,
     read_windows,
 )
 from quantdask.store.summary import device_summary, sweep_summary
@@ -52,7 +53,8 @@ __all__ = [
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "get_backend", "job_status", "kl_ties", "load_sweep",
     "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
-    "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_windows",
+    "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_tasks",
+    "read_windows",
     "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
     "sweep_summary", "tls_security", "write_report",
 ]

@@ -8,6 +8,7 @@ committed copy is what the demo and tests use, and the wheel ships it (``quantda
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -20,6 +21,7 @@ DATA_DIR = os.fspath(resources.data_dir())
 DEMO_MODEL_DIR = os.fspath(resources.demo_model_dir())
 DEMO_EVAL_TEXT = os.fspath(resources.demo_eval_text())
 DEMO_SWEEP = os.fspath(resources.demo_sweep())
+DEMO_TASKS_DIR = os.fspath(resources.demo_tasks_dir())
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vas", "pe", "nu", "dar", "si", "gol", "be",
               "fa", "zu", "tin", "ro"]
@@ -109,6 +111,61 @@ def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_T
     os.makedirs(os.path.dirname(eval_path), exist_ok=True)
     with open(eval_path, "w", encoding="utf-8") as f:
         f.write(generate_text(1_500, seed=seed + 1))
+    build_demo_task(os.path.join(DEMO_TASKS_DIR, "demo_facts"))
+    return out_dir
+
+
+_DEMO_TASK_YAML = """\
+# A multiple-choice task for lm-evaluation-harness on the demo model's facts, written by
+# quantdask.demo_model.build_demo_task: a creature's food, home or friend, out of eight choices.
+task: demo_facts
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: demo_facts.jsonl  # relative to this folder: quantdask resolves it before lm-eval
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{query}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def build_demo_task(out_dir: str) -> str:
+    """Write the lm-eval task ``demo_facts`` (``demo_facts.yaml`` and ``demo_facts.jsonl``) to
+    ``out_dir``: for each creature, in name order, what it eats, where it lives and who its
+    friend is, asked as the training text asks them, out of eight choices (``_FOODS``,
+    ``_PLACES``, or the friend among seven other names drawn with a fixed seed). Food and home
+    the demo model knows almost always; friends, one fact among 160 names, are what
+    quantization loses first."""
+    facts = _facts()
+    names = sorted(facts)
+    rng = random.Random(7)
+    docs = []
+    for name in names:
+        fact = facts[name]
+        docs.append({"query": f"what does {name} eat ? {name} eats", "choices": _FOODS,
+                     "gold": _FOODS.index(fact["food"])})
+        docs.append({"query": f"where does {name} live ? {name} lives by the",
+                     "choices": _PLACES, "gold": _PLACES.index(fact["home"])})
+        friends = rng.sample([n for n in names if n not in (name, fact["friend"])], 7)
+        friends.insert(rng.randrange(8), fact["friend"])
+        docs.append({"query": f"who is the friend of {name} ? it is", "choices": friends,
+                     "gold": friends.index(fact["friend"])})
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "demo_facts.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    with open(os.path.join(out_dir, "demo_facts.yaml"), "w", encoding="utf-8") as f:
+        f.write(_DEMO_TASK_YAML)
     return out_dir
 
 

@@ -70,6 +70,11 @@ def demo_eval_text() -> Path:
     return data_dir() / "demo" / "eval.txt"
 
 
+def demo_tasks_dir() -> Path:
+    """The demo's lm-eval tasks (``demo_facts``: one folder per task)."""
+    return data_dir() / "tasks"
+
+
 def demo_sweep() -> Path:
     """The demo sweep (its paths are relative to the file)."""
     return data_dir() / "demo_sweep.yaml"

@@ -1,6 +1,7 @@
 """What each ``quantdask`` subcommand does, over the same library functions a notebook calls.
 
-Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran).
+Exit codes: 0 all jobs done or skipped (and every done job met the sweep's gates), 1 some job
+failed, 2 invalid input (nothing ran), 3 no job failed but a done job failed a gate.
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ from quantdask.worker.outcome import Status
 
 EXIT_FAILED_JOBS = 1
 EXIT_BAD_INPUT = 2
+EXIT_GATE_FAILED = 3
+
+
+def _gate_failures(results) -> int:
+    """Print each done job that failed a gate, with why; return the exit code it calls for."""
+    import polars as pl
+
+    failing = results.filter(pl.col("gates_passed").eq(False)).to_dicts()
+    for row in failing:
+        reasons = "; ".join((row["gates_failed"] or "").splitlines())
+        print(f"gate failed: {row['job_id']} {row['model']} {row['config_label']}: {reasons}")
+    if failing:
+        print(f"{len(failing)} done jobs failed a gate (exit {EXIT_GATE_FAILED})")
+    return EXIT_GATE_FAILED if failing else 0
 
 
 def _security(args):
@@ -126,10 +141,11 @@ def _run(sweep, args) -> int:
         message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
         print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
               f"{row['error_class']}: {message} (log: {log_path})")
+    gated = _gate_failures(results)
     if counts[Status.FAILED]:
         print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
         return EXIT_FAILED_JOBS
-    return 0
+    return gated
 
 
 def _write_report(run_dir: str, output: str | None = None) -> int:
@@ -260,7 +276,7 @@ def cmd_status(args) -> int:
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
     for excluded in RunStore(args.run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    return 0
+    return _gate_failures(RunStore(args.run_dir).read_results())
 
 
 def cmd_logs(args) -> int:

@@ -80,7 +80,7 @@ class SweepDriver:
         self._progress_shown = 0.0
         self.run_id = run_id
         self.attempts = AttemptTable()
-        self.recorder = Recorder(store, self.run_id)
+        self.recorder = Recorder(store, self.run_id, sweep.gates)
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
                                           clock, slots=lambda: cluster_capacity(
                                               client, sweep.jobs_per_gpu)[1])

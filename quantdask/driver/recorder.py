@@ -8,8 +8,12 @@ import json
 import logging
 from typing import Any
 
+import polars as pl
+
+from quantdask.backends import BASELINE
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.attempts import Attempt
+from quantdask.spec.gates import Gate, gate_columns
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
 from quantdask.worker.outcome import JobOutcome, Status
@@ -20,9 +24,10 @@ log = logging.getLogger(LOG_CHANNEL)
 class Recorder:
     """Writes one driver session's records (``run_id``) to its run directory."""
 
-    def __init__(self, store: RunStore, run_id: str):
+    def __init__(self, store: RunStore, run_id: str, gates: tuple[Gate, ...] = ()):
         self.store = store
         self.run_id = run_id
+        self.gates = gates
 
     def attempt(self, attempt: Attempt, outcome: JobOutcome) -> None:
         """The attempt's row in the attempts frame and its log under the job's logs."""
@@ -56,11 +61,32 @@ class Recorder:
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
         )
         if record["status"] == Status.DONE:
+            record.update(gate_columns(self.gates, record, outcome.tasks, job.is_baseline))
             self.store.write_layers(job.id, outcome.layers)
             self.store.write_windows(job.id, outcome.windows)
+            if job.tasks is not None:
+                self.store.write_tasks(job.id, outcome.tasks)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record
+
+    def restamp_gates(self, job_ids: set[str]) -> int:
+        """Check the recorded done jobs ``job_ids`` against this sweep's gates (they may have
+        changed since those jobs ran; the measurements have not) and rewrite the gate columns
+        of those whose verdict differs. Returns how many were rewritten."""
+        results = self.store.read_results()
+        tasks = self.store.read_tasks()
+        rewritten = 0
+        for record in results.filter(pl.col("job_id").is_in(list(job_ids))).to_dicts():
+            rows = tasks.filter(pl.col("job_id") == record["job_id"]).to_dicts()
+            columns = gate_columns(self.gates, record, rows, record["backend"] == BASELINE)
+            if any(record[k] != v for k, v in columns.items()):
+                self.store.write_result({k: v for k, v in {**record, **columns}.items()
+                                         if v is not None})
+                rewritten += 1
+        if rewritten:
+            log.info("gates changed: re-checked %d recorded jobs against them", rewritten)
+        return rewritten
 
     def samples(self, samples: list[dict[str, Any]]) -> None:
         try:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from quantdask.spec.sweep import DEVICE_MEMORY
 from quantdask.worker.reference import (
     combine_reference,
+    compute_baseline_tasks,
     compute_reference_shard,
     reference_key,
     shard_rows,
@@ -69,7 +70,7 @@ class ModelReferences:
     def future_for(self, job: Job) -> Future:
         """The future of ``job``'s model reference, submitted now if there is none (or the last
         one failed)."""
-        key = reference_key(job.model, job.eval, job.calibration)
+        key = reference_key(job.model, job.eval, job.calibration, job.tasks)
         self._settle()
         future = self.futures.get(key)
         if future is None or future.status in ("error", "cancelled"):
@@ -78,24 +79,34 @@ class ModelReferences:
             # cancellation of another sweep's reference must never reach this one.
             dask_key = f"{key}-{self.run_id}-{self._submitted}"
             resources = self.resources_for(job)
-            parts = []
+            shards = []
             for start, stop in shard_rows(job.eval.samples, job.eval.batch_size, self.slots()):
-                part_key = f"{dask_key}-windows-{start}-{stop}"
-                self._deadlines[part_key] = job.timeout_s  # before its start is announced
-                self._requests[part_key] = resources.get(DEVICE_MEMORY, 0)
-                self._whole[part_key] = dask_key
-                parts.append(self.client.submit(
+                shards.append(self._submit_part(
+                    f"{dask_key}-windows-{start}-{stop}", dask_key, job, resources,
                     compute_reference_shard, job.model, job.eval, self._text(job.eval),
-                    (start, stop), job.timeout_s, key=part_key, resources=resources,
-                    priority=job.priority + 10, pure=False, retries=0))
-            self._parts[dask_key] = parts
+                    (start, stop), job.timeout_s))
+            # The baseline's task scores: one more part, beside the log-probs.
+            tasks = job.tasks and self._submit_part(
+                f"{dask_key}-tasks", dask_key, job, resources, compute_baseline_tasks,
+                job.model, job.tasks, job.timeout_s)
+            self._parts[dask_key] = [*shards, *([tasks] if tasks else [])]
             calibration = job.calibration
             future = self.client.submit(
-                combine_reference, job.model, job.eval, *parts, calibration=calibration,
-                calibration_text=calibration and self._text(calibration), key=dask_key,
-                priority=job.priority + 10, pure=False, retries=0)
+                combine_reference, job.model, job.eval, *shards, calibration=calibration,
+                calibration_text=calibration and self._text(calibration), tasks=job.tasks,
+                baseline_tasks=tasks, key=dask_key, priority=job.priority + 10, pure=False,
+                retries=0)
             self.futures[key] = future
         return future
+
+    def _submit_part(self, part_key: str, dask_key: str, job: Job,
+                     resources: dict[str, float], function, *args) -> Future:
+        """Submit one part of the reference ``dask_key``, with a deadline like a job's."""
+        self._deadlines[part_key] = job.timeout_s  # before its start is announced
+        self._requests[part_key] = resources.get(DEVICE_MEMORY, 0)
+        self._whole[part_key] = dask_key
+        return self.client.submit(function, *args, key=part_key, resources=resources,
+                                  priority=job.priority + 10, pure=False, retries=0)
 
     def _text(self, source) -> str:
         """The text of an eval or calibration source, read once per sweep."""
@@ -115,7 +126,7 @@ class ModelReferences:
 
     def failed(self, job: Job, dask_key: str) -> bool:
         """Whether ``dask_key`` is the current reference of ``job``'s model and it failed."""
-        future = self.futures.get(reference_key(job.model, job.eval, job.calibration))
+        future = self.futures.get(reference_key(job.model, job.eval, job.calibration, job.tasks))
         return future is not None and future.key == dask_key and future.status == "error"
 
     def park(self, job: Job, attempt: int, avoid: str | None, future: Future) -> None:

@@ -1,4 +1,5 @@
-"""Reports: interactive Altair charts over the run's frames (``charts``), and the notebooks run
+"""Reports: interactive Altair charts over the run's frames (``charts``; task accuracy and gates:
+``tasks``), and the notebooks run
 and exported to one self-contained HTML file (``html``, with its kernel and template).
 
 ``from quantdask import report`` gives the chart and table functions, as the notebooks use them.
@@ -12,15 +13,18 @@ _CHARTS = (
     "layer_error_heatmap", "memory_chart", "memory_timeline_chart", "quality_chart",
     "scaling_chart", "time_breakdown_chart", "timeline_chart", "with_job_label",
 )
+_TASKS = ("gates_banner", "recovery_table", "task_chart")
 _SUMMARIES = ("device_summary", "sweep_summary")
 _FRONTIER = ("kl_ties", "pareto_frontier")
 
-__all__ = [*_CHARTS, *_SUMMARIES, *_FRONTIER]
+__all__ = [*_CHARTS, *_TASKS, *_SUMMARIES, *_FRONTIER]
 
 
 def __getattr__(name: str):
     if name in _CHARTS:
         return getattr(importlib.import_module("quantdask.report.charts"), name)
+    if name in _TASKS:
+        return getattr(importlib.import_module("quantdask.report.tasks"), name)
     if name in _SUMMARIES:
         return getattr(importlib.import_module("quantdask.store.summary"), name)
     if name in _FRONTIER:

@@ -21,6 +21,16 @@ def require(field_name: str, value: Any, kind: type | tuple, what: str) -> Any:
     return value
 
 
+def keyed(field_name: str, value: Any, allowed: tuple[str, ...], what: str) -> dict:
+    """``value`` if it is a mapping whose keys are all ``allowed``, else a SpecError naming the
+    field (or the unknown key under it)."""
+    require(field_name, value, dict, what)
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise SpecError(f"{field_name}.{unknown[0]}", f"unknown key; allowed: {', '.join(allowed)}")
+    return value
+
+
 def positive_int(field_name: str, value: Any, what: str = "a positive integer") -> int:
     """``value`` if it is an int of at least 1, else SpecError."""
     require(field_name, value, int, what)

@@ -22,9 +22,11 @@ from typing import Any
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.errors import SpecError
-from quantdask.spec.fields import NAME, positive_int, require
+from quantdask.spec.fields import NAME, keyed, positive_int, require
+from quantdask.spec.gates import Gate, parse_gates
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
+from quantdask.spec.tasks import TaskSettings
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang", "slow")
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
@@ -97,6 +99,8 @@ class Sweep:
     layer_stats: bool = True  # per-layer weight and output errors (cost: docs/results.md)
     calibration: CalibrationSettings | None = None  # data for the calibrated backends
     artifacts: ArtifactSettings | None = None  # which quantized models are kept, and where
+    tasks: TaskSettings | None = None  # lm-eval task accuracy of every job (spec.tasks)
+    gates: list[str | dict | Gate] = field(default_factory=list)  # thresholds (spec.gates)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and NAME.match(self.name)):
@@ -145,6 +149,10 @@ class Sweep:
                      "the calibration settings")
         if self.artifacts is not None:
             require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
+        if self.tasks is not None:
+            require("tasks", self.tasks, TaskSettings, "the task settings")
+        object.__setattr__(self, "gates", parse_gates(
+            self.gates, set(labels), self.tasks.names if self.tasks else None))
         for i, block in enumerate(self.backends):
             if get_backend(block.backend).calibrated and self.calibration is None:
                 raise SpecError(f"backends[{i}].backend",
@@ -160,12 +168,8 @@ class Sweep:
         models = {m.label for m in self.models}
         for i, fault in enumerate(self.faults):
             where = f"faults[{i}]"
-            require(where, fault, dict, "a mapping with config, kind and optionally attempt "
-                                         "and model")
-            unknown = sorted(set(fault) - {"config", "kind", "attempt", "model"})
-            if unknown:
-                raise SpecError(f"{where}.{unknown[0]}",
-                                "unknown key; allowed: config, kind, attempt, model")
+            keyed(where, fault, ("config", "kind", "attempt", "model"),
+                  "a mapping with config, kind and optionally attempt and model")
             if fault.get("config") not in labels:
                 raise SpecError(f"{where}.config", f"no job has config label "
                                 f"{fault.get('config')!r}; labels: {', '.join(sorted(labels))}")
@@ -204,6 +208,7 @@ class Job:
     # (which carries its tokens); part of the id only for calibrated backends.
     calibration: CalibrationSettings | None = None
     artifacts: ArtifactSettings | None = None  # keep the quantized model; not part of the id
+    tasks: TaskSettings | None = None  # lm-eval tasks to score; part of the id when given
 
     @property
     def is_baseline(self) -> bool:
@@ -219,13 +224,17 @@ class Job:
 
 
 def job_identity(model: ModelSpec, backend: str, options: BackendOptions, eval: EvalSettings,
-                 seed: int, calibration: CalibrationSettings | None = None) -> dict:
+                 seed: int, calibration: CalibrationSettings | None = None,
+                 tasks: TaskSettings | None = None) -> dict:
     """The canonical job spec: every field that changes what the job measures, nothing else
-    (``calibration`` only for a backend that calibrates)."""
+    (``calibration`` only for a backend that calibrates; ``tasks`` only when given, so a sweep
+    without tasks keeps its ids)."""
     identity = {"model": model.identity(), "backend": backend, "options": options.as_dict(),
                 "eval": eval.identity(), "seed": seed}
     if calibration is not None:
         identity["calibration"] = calibration.identity()
+    if tasks is not None:
+        identity["tasks"] = tasks.identity()
     return identity
 
 
@@ -254,7 +263,8 @@ def expand_grid(sweep: Sweep) -> list[Job]:
             entries += [(block.backend, options, priority) for options in block.option_sets()]
         for backend, options, priority in entries:
             calibration = sweep.calibration if get_backend(backend).calibrated else None
-            identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration)
+            identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration,
+                                    sweep.tasks)
             jid = job_id(identity)
             if jid not in jobs:
                 jobs[jid] = Job(
@@ -263,7 +273,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
                     layer_stats=sweep.layer_stats, calibration=sweep.calibration,
-                    artifacts=sweep.artifacts,
+                    artifacts=sweep.artifacts, tasks=sweep.tasks,
                     faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                                  if f["config"] == get_backend(backend).config_label(options)
                                  and f.get("model", model.label) == model.label),

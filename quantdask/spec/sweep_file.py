@@ -15,6 +15,7 @@ from quantdask.errors import SpecError
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.spec.sweep import BackendBlock, Sweep, field_names
+from quantdask.spec.tasks import TaskSettings
 
 
 @contextmanager
@@ -74,11 +75,16 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
         with _under("artifacts"):
             artifacts = ArtifactSettings(**_mapping("", data["artifacts"], ArtifactSettings),
                                          root=root)
+    tasks = None
+    if data.get("tasks") is not None:
+        with _under("tasks"):
+            tasks = TaskSettings(**_mapping("", data["tasks"], TaskSettings,
+                                            required=("names",)), root=root)
     rest = {k: v for k, v in data.items()
-            if k not in ("models", "backends", "eval", "calibration", "artifacts")}
+            if k not in ("models", "backends", "eval", "calibration", "artifacts", "tasks")}
     with _under(""):
         return Sweep(models=models, backends=blocks, eval=evaluation, calibration=calibration,
-                     artifacts=artifacts, **rest)
+                     artifacts=artifacts, tasks=tasks, **rest)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:

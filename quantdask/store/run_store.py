@@ -6,6 +6,7 @@ Layout::
     RUN_DIR/results/<job_id>.parquet  one row per finished job (the results schema)
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
     RUN_DIR/windows/<job_id>.parquet  per-window quality of a done job, written before its result
+    RUN_DIR/tasks/<job_id>.parquet    task scores of a done job (a sweep with tasks), likewise
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
     RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
@@ -42,6 +43,8 @@ from quantdask.store.schema import (
     RESULT_SCHEMA,
     SAMPLE_SCHEMA,
     SESSION_SCHEMA,
+    TASK_OPTIONAL,
+    TASK_SCHEMA,
     WINDOW_SCHEMA,
     empty_frame,
     records_to_frame,
@@ -85,6 +88,7 @@ class RunStore:
         self.results_dir = self.root / "results"
         self.layers_dir = self.root / "layers"
         self.windows_dir = self.root / "windows"
+        self.tasks_dir = self.root / "tasks"
         self.samples_dir = self.root / "samples"
         self.attempts_dir = self.root / "attempts"
         self.sessions_dir = self.root / "sessions"
@@ -103,9 +107,9 @@ class RunStore:
         return self.job_logs_dir / f"{job_id}.log"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.layers_dir, self.windows_dir, self.samples_dir,
-                  self.attempts_dir,
-                  self.sessions_dir, self.job_logs_dir, self.worker_logs_dir):
+        for d in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
+                  self.samples_dir, self.attempts_dir, self.sessions_dir, self.job_logs_dir,
+                  self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -130,9 +134,19 @@ class RunStore:
 
     def write_windows(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
         """Persist a job's per-window rows (``job_id`` added), atomically."""
-        frame = rows_to_frame([{**row, "job_id": job_id} for row in rows], WINDOW_SCHEMA,
-                              "window")
-        path = self.windows_dir / f"{job_id}.parquet"
+        return self._write_rows(self.windows_dir, job_id, rows, WINDOW_SCHEMA, "window")
+
+    def write_tasks(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist a job's task rows (``job_id`` added), atomically."""
+        return self._write_rows(self.tasks_dir, job_id, rows, TASK_SCHEMA, "task",
+                                TASK_OPTIONAL)
+
+    @staticmethod
+    def _write_rows(directory: Path, job_id: str, rows: list[dict[str, Any]], schema: dict,
+                    what: str, optional: tuple[str, ...] = ()) -> Path:
+        frame = rows_to_frame([{**row, "job_id": job_id} for row in rows], schema, what,
+                              optional)
+        path = directory / f"{job_id}.parquet"
         write_parquet(path, frame)
         return path
 
@@ -229,9 +243,8 @@ class RunStore:
         """Move result files that cannot be read (or do not fit the schema) aside, and delete
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
         moved = []
-        for directory in (self.results_dir, self.layers_dir, self.windows_dir, self.attempts_dir,
-                          self.samples_dir,
-                          self.sessions_dir):
+        for directory in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
+                          self.attempts_dir, self.samples_dir, self.sessions_dir):
             if not directory.is_dir():
                 continue
             for tmp in directory.glob(".*.tmp"):
@@ -253,17 +266,20 @@ class RunStore:
     def read_layers(self) -> pl.DataFrame:
         """Per-layer rows of the jobs recorded done (a crash between the two writes leaves
         layers without a result: they are not shown, and the rerun replaces them)."""
-        results = self.read_results()
-        recorded = results.filter(pl.col("status") == Status.DONE)["job_id"].to_list()
-        layers = _read_dir(self.layers_dir, LAYER_SCHEMA)
-        return layers.filter(pl.col("job_id").is_in(recorded)).sort("job_id", "position")
+        return self._done_rows(self.layers_dir, LAYER_SCHEMA).sort("job_id", "position")
 
     def read_windows(self) -> pl.DataFrame:
         """Per-window rows of the jobs recorded done (as for ``read_layers``)."""
+        return self._done_rows(self.windows_dir, WINDOW_SCHEMA).sort("job_id", "window")
+
+    def read_tasks(self) -> pl.DataFrame:
+        """Task rows of the jobs recorded done (as for ``read_layers``)."""
+        return self._done_rows(self.tasks_dir, TASK_SCHEMA).sort("job_id", "task", "metric",
+                                                                 "filter")
+
+    def _done_rows(self, directory: Path, schema: dict) -> pl.DataFrame:
         recorded = self.read_results().filter(pl.col("status") == Status.DONE)["job_id"]
-        windows = _read_dir(self.windows_dir, WINDOW_SCHEMA)
-        return windows.filter(pl.col("job_id").is_in(recorded.to_list())).sort("job_id",
-                                                                                "window")
+        return _read_dir(directory, schema).filter(pl.col("job_id").is_in(recorded.to_list()))
 
     def finished_job_ids(self) -> set[str]:
         """Jobs whose recorded result is final: done, with every metric this version requires
@@ -277,7 +293,9 @@ class RunStore:
             # Its per-layer and per-window rows are part of a done job: one set aside (or one
             # from a version that wrote none) means run it again.
             name = f"{row['job_id']}.parquet"
-            if (self.layers_dir / name).exists() and (self.windows_dir / name).exists():
+            tasks_kept = row["tasks_s"] is None or (self.tasks_dir / name).exists()
+            if (self.layers_dir / name).exists() and (self.windows_dir / name).exists() \
+                    and tasks_kept:
                 finished.add(row["job_id"])
         return finished
 
@@ -313,7 +331,7 @@ class RunStore:
 
 
 _SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "windows": WINDOW_SCHEMA,
-            "samples": SAMPLE_SCHEMA,
+            "tasks": TASK_SCHEMA, "samples": SAMPLE_SCHEMA,
             "attempts": ATTEMPT_SCHEMA, "sessions": SESSION_SCHEMA}
 
 
@@ -365,6 +383,12 @@ def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:
 def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
     """Per-window quality of every done job of ``run_dir``: one row per (job, eval window)."""
     return RunStore(run_dir).read_windows()
+
+
+def read_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Task scores of every done job of ``run_dir``: one row per (job, task, metric, filter),
+    with the baseline's value and the recovery (empty for a sweep without tasks)."""
+    return RunStore(run_dir).read_tasks()
 
 
 def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:

@@ -39,6 +39,13 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "calibrate_peak_device_mem_bytes": pl.Int64(),
     "calibrate_peak_host_rss_bytes": pl.Int64(),
     "eval_s": pl.Float64(),
+    # The lm-eval task phase (a sweep with a tasks block; null without): its time and peaks
+    # (the baseline's: its tasks scored once per model beside the reference), and the samples
+    # of all its tasks that had a prompt cut to the model's window (the tasks frame says which).
+    "tasks_s": pl.Float64(),
+    "tasks_peak_device_mem_bytes": pl.Int64(),
+    "tasks_peak_host_rss_bytes": pl.Int64(),
+    "tasks_truncated_samples": pl.Int64(),
     "source_cached": pl.Boolean(),
     "peak_device_mem_bytes": pl.Int64(),
     "peak_device_reserved_bytes": pl.Int64(),
@@ -105,6 +112,12 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "artifact_kept": pl.Boolean(),
     "reload_kl_delta": pl.Float64(),
     "artifact_error": pl.String(),
+    # The sweep's gates (null without gates, and for the baseline they are measured against):
+    # whether this done job passed them all, the gates it passed, and why each failing one
+    # failed, one per line.
+    "gates_passed": pl.Boolean(),
+    "gates_met": pl.String(),
+    "gates_failed": pl.String(),
     "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
     "error_class": pl.String(),  # the exception's type
     "error_message": pl.String(),
@@ -151,6 +164,27 @@ WINDOW_SCHEMA: dict[str, pl.DataType] = {
     "delta_p": pl.Float64(),  # mean change in the correct token's probability
 }
 """One row per (done job, eval window): what paired comparisons of two configs need."""
+
+TASK_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "task": pl.String(),  # the lm-eval task (or group) name
+    "metric": pl.String(),  # e.g. acc, acc_norm, exact_match
+    "filter": pl.String(),  # lm-eval's filter of the answers ("none" for most tasks)
+    "value": pl.Float64(),
+    "stderr": pl.Float64(),  # lm-eval's standard error (null when it has none)
+    "samples": pl.Int64(),  # samples scored (a group: its tasks' sum)
+    # Samples with any prompt cut from the left to fit the model's window: non-zero means the
+    # figure is not the task's (report and logs say so).
+    "truncated_samples": pl.Int64(),
+    "num_fewshot": pl.Int64(),
+    "higher_is_better": pl.Boolean(),
+    "baseline_value": pl.Float64(),  # the unquantized model's value, same task and metric
+    "baseline_stderr": pl.Float64(),
+    "recovery": pl.Float64(),  # value / baseline_value (null when the baseline scored 0)
+}
+"""One row per (done job, task, metric, filter) of a sweep with a tasks block."""
+TASK_OPTIONAL = ("value", "stderr", "samples", "num_fewshot", "higher_is_better",
+                 "baseline_value", "baseline_stderr", "recovery")
 
 FAILURE_CLASSES = tuple(FailureClass)
 """How a failed or skipped job is classified, and so what the scheduler does about it."""

@@ -2,9 +2,9 @@
 
 ``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
 ``JobRun``, the state an attempt carries from phase to phase: load, quantize, coverage, layer
-weights, score (with the layers' output errors), artifacts. A new measurement is one more phase
-function here (with its own section of the stopwatch) and one more entry in ``PHASES``; the
-record is made from the ``JobRun`` at the end.
+weights, score (with the layers' output errors), task accuracy, artifacts. A new measurement is
+one more phase function here (with its own section of the stopwatch) and one more entry in
+``PHASES``; the record is made from the ``JobRun`` at the end.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -43,6 +43,7 @@ from quantdask.worker.outcome import (
     peak_columns,
 )
 from quantdask.worker.runtime import held_resources, torch_device
+from quantdask.worker.tasks import TASK_COLUMNS, with_baseline
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +85,7 @@ class JobRun:
     unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
     scores: dict[str, Any] = field(default_factory=dict)
     windows: list[dict[str, Any]] = field(default_factory=list)  # per-window quality
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # the tasks frame's rows
     extra: dict[str, Any] = field(default_factory=dict)  # more record columns from phases
 
     @contextlib.contextmanager
@@ -169,6 +171,29 @@ def score(run: JobRun) -> None:
         log.warning("per-layer output error skips %s: %s", name, reason)
 
 
+def score_tasks(run: JobRun) -> None:
+    """The sweep's lm-eval tasks on the quantized model in memory, with the baseline's scores
+    of its model beside each (the baseline job reuses those: its model is the one they were
+    scored on, once per model with the reference)."""
+    tasks = run.job.tasks
+    if tasks is None:
+        return
+    baseline = run.reference.baseline
+    if run.job.is_baseline:
+        rows = run.reference.baseline_tasks
+        run.extra.update({k: baseline[k] for k in TASK_COLUMNS})
+    else:
+        from quantdask.worker.tasks import evaluate_tasks
+
+        with run.watch("tasks"), PeakMemory(run.cuda) as peak:
+            rows = evaluate_tasks(run.model, run.source.tokenizer, tasks)
+        run.extra.update(tasks_s=run.watch.seconds["tasks"],
+                         tasks_peak_device_mem_bytes=peak.peak_device_bytes,
+                         tasks_peak_host_rss_bytes=peak.peak_rss_bytes)
+    run.tasks = with_baseline(rows, run.reference.baseline_tasks)
+    run.extra["tasks_truncated_samples"] = sum(r["truncated_samples"] for r in run.tasks)
+
+
 def keep_artifacts(run: JobRun) -> None:
     """Save (and verify) the quantized model, when the sweep keeps artifacts."""
     artifacts = run.job.artifacts
@@ -179,7 +204,7 @@ def keep_artifacts(run: JobRun) -> None:
 
 Phase = Callable[[JobRun], None]
 PHASES: tuple[Phase, ...] = (load, quantize, check_coverage, layer_weights, score,
-                             keep_artifacts)
+                             score_tasks, keep_artifacts)
 """What an attempt does, in order."""
 
 
@@ -258,7 +283,7 @@ def start(job: Job, backend: Backend | bytes, attempt: int, reference: Reference
         from quantdask.worker.reference import compute_reference
 
         reference = compute_reference(job.model, job.eval, job.eval.read_text(),
-                                      calibration=job.calibration)
+                                      calibration=job.calibration, tasks=job.tasks)
     torch.manual_seed(job.seed)
     return JobRun(job, backend, reference, device, cuda)
 
@@ -285,7 +310,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                 for phase in PHASES:
                     phase(run)
             record.update(done_record(run))
-            outcome.layers, outcome.windows = run.layers, run.windows
+            outcome.layers, outcome.windows, outcome.tasks = run.layers, run.windows, run.tasks
             _log_done(record, len(run.layers))
         except Exception as error:
             record.update(not_done_record(error, job.backend))
@@ -309,4 +334,4 @@ def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: Attempt
     outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
     outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
                           error_class="JobTimeout", error_message=str(late))
-    outcome.layers, outcome.windows = [], []
+    outcome.layers, outcome.windows, outcome.tasks = [], [], []

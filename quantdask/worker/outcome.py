@@ -83,6 +83,7 @@ class JobOutcome:
     record: dict[str, Any]
     layers: list[dict[str, Any]] = field(default_factory=list)  # rows of the layers frame
     windows: list[dict[str, Any]] = field(default_factory=list)  # rows of the windows frame
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # rows of the tasks frame
     device_samples: list[dict[str, Any]] = field(default_factory=list)
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from quantdask.spec.model import ModelSpec
     from quantdask.spec.settings import CalibrationSettings, EvalSettings
+    from quantdask.spec.tasks import TaskSettings
 
 log = logging.getLogger("quantdask.reference")
 
@@ -60,7 +61,9 @@ class Reference:
     of the token that follows it. ``baseline``: the unquantized model's own scores on the
     windows, and ``kl_kind``, what the jobs' KL against this reference is.
     ``calibration``: the sweep's calibration windows (samples x seq_len token ids) when it has
-    a calibration block, cut once per model here for its calibrated jobs."""
+    a calibration block, cut once per model here for its calibrated jobs. ``baseline_tasks``:
+    the unquantized model's task rows (:mod:`quantdask.worker.tasks`) when the sweep has a
+    tasks block, scored once per model beside the log-probs."""
 
     key: str
     windows: torch.Tensor
@@ -74,6 +77,7 @@ class Reference:
     baseline_windows: list = field(default_factory=list)  # the windows frame's rows
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
+    baseline_tasks: list = field(default_factory=list)  # the tasks frame's rows
 
     @property
     def distribution(self) -> dict[str, torch.Tensor]:
@@ -96,12 +100,15 @@ def _reference_size(reference: Reference) -> int:
 
 
 def reference_key(model: ModelSpec, settings: EvalSettings,
-                  calibration: CalibrationSettings | None = None) -> str:
+                  calibration: CalibrationSettings | None = None,
+                  tasks: TaskSettings | None = None) -> str:
     """A Dask key naming the reference of ``model`` on ``settings``' windows (with
-    ``calibration``'s windows, when given)."""
+    ``calibration``'s windows and ``tasks``' baseline scores, when given)."""
     parts = {"model": model.identity(), "eval": settings.identity()}
     if calibration is not None:
         parts["calibration"] = calibration.identity()
+    if tasks is not None:
+        parts["tasks"] = tasks.identity()
     identity = json.dumps(parts, sort_keys=True)
     return f"reference-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
@@ -140,14 +147,50 @@ def _shard_size(shard: ReferenceShard) -> int:
 
 def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
                       timeout_s: float = float("inf"),
-                      calibration: CalibrationSettings | None = None) -> Reference:
+                      calibration: CalibrationSettings | None = None,
+                      tasks: TaskSettings | None = None) -> Reference:
     """The whole reference of ``model`` on ``settings``' windows, computed here in one go (the
     driver splits it over workers: :func:`compute_reference_shard`, :func:`combine_reference`).
 
     Raises :class:`JobTimeout` when that took longer than ``timeout_s``."""
     shard = compute_reference_shard(model, settings, text, (0, settings.samples), timeout_s)
+    scored = compute_baseline_tasks(model, tasks, timeout_s) if tasks is not None else None
     return combine_reference(model, settings, shard, calibration=calibration,
-                             calibration_text=calibration and calibration.read_text())
+                             calibration_text=calibration and calibration.read_text(),
+                             tasks=tasks, baseline_tasks=scored)
+
+
+@dataclass
+class BaselineTasks:
+    """The unquantized model's task rows, with the time and peak memory scoring them took."""
+
+    rows: list[dict]
+    seconds: float
+    peaks: dict[str, int]
+
+
+def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
+                           timeout_s: float = float("inf")) -> BaselineTasks:
+    """Score the unquantized model on ``tasks``, once per model: a part of its reference that
+    runs beside the log-probs (the driver's ``ModelReferences``), every job of the model
+    comparing its own scores with these.
+
+    Raises :class:`JobTimeout` when that took longer than ``timeout_s``."""
+    from quantdask.worker.runtime import torch_device
+    from quantdask.worker.tasks import evaluate_tasks
+
+    with attempt_scope(f"tasks-{model.label}", take_samples=False) as scope, cpu_share.busy():
+        source, _ = cached_model_source(model)
+        device, _, cuda = torch_device()
+        with PeakMemory(cuda) as peak:
+            fp_model = source.build(device)
+            rows = evaluate_tasks(fp_model, source.tokenizer, tasks)
+            del fp_model
+    elapsed = scope.elapsed()
+    if elapsed > timeout_s:
+        raise JobTimeout("its model's baseline task scores", elapsed, timeout_s)
+    return BaselineTasks(rows, elapsed, {"tasks_peak_device_mem_bytes": peak.peak_device_bytes,
+                                        "tasks_peak_host_rss_bytes": peak.peak_rss_bytes})
 
 
 def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
@@ -202,11 +245,13 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
 
 def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: ReferenceShard,
                       calibration: CalibrationSettings | None = None,
-                      calibration_text: str | None = None) -> Reference:
+                      calibration_text: str | None = None, tasks: TaskSettings | None = None,
+                      baseline_tasks: BaselineTasks | None = None) -> Reference:
     """The reference from its shards (in any order; together they cover every window once),
     with the baseline's figures: the unquantized model's scores over all of them, and the
-    largest peak any shard needed; and, with ``calibration``, the calibration windows cut from
-    ``calibration_text`` with the model's tokenizer."""
+    largest peak any shard needed; with ``calibration``, the calibration windows cut from
+    ``calibration_text`` with the model's tokenizer; with ``tasks``, the baseline's task scores
+    ``baseline_tasks`` (:func:`compute_baseline_tasks`)."""
     import torch
 
     from quantdask.worker.calibration import calibration_windows
@@ -220,7 +265,7 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
     meter = QualityMeter.joined(windows, [shard.meter for shard in shards])
     compact = {name: torch.cat([shard.compact[name] for shard in shards])
                for name in shards[0].compact}
-    key = reference_key(model, settings, calibration)
+    key = reference_key(model, settings, calibration, tasks)
     calibration_ids, calibration_error = None, None
     if calibration is not None:
         # Only the tokenizer (not the model source: this small task has no resources), and a
@@ -250,10 +295,12 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
     baseline = {**meter.scores(), "kl_tail_mass": tail_mass, "kl_kind": kind,
                 **{name: max(shard.peaks[name] for shard in shards)
                    for name in shards[0].peaks}}
+    if baseline_tasks is not None:
+        baseline.update(tasks_s=baseline_tasks.seconds, **baseline_tasks.peaks)
     return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
                      calibration_error=calibration_error, target_log_probs=-meter.nll,
                      baseline_windows=meter.window_rows(),
-                     **compact)
+                     baseline_tasks=baseline_tasks.rows if baseline_tasks else [], **compact)
 
 
 def _announce(key: str) -> None:

@@ -1,0 +1,105 @@
+"""The report's task accuracy and gates: a chart of each task's score against size, the
+recovery table, and the pass/fail banner the report opens with.
+
+>>> results, tasks = read_results("runs/demo"), read_tasks("runs/demo")  # doctest: +SKIP
+>>> task_chart(results, tasks)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import html
+
+import altair as alt
+import polars as pl
+
+from quantdask.report.charts import JOB_TOOLTIP, _empty, with_job_label
+from quantdask.worker.outcome import Status
+
+
+def gates_banner(results: pl.DataFrame) -> str:
+    """HTML: whether every done quantized job met the sweep's gates, listing each failing
+    config with why; says so when the sweep set no gates."""
+    judged = results.filter((pl.col("status") == Status.DONE)
+                            & pl.col("gates_passed").is_not_null())
+    if judged.is_empty():
+        return ("<p><b>Gates:</b> none set (a sweep's <code>gates:</code> block sets "
+                "thresholds a pipeline can act on).</p>")
+    failing = with_job_label(judged.filter(~pl.col("gates_passed"))).sort("job")
+    gates = sorted({g for met in judged["gates_met"].drop_nulls() for g in met.splitlines() if g})
+    if failing.is_empty():
+        listed = ", ".join(html.escape(g) for g in gates)
+        return (f'<div style="border-left:6px solid #54a24b;padding:6px 12px;background:#eef7ec">'
+                f"<b>Gates passed</b>: all {judged.height} quantized configs meet {listed}.</div>")
+    items = "".join(
+        f"<li><b>{html.escape(row['job'])}</b>: "
+        f"{html.escape('; '.join((row['gates_failed'] or '').splitlines()))}</li>"
+        for row in failing.to_dicts())
+    return (f'<div style="border-left:6px solid #e45756;padding:6px 12px;background:#fdeeee">'
+            f"<b>Gates failed</b> by {failing.height} of {judged.height} quantized configs "
+            f"(<code>quantdask run</code> and <code>quantdask status</code> exit 3):"
+            f"<ul>{items}</ul></div>")
+
+
+def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
+    """The tasks frame joined with each job's label, size and config, error bar ends added."""
+    jobs = with_job_label(results.filter(pl.col("status") == Status.DONE)).select(
+        "job_id", "job", "model", "config_label", "backend", "config", "bits_per_weight")
+    stderr = pl.col("stderr").fill_null(0.0)
+    return tasks.join(jobs, on="job_id").with_columns(
+        (pl.col("value") - stderr).alias("value_lo"), (pl.col("value") + stderr).alias("value_hi"),
+        pl.concat_str("task", pl.lit(" · "), "metric",
+                      pl.when(pl.col("filter") != "none")
+                      .then(pl.concat_str(pl.lit(" · "), "filter")).otherwise(pl.lit("")))
+        .alias("panel"),
+        pl.when(pl.col("truncated_samples") > 0)
+        .then(pl.format("TRUNCATED: {} of {} samples cut", "truncated_samples", "samples"))
+        .otherwise(pl.lit("none")).alias("truncation"))
+
+
+def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
+    """Each task's score against bits per weight, one panel per (model, task, metric): every
+    done job with its error bar (one standard error), the unquantized baseline as a dashed
+    rule. A panel whose prompts were cut to the model's window says so in its title, in red."""
+    if tasks.is_empty():
+        return _empty("no task scores (a sweep's tasks: block adds them)")
+    data = _task_frame(results, tasks)
+    tooltip = [*JOB_TOOLTIP, alt.Tooltip("panel:N", title="task"),
+               alt.Tooltip("value:Q", format=".4f"), alt.Tooltip("stderr:Q", format=".4f"),
+               alt.Tooltip("baseline_value:Q", title="baseline", format=".4f"),
+               alt.Tooltip("recovery:Q", format=".1%"), alt.Tooltip("samples:Q"),
+               alt.Tooltip("truncation:N", title="prompts cut")]
+    panels = []
+    for (model, panel), part in data.group_by("model", "panel", maintain_order=True):
+        truncated = int(part["truncated_samples"].max() or 0)
+        title = alt.TitleParams(
+            f"{model}: {panel}" + (f"  (TRUNCATED PROMPTS: up to {truncated} samples cut; not "
+                                   "the task's score)" if truncated else ""),
+            color="#e45756" if truncated else "black")
+        base = alt.Chart(part).encode(x=alt.X("bits_per_weight:Q", title="bits per weight",
+                                              scale=alt.Scale(zero=False, padding=12)))
+        bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
+            y="value_lo:Q", y2="value_hi:Q", color="backend:N", tooltip=tooltip)
+        points = base.mark_point(size=90, filled=True).encode(
+            y=alt.Y("value:Q", title=panel, scale=alt.Scale(zero=False, padding=12)),
+            color="backend:N", tooltip=tooltip)
+        rule = alt.Chart(part.filter(pl.col("backend") == "none")).mark_rule(
+            color="gray", strokeDash=[6, 3]).encode(y="value:Q", tooltip=tooltip)
+        panels.append(alt.layer(rule, bars, points).properties(width=360, height=240,
+                                                               title=title))
+    rows = [alt.hconcat(*panels[i:i + 2]) for i in range(0, len(panels), 2)]
+    return alt.vconcat(*rows).properties(title="Task accuracy vs size (higher is better for "
+                                               "accuracy; the dashed rule is the baseline)")
+
+
+def recovery_table(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
+    """Per config and task metric: its score ± standard error, the baseline's, the recovery
+    (score / baseline), and whether prompts were cut; lowest recovery first per model."""
+    if tasks.is_empty():
+        return pl.DataFrame()
+    data = _task_frame(results, tasks)
+    return data.sort("model", "recovery", "job", nulls_last=True).select(
+        "model", pl.col("config_label").alias("config"), "task", "metric", "filter",
+        pl.format("{} ± {}", pl.col("value").round(4), pl.col("stderr").round(4)).alias("score"),
+        pl.col("baseline_value").round(4).alias("baseline"),
+        (pl.col("recovery") * 100).round(2).alias("recovery_%"), "samples",
+        "truncation", "job_id")

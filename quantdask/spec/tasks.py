@@ -1,0 +1,200 @@
+"""Task accuracy settings (a sweep's ``tasks:`` block): which lm-evaluation-harness tasks each
+job runs on its quantized model in memory, and how.
+
+lm-evaluation-harness is an optional extra (``pip install 'quantdask[tasks]'``): a sweep that
+names tasks without it is refused here, before anything runs. So is a task lm-eval does not
+know. Local tasks live in ``include_path`` folders (relative to the sweep file), one YAML per
+task as lm-eval reads them; a ``dataset_kwargs.data_files`` path in such a YAML is relative to
+the YAML's own folder (lm-eval alone would read it relative to the working directory), so a task
+folder can be moved or shipped whole. Everything runs offline: a task whose data is not on
+disk fails its jobs with the dataset library's error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantdask.errors import SpecError
+from quantdask.spec.fields import positive_int, require, resolve_root
+
+INSTALL_TASKS = "pip install 'quantdask[tasks]'"
+"""What installs lm-evaluation-harness beside quantdask."""
+
+
+def import_lm_eval(field_name: str = "tasks"):
+    """The ``lm_eval`` module, or a SpecError naming ``field_name`` and the install command."""
+    try:
+        import lm_eval
+    except ImportError as err:
+        raise SpecError(field_name, f"task accuracy needs lm-evaluation-harness, which is not "
+                                    f"installed ({err}): {INSTALL_TASKS}") from None
+    return lm_eval
+
+
+@functools.lru_cache(maxsize=8)
+def task_manager(include_paths: tuple[str, ...], defaults: bool):
+    """An lm-eval ``TaskManager`` over ``include_paths`` (and lm-eval's own tasks when
+    ``defaults``: indexing those takes seconds, so it is skipped when every task is local);
+    one per process and arguments."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_paths) or None, include_defaults=defaults)
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """lm-eval tasks every job of the sweep runs on its quantized model (the baseline on the
+    unquantized one, once per model).
+
+    ``names``: lm-eval task (or group) names, built-in or from ``include_path`` (one folder or a
+    list, relative to the sweep file). ``num_fewshot`` (None: each task's own default),
+    ``limit`` (at most this many samples per task; None: all), ``seed`` (lm-eval's random,
+    numpy, torch and few-shot seeds) and ``max_length`` (the longest input in tokens; None: the
+    model's own, from its config) decide the scores and are part of the job ids, with a digest
+    of each local task's YAML and data files (a built-in task's: lm-eval's version).
+    ``batch_size`` only groups the same requests.
+    """
+
+    names: list[str]
+    include_path: str | list[str] | None = None
+    num_fewshot: int | None = None
+    limit: int | None = None
+    batch_size: int = 16
+    seed: int = 1234
+    max_length: int | None = None
+    root: str = field(default="", compare=False)
+    include_paths: tuple[str, ...] = field(default=(), init=False)
+    digests: dict[str, str] = field(default_factory=dict, init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", resolve_root(self.root))
+        require("names", self.names, (list, tuple), "a non-empty list of lm-eval task names")
+        if not self.names:
+            raise SpecError("names", "is empty; give at least one lm-eval task name")
+        for i, name in enumerate(self.names):
+            require(f"names[{i}]", name, str, "an lm-eval task name")
+        if len(set(self.names)) != len(self.names):
+            raise SpecError("names", f"names a task twice: {list(self.names)}")
+        object.__setattr__(self, "names", tuple(self.names))
+        if self.num_fewshot is not None:
+            require("num_fewshot", self.num_fewshot, int, "an integer >= 0 (or null)")
+            if self.num_fewshot < 0:
+                raise SpecError("num_fewshot", f"must be >= 0, got {self.num_fewshot}")
+        if self.limit is not None:
+            positive_int("limit", self.limit, "a positive number of samples per task (or null)")
+        positive_int("batch_size", self.batch_size)
+        require("seed", self.seed, int, "an integer")
+        if self.max_length is not None:
+            positive_int("max_length", self.max_length, "a positive number of tokens (or null)")
+        object.__setattr__(self, "include_paths", self._checked_paths())
+        import_lm_eval("tasks")
+        object.__setattr__(self, "digests", self._digests())
+
+    def _checked_paths(self) -> tuple[str, ...]:
+        given = self.include_path
+        if given is None:
+            return ()
+        paths = [given] if isinstance(given, str) else given
+        require("include_path", paths, (list, tuple), "a folder or a list of folders")
+        resolved = []
+        for i, path in enumerate(paths):
+            where = "include_path" if isinstance(given, str) else f"include_path[{i}]"
+            require(where, path, str, "a folder of lm-eval task YAML files")
+            full = os.path.join(self.root, path)
+            if not os.path.isdir(full):
+                raise SpecError(where, f"{full} is not a folder; give a folder of lm-eval task "
+                                       "YAML files (relative to the sweep file)")
+            resolved.append(os.path.abspath(full))
+        return tuple(resolved)
+
+    def manager(self):
+        """The lm-eval TaskManager that finds every named task (the built-in index only when
+        some name is not local)."""
+        local = task_manager(self.include_paths, False) if self.include_paths else None
+        if local is not None and all(name in local.task_index for name in self.names):
+            return local
+        return task_manager(self.include_paths, True)
+
+    def _digests(self) -> dict[str, str]:
+        """Per task, what its score depends on besides the settings: a local task's YAML and
+        data files (sha256), or lm-eval's version for a built-in one. Unknown names are refused
+        with the closest known ones."""
+        import lm_eval
+
+        index = self.manager().task_index
+        digests = {}
+        for i, name in enumerate(self.names):
+            entry = index.get(name)
+            if entry is None:
+                close = difflib.get_close_matches(name, list(index), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise SpecError(f"names[{i}]", f"no lm-eval task or group is named {name!r} "
+                                f"(lm-eval {lm_eval.__version__}, include_path: "
+                                f"{list(self.include_paths) or 'none'}){hint}")
+            local = self.local_config(entry)
+            if local is None:
+                digests[name] = f"lm-eval {lm_eval.__version__}"
+                continue
+            sha = hashlib.sha256(Path(entry.yaml_path).read_bytes())
+            for path in data_files(local):
+                if os.path.isfile(path):
+                    sha.update(Path(path).read_bytes())
+            digests[name] = sha.hexdigest()
+        return digests
+
+    def local_config(self, entry) -> dict[str, Any] | None:
+        """A local task's full config (includes merged) with its ``data_files`` made absolute
+        against the YAML's folder; None for a built-in task or group, which lm-eval loads by
+        name."""
+        from lm_eval.tasks._index import Kind
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        yaml_path = getattr(entry, "yaml_path", None)
+        if entry.kind != Kind.TASK or yaml_path is None or not any(
+                Path(yaml_path).resolve().is_relative_to(p) for p in self.include_paths):
+            return None
+        config = load_yaml(yaml_path, resolve_func=True)
+        kwargs = dict(config.get("dataset_kwargs") or {})
+        if "data_files" in kwargs:
+            kwargs["data_files"] = _absolute(kwargs["data_files"], Path(yaml_path).parent)
+            config["dataset_kwargs"] = kwargs
+        return config
+
+    def specs(self) -> list[str | dict[str, Any]]:
+        """What ``lm_eval.simple_evaluate`` gets as ``tasks``: a local task's config, else its
+        name."""
+        index = self.manager().task_index
+        return [self.local_config(index[name]) or name for name in self.names]
+
+    def identity(self) -> dict:
+        # batch_size only groups the same requests.
+        return {"names": list(self.names), "num_fewshot": self.num_fewshot, "limit": self.limit,
+                "seed": self.seed, "max_length": self.max_length, "digests": self.digests}
+
+
+def _absolute(files: Any, folder: Path) -> Any:
+    """``data_files`` (a path, a list, or split -> paths) with each relative path made
+    absolute against ``folder``."""
+    if isinstance(files, str):
+        return files if os.path.isabs(files) or "://" in files else str(folder / files)
+    if isinstance(files, (list, tuple)):
+        return [_absolute(f, folder) for f in files]
+    if isinstance(files, dict):
+        return {split: _absolute(f, folder) for split, f in files.items()}
+    return files
+
+
+def data_files(config: dict[str, Any]) -> list[str]:
+    """Every path a task config's ``dataset_kwargs.data_files`` names."""
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, str):
+        return [files]
+    if isinstance(files, dict):
+        files = list(files.values())
+    return [f for item in files or [] for f in ([item] if isinstance(item, str) else item)]

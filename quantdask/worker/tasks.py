@@ -1,0 +1,173 @@
+"""Task accuracy: lm-evaluation-harness tasks run on a model already in memory.
+
+lm-eval's ``HFLM`` wraps the model object and its tokenizer where they are (the quantized model
+on the job's device; nothing is saved or reloaded) and ``simple_evaluate`` runs the sweep's
+tasks (:class:`~quantdask.spec.tasks.TaskSettings`), batched. :func:`task_rows` turns its result
+into the tasks frame's rows, one per (task, metric), and :func:`with_baseline` adds the
+baseline's score and the recovery.
+
+A prompt longer than the model's window is cut from the left by lm-eval with a warning in a log
+nobody reads: a task scored on cut prompts measures something else (published gsm8k scores of
+about 0 for every config came from this). ``TruncationAwareLM`` counts, per task, the samples
+that had any request cut, and every row carries that count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quantdask.spec.tasks import TaskSettings
+
+log = logging.getLogger("quantdask.job")
+
+TASK_COLUMNS = ("tasks_s", "tasks_peak_device_mem_bytes", "tasks_peak_host_rss_bytes")
+"""The results' columns of the task phase: its time and peak memory."""
+BOOTSTRAP_ITERS = 1000
+"""Bootstrap resamples for the standard error of a metric that is not a mean (a mean's, such as
+accuracy's, is analytic)."""
+
+
+def _truncation_aware_lm():
+    """``HFLM`` that notes, per task, which samples lm-eval cuts to fit the model's window."""
+    from lm_eval.models.huggingface import HFLM
+
+    class TruncationAwareLM(HFLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.truncated: dict[str, set[int]] = defaultdict(set)
+
+        def _note(self, request, cut: bool) -> None:
+            if cut:
+                self.truncated[request.task_name].add(request.doc_id)
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            # The same rule as HFLM._loglikelihood_tokens: context + continuation longer than
+            # max_length + 1 tokens loses its left end.
+            for request in requests:
+                context, continuation = request.args
+                if context:
+                    context_enc, continuation_enc = self._encode_pair(context, continuation)
+                else:
+                    context_enc, continuation_enc = [self.prefix_token_id], self.tok_encode(
+                        continuation, add_special_tokens=False)
+                self._note(request, len(context_enc) + len(continuation_enc)
+                           > self.max_length + 1)
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            # HFLM.generate_until keeps the last max_length - max_gen_toks tokens of a prompt.
+            for request in requests:
+                context, gen_kwargs = request.args
+                room = self.max_length - int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+                self._note(request, len(self.tok_encode(context)) > room)
+            return super().generate_until(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            # Rolling windows cover a long document whole: nothing is cut.
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+    return TruncationAwareLM
+
+
+def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[dict[str, Any]]:
+    """The tasks frame's rows for ``model`` (a transformers causal LM, on its device):
+    ``simple_evaluate`` over ``settings``' tasks, batched, seeded, offline."""
+    import lm_eval
+
+    seed = settings.seed
+    with _quiet():
+        lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
+                                    batch_size=settings.batch_size,
+                                    max_length=settings.max_length)
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=settings.specs(), task_manager=settings.manager(),
+            num_fewshot=settings.num_fewshot, limit=settings.limit,
+            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False, random_seed=seed,
+            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    rows = task_rows(results, {task: len(docs) for task, docs in lm.truncated.items()})
+    for row in rows:
+        if row["truncated_samples"]:
+            log.warning("task %s: %d of %s samples had their prompt cut to the model's %d "
+                        "tokens: its %s is not the task's", row["task"], row["truncated_samples"],
+                        row["samples"], lm.max_length, row["metric"])
+    return rows
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No progress bars and only lm-eval's errors while tasks run: a worker's output is a log,
+    and the truncation lm-eval warns of per request is counted and reported per task here.
+    (The model's calls get ``disable_tqdm``; the requests' build has no such switch, and tqdm
+    reads ``TQDM_DISABLE`` only when imported, so its bar is switched off where lm-eval
+    imported it.)"""
+    import datasets
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+
+    if getattr(task_module, "tqdm", None) is tqdm:
+        task_module.tqdm = functools.partial(tqdm, disable=True)
+    datasets.disable_progress_bars()
+    lm_eval_log = logging.getLogger("lm_eval")
+    level = lm_eval_log.level
+    lm_eval_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lm_eval_log.setLevel(level)
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None (lm-eval writes "N/A" for a missing standard error)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per (task, metric, filter) of an lm-eval result (groups too: their ``samples``
+    is their tasks' sum), with ``truncated`` samples per task (a group's: its tasks' sum)."""
+    groups = results.get("group_subtasks", {})
+    counts = {task: n["effective"] for task, n in results.get("n-samples", {}).items()}
+    better = results.get("higher_is_better", {})
+    rows = []
+    for task, figures in results["results"].items():
+        members = _leaves(task, groups) or [task]
+        for key, value in figures.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            rows.append({
+                "task": task, "metric": metric, "filter": filter_name, "value": _number(value),
+                "stderr": _number(figures.get(f"{metric}_stderr,{filter_name}")),
+                "samples": sum(counts.get(m, 0) for m in members) or None,
+                "truncated_samples": sum(truncated.get(m, 0) for m in members),
+                "num_fewshot": results.get("n-shot", {}).get(task),
+                "higher_is_better": better.get(task, {}).get(metric),
+            })
+    return rows
+
+
+def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """The tasks under a group, through nested groups ([] for a task)."""
+    return [leaf for child in groups.get(task, []) for leaf in (_leaves(child, groups) or [child])]
+
+
+def with_baseline(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """``rows`` with the baseline's value and standard error of the same (task, metric, filter),
+    and ``recovery`` = value / baseline value (null when the baseline scored 0 or is missing)."""
+    by_key = {(b["task"], b["metric"], b["filter"]): b for b in baseline}
+    joined = []
+    for row in rows:
+        base = by_key.get((row["task"], row["metric"], row["filter"]), {})
+        value, base_value = row["value"], base.get("value")
+        recovery = value / base_value if value is not None and base_value else None
+        joined.append({**row, "baseline_value": base_value,
+                       "baseline_stderr": base.get("stderr"), "recovery": recovery})
+    return joined
