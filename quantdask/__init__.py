@@ -28,10 +28,12 @@ from quantdask.errors import (
     UnsupportedHere,
 )
 from quantdask.report.html import execute_notebook, write_report
+from quantdask.spec.gates import Gate
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import EvalSettings
 from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.spec.tasks import TaskSettings
 from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.run_store import (
     job_status,
@@ -48,7 +50,8 @@ from quantdask.store.summary import device_summary, sweep_summary
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Job",
+    "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Gate",
+    "Job",
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "get_backend", "job_status", "kl_ties", "load_sweep",
@@ -56,5 +59,5 @@ __all__ = [
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_tasks",
     "read_windows",
     "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
-    "sweep_summary", "tls_security", "write_report",
+    "sweep_summary", "TaskSettings", "tls_security", "write_report",
 ]

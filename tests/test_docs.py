@@ -22,6 +22,7 @@ FRAME_HEADINGS = {
     "RESULT_SCHEMA": "Results frame",
     "LAYER_SCHEMA": "Per-layer frame",
     "WINDOW_SCHEMA": "Per-window frame",
+    "TASK_SCHEMA": "Tasks frame",
     "SAMPLE_SCHEMA": "Device samples frame",
     "ATTEMPT_SCHEMA": "Attempts frame",
     "SESSION_SCHEMA": "Sessions frame",

@@ -15,7 +15,7 @@ import yaml
 
 import quantdask.backends
 from quantdask.backends import Backend
-from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP
+from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP, DEMO_TASKS_DIR
 from quantdask.driver.sweep import run_sweep
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.store.run_store import read_device_samples, read_layers, read_results
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def reference_events(cluster, sweep) -> int:
-    key = reference_key(sweep.models[0], sweep.eval)
+    key = reference_key(sweep.models[0], sweep.eval, tasks=sweep.tasks)
     return sum(msg["key"] == key for _, msg in cluster.client.get_events(REFERENCE_TOPIC))
 
 
@@ -116,6 +116,7 @@ def test_a_fresh_run_reproduces_the_metrics(demo_run, cluster, tmp_path):
     data = yaml.safe_load(Path(DEMO_SWEEP).read_text())
     data["models"][0]["path"] = DEMO_MODEL_DIR
     data["eval"]["text"] = DEMO_EVAL_TEXT
+    data["tasks"]["include_path"] = DEMO_TASKS_DIR
     data["backends"] = [{"backend": "bitsandbytes", "configs": [
         {"bits": 4, "quant_type": "nf4", "double_quant": True},
         {"bits": 8, "int8_threshold": 0.0}]}]

@@ -48,6 +48,8 @@ TAIL_WARNING = 0.05
 """Warn when the reference's top k leave more than this share of the probability mass out."""
 REFERENCE_TOPIC = "quantdask-reference"
 """Dask event topic: one event each time a worker computes a reference (to count them)."""
+BASELINE_TASKS_TOPIC = "quantdask-baseline-tasks"
+"""Dask event topic: one event each time a worker scores a baseline's tasks."""
 
 
 @dataclass
@@ -186,6 +188,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
             fp_model = source.build(device)
             rows = evaluate_tasks(fp_model, source.tokenizer, tasks)
             del fp_model
+    _announce(model.label, BASELINE_TASKS_TOPIC)
     elapsed = scope.elapsed()
     if elapsed > timeout_s:
         raise JobTimeout("its model's baseline task scores", elapsed, timeout_s)
@@ -303,10 +306,10 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
                      baseline_tasks=baseline_tasks.rows if baseline_tasks else [], **compact)
 
 
-def _announce(key: str) -> None:
+def _announce(key: str, topic: str = REFERENCE_TOPIC) -> None:
     try:
         from distributed import get_worker
 
-        get_worker().log_event(REFERENCE_TOPIC, {"key": key})
+        get_worker().log_event(topic, {"key": key})
     except ValueError:  # computed outside a Dask worker
         pass

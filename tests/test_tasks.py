@@ -1,0 +1,285 @@
+"""Task accuracy (the tasks block) and gates: the settings and their refusals, the job ids, and
+lm-eval's scores checked against an independent computation on peaked, realistic and flat
+models; truncated prompts flagged. (Sweeps on a real cluster: test_tasks_sweep.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantdask.cli import main
+from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_TASKS_DIR
+from quantdask.errors import SpecError
+from quantdask.spec.gates import GATE_METRICS, Gate, gate_columns, parse_gates
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.spec.tasks import TaskSettings
+from quantdask.store.schema import RESULT_SCHEMA
+from tests.conftest import sweep_dict
+from tests.kl_models import REALISTIC_EVAL_TEXT, REALISTIC_MODEL, flat_model
+
+pytestmark = pytest.mark.timeout(300)
+
+DEMO_TASK = {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR}
+
+
+def tasks_sweep(**tasks) -> dict:
+    return sweep_dict(tasks={**DEMO_TASK, **tasks})
+
+
+# --- settings, refusals and ids -------------------------------------------------------------
+
+
+def test_a_local_task_is_found_and_its_data_files_resolved_against_its_folder(tmp_path):
+    settings = sweep_from_dict(tasks_sweep(), root=str(tmp_path)).tasks
+    [config] = settings.specs()
+    assert config["task"] == "demo_facts"
+    data = config["dataset_kwargs"]["data_files"]["test"]
+    assert data == str(Path(DEMO_TASKS_DIR, "demo_facts", "demo_facts.jsonl"))
+    assert settings.digests["demo_facts"] and len(settings.digests["demo_facts"]) == 64
+
+
+def test_tasks_are_part_of_the_ids_and_their_batch_size_is_not():
+    plain = {job.config_label: job.id for job in expand_grid(sweep_from_dict(sweep_dict()))}
+    with_tasks = {j.config_label: j.id for j in expand_grid(sweep_from_dict(tasks_sweep()))}
+    limited = {j.config_label: j.id for j in expand_grid(sweep_from_dict(tasks_sweep(limit=8)))}
+    batched = {j.config_label: j.id
+               for j in expand_grid(sweep_from_dict(tasks_sweep(batch_size=3)))}
+    assert plain.keys() == with_tasks.keys()
+    assert not set(plain.values()) & set(with_tasks.values())
+    assert not set(with_tasks.values()) & set(limited.values())
+    assert with_tasks == batched
+
+
+def test_a_changed_local_task_file_changes_the_ids(tmp_path):
+    import shutil
+
+    shutil.copytree(Path(DEMO_TASKS_DIR, "demo_facts"), tmp_path / "tasks" / "demo_facts")
+    sweep = {**tasks_sweep(), "tasks": {"names": ["demo_facts"], "include_path": "tasks"}}
+    before = [job.id for job in expand_grid(sweep_from_dict(sweep, root=str(tmp_path)))]
+    data = tmp_path / "tasks" / "demo_facts" / "demo_facts.jsonl"
+    data.write_text("\n".join(data.read_text().splitlines()[:-1]) + "\n")  # one question less
+    after = [job.id for job in expand_grid(sweep_from_dict(sweep, root=str(tmp_path)))]
+    assert not set(before) & set(after)
+
+
+@pytest.mark.parametrize("tasks, field, words", [
+    ({"names": ["demo_factz"]}, "tasks.names[0]", "did you mean demo_facts"),
+    ({"names": []}, "tasks.names", "at least one"),
+    ({"limit": 0}, "tasks.limit", "positive"),
+    ({"num_fewshot": -1}, "tasks.num_fewshot", ">= 0"),
+    ({"include_path": "no-such-folder"}, "tasks.include_path", "not a folder"),
+    ({"batch": 4}, "tasks.batch", "unknown key"),
+])
+def test_bad_task_settings_are_refused_naming_the_field(tasks, field, words):
+    with pytest.raises(SpecError) as error:
+        sweep_from_dict(tasks_sweep(**tasks))
+    assert error.value.field == field
+    assert words in error.value.message
+
+
+def test_tasks_without_lm_eval_are_refused_with_the_install_command(monkeypatch, write_sweep,
+                                                                    capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert main(["plan", write_sweep(tasks_sweep())]) == 2
+    err = capsys.readouterr().err
+    assert "tasks:" in err and "pip install 'quantdask[tasks]'" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("gates, field, words", [
+    (["perplexity_ratio <= 2"], "gates[0]", "unknown gate metric 'perplexity_ratio'"),
+    (["kl_divergence =< 0.1"], "gates[0]", "METRIC OP VALUE"),
+    (["kl_divergence <= much"], "gates[0]", "must be a number"),
+    ([{"gate": "recovery >= 0.9", "task": "mmlu"}], "gates[0].task", "no task"),
+    ([{"gate": "kl_divergence <= 1", "model": "other"}], "gates[0].model", "no model"),
+    ([{"gate": "kl_divergence <= 1", "when": 1}], "gates[0].when", "unknown key"),
+])
+def test_bad_gates_are_refused_naming_the_field(gates, field, words, write_sweep, capsys):
+    data = {**tasks_sweep(), "gates": gates}
+    with pytest.raises(SpecError) as error:
+        sweep_from_dict(data)
+    assert error.value.field == field and words in error.value.message
+    assert main(["plan", write_sweep(data)]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_a_task_gate_needs_a_tasks_block():
+    with pytest.raises(SpecError, match="add a tasks block"):
+        sweep_from_dict(sweep_dict(gates=["recovery >= 0.95"]))
+
+
+def test_every_gate_metric_is_a_numeric_result_column():
+    import polars as pl
+
+    for metric in GATE_METRICS:
+        assert RESULT_SCHEMA[metric] in (pl.Float64(), pl.Int64()), metric
+
+
+def test_gates_judge_each_figure_and_fail_an_unmeasured_one():
+    gates = parse_gates(["kl_divergence <= 0.01", "bits_per_quantized_weight < 5",
+                         {"gate": "recovery >= 0.95", "task": "t", "task_metric": "acc"},
+                         {"gate": "top1_agreement >= 0.99", "model": "other"}],
+                        models={"demo", "other"}, tasks=("t",))
+    rows = [{"task": "t", "metric": "acc", "recovery": 0.96, "value": 0.5},
+            {"task": "t", "metric": "acc_norm", "recovery": 0.5, "value": 0.4}]
+    record = {"model": "demo", "kl_divergence": 0.02, "bits_per_quantized_weight": None,
+              "top1_agreement": 0.5}
+    columns = gate_columns(gates, record, rows, is_baseline=False)
+    assert columns["gates_passed"] is False
+    assert columns["gates_met"].splitlines() == [
+        "recovery [t acc] >= 0.95", "top1_agreement >= 0.99 (model other)"]
+    assert columns["gates_failed"].splitlines() == [
+        "kl_divergence <= 0.01: kl_divergence is 0.02",
+        "bits_per_quantized_weight < 5: bits_per_quantized_weight was not measured"]
+    assert gate_columns(gates, record, rows, is_baseline=True)["gates_passed"] is None
+    assert gate_columns((), record, rows, is_baseline=False)["gates_met"] is None
+    every_task = Gate("recovery", ">=", 0.9)
+    assert every_task.failures(record, rows) == ["recovery >= 0.9: t acc_norm is 0.5"]
+    assert every_task.failures(record, []) == ["recovery >= 0.9: no task rows measured"]
+
+
+# --- scores against an independent computation ----------------------------------------------
+
+
+def choice_log_likelihoods(model, tokenizer, query: str, choices: list[str]) -> list[float]:
+    """Sum of the log-probs of " " + choice after ``query``, one forward pass per choice, in
+    float64, with plain transformers: the whole string and the query tokenized with the
+    tokenizer's defaults, the continuation being the whole's tokens past the query's."""
+    context = tokenizer(query)["input_ids"]
+    sums = []
+    for choice in choices:
+        whole = tokenizer(query + " " + choice)["input_ids"]
+        continuation = whole[len(context):]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([whole[:-1]])).logits[0].double()
+        log_probs = torch.log_softmax(logits, dim=-1)[-len(continuation):]
+        sums.append(log_probs.gather(1, torch.tensor(continuation)[:, None]).sum().item())
+    return sums
+
+
+def hand_scores(model, tokenizer, docs: list[dict]) -> tuple[float, float, float]:
+    """Accuracy (argmax of the summed log-likelihoods), the same over each choice's length in
+    characters (lm-eval's acc_norm; the delimiter not counted), and the smallest gap between
+    the best two choices under either (how near a tie the closest call was)."""
+    correct = correct_norm = 0
+    closest = float("inf")
+    for doc in docs:
+        sums = choice_log_likelihoods(model, tokenizer, doc["query"], doc["choices"])
+        normed = [s / len(c) for s, c in zip(sums, doc["choices"])]
+        correct += max(range(len(sums)), key=lambda i: (sums[i], -i)) == doc["gold"]
+        correct_norm += max(range(len(normed)), key=lambda i: (normed[i], -i)) == doc["gold"]
+        for scores in (sums, normed):
+            top = sorted(scores, reverse=True)
+            closest = min(closest, top[0] - top[1])
+    return correct / len(docs), correct_norm / len(docs), closest
+
+
+def realistic_task(folder: Path, n: int = 40) -> Path:
+    """A local multiple-choice task on the realistic model's text: each sentence's last word,
+    out of it and three others of the text, in a folder of its own (YAML + JSONL)."""
+    import random
+
+    sentences = [s.split() for s in Path(REALISTIC_EVAL_TEXT).read_text().split(" .")
+                 if len(s.split()) >= 4][:n]
+    words = sorted({w for s in sentences for w in s})
+    rng = random.Random(0)
+    docs = []
+    for words_of in sentences:
+        answer = words_of[-1]
+        choices = rng.sample([w for w in words if w != answer], 3)
+        choices.insert(rng.randrange(4), answer)
+        docs.append({"query": " ".join(words_of[:-1]), "choices": choices,
+                     "gold": choices.index(answer)})
+    task = folder / "realistic_words"
+    task.mkdir(parents=True)
+    (task / "words.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    demo_yaml = Path(DEMO_TASKS_DIR, "demo_facts", "demo_facts.yaml").read_text()
+    (task / "words.yaml").write_text(demo_yaml.replace("task: demo_facts",
+                                                       "task: realistic_words")
+                                     .replace("demo_facts.jsonl", "words.jsonl"))
+    return folder
+
+
+def _docs(settings: TaskSettings) -> list[dict]:
+    [config] = settings.specs()
+    path = config["dataset_kwargs"]["data_files"]["test"]
+    docs = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return docs[:settings.limit] if settings.limit else docs
+
+
+def _quantized(model_dir: str, bits: int):
+    """The bitsandbytes model a job would score, made by the backend a job uses."""
+    from quantdask.backends import get_backend
+    from quantdask.spec.model import ModelSpec
+    from quantdask.worker.model_source import load_model_source
+
+    backend = get_backend("bitsandbytes")
+    options = backend.normalize({"bits": bits}, "options")
+    source = load_model_source(ModelSpec(path=model_dir))
+    with source.weights():
+        return backend.quantize(source, options, "cpu"), source.tokenizer
+
+
+@pytest.mark.parametrize("regime, bits", [("peaked", 32), ("peaked", 4), ("realistic", 32),
+                                          ("realistic", 4), ("flat", 32)])
+def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path):
+    """quantdask's accuracy (the job's task phase: lm-eval on the model in memory) equals a
+    hand-written argmax over per-choice log-likelihoods computed with plain transformers in
+    float64, exactly (the same count of right answers out of the same samples), on a peaked,
+    a realistic and a flat model, unquantized and nf4."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantdask.worker.tasks import evaluate_tasks
+
+    if regime == "realistic":
+        settings = TaskSettings(names=["realistic_words"],
+                                include_path=str(realistic_task(tmp_path)))
+        model_dir = REALISTIC_MODEL
+    else:
+        settings = TaskSettings(**DEMO_TASK, limit=96)
+        model_dir = flat_model(tmp_path) if regime == "flat" else DEMO_MODEL_DIR
+    if bits == 32:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        model, tokenizer = _quantized(model_dir, bits)
+    rows = {row["metric"]: row for row in evaluate_tasks(model, tokenizer, settings)}
+    acc, acc_norm, closest = hand_scores(model, tokenizer, _docs(settings))
+    # lm-eval computes in float32 and batched; the hand computation in float64, one choice at
+    # a time: a choice within float32's rounding of the best would make the two disagree.
+    assert closest > 1e-4, f"a near tie ({closest:.2g} nats): the comparison cannot decide it"
+    assert rows["acc"]["samples"] == len(_docs(settings))
+    assert rows["acc"]["value"] == acc
+    assert rows["acc_norm"]["value"] == acc_norm
+    n = rows["acc"]["samples"]
+    assert rows["acc"]["stderr"] == pytest.approx((acc * (1 - acc) / (n - 1)) ** 0.5)
+    assert rows["acc"]["truncated_samples"] == 0
+
+
+def test_truncated_prompts_are_counted_per_task():
+    """A window shorter than the prompts: lm-eval cuts them from the left (and only warns);
+    every row of the task counts the samples cut."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantdask.worker.tasks import evaluate_tasks
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    settings = TaskSettings(**DEMO_TASK, limit=24)
+    docs = _docs(settings)
+    longest = max(len(tokenizer(d["query"] + " " + c)["input_ids"])
+                  for d in docs for c in d["choices"])
+    cut = dataclasses.replace(settings, max_length=longest - 2)
+    expected = sum(any(len(tokenizer(d["query"] + " " + c)["input_ids"]) > longest - 1
+                       for c in d["choices"]) for d in docs)
+    assert 0 < expected <= len(docs)
+    rows = evaluate_tasks(model, tokenizer, cut)
+    assert {row["truncated_samples"] for row in rows} == {expected}
+    assert {row["truncated_samples"] for row in evaluate_tasks(model, tokenizer, settings)} \
+        == {0}
