@@ -140,6 +140,28 @@ metadata:
 """
 
 
+def load_demo_sweep():
+    """The demo sweep (``DEMO_SWEEP``). Its task accuracy needs lm-evaluation-harness (the
+    ``tasks`` extra, which ``make demo`` installs): where that is missing, the sweep comes
+    without its tasks block and the gates on them, and a note says how to add them (the demo
+    runs everywhere the package does)."""
+    import importlib.util
+
+    import yaml
+
+    from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+    from quantdask.spec.tasks import INSTALL_TASKS
+
+    if importlib.util.find_spec("lm_eval") is not None:
+        return load_sweep(DEMO_SWEEP)
+    with open(DEMO_SWEEP, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    del data["tasks"], data["gates"]
+    print(f"quantdask: the demo's task accuracy and gates need lm-evaluation-harness: "
+          f"{INSTALL_TASKS}", flush=True)
+    return sweep_from_dict(data, root=os.path.dirname(DEMO_SWEEP))
+
+
 def build_demo_task(out_dir: str) -> str:
     """Write the lm-eval task ``demo_facts`` (``demo_facts.yaml`` and ``demo_facts.jsonl``) to
     ``out_dir``: for each creature, in name order, what it eats, where it lives and who its

@@ -283,3 +283,85 @@ def test_truncated_prompts_are_counted_per_task():
     assert {row["truncated_samples"] for row in rows} == {expected}
     assert {row["truncated_samples"] for row in evaluate_tasks(model, tokenizer, settings)} \
         == {0}
+
+
+# --- the task phase inside a job: failures and deadlines -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nf4_job_and_reference():
+    from quantdask.worker.reference import compute_reference
+
+    jobs = expand_grid(sweep_from_dict(tasks_sweep(limit=8)))
+    job = next(j for j in jobs if not j.is_baseline)
+    reference = compute_reference(job.model, job.eval, job.eval.read_text(), tasks=job.tasks)
+    assert len(reference.baseline_tasks) == 2 and reference.baseline["tasks_s"] > 0
+    return job, reference
+
+
+def _run(job, reference):
+    from quantdask.backends import get_backend
+    from quantdask.worker.job import run_job
+
+    return run_job(job, get_backend(job.backend), 1, reference)
+
+
+def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_reference,
+                                                                  monkeypatch):
+    import quantdask.worker.tasks
+
+    job, reference = nf4_job_and_reference
+    done = _run(job, reference)
+    assert done.record["status"] == "done" and len(done.tasks) == 2
+    assert done.record["tasks_s"] > 0 and done.record["eval_s"] > 0
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", out_of_memory)
+    failed = _run(job, reference)
+    assert failed.record["status"] == "failed"
+    assert failed.record["failure_class"] == "out_of_memory"
+    assert "in score_tasks" in failed.record["traceback"] and failed.tasks == []
+
+
+def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, monkeypatch):
+    import time
+
+    import quantdask.worker.tasks
+
+    job, reference = nf4_job_and_reference
+    job = dataclasses.replace(job, timeout_s=2.0)
+
+    def slow(*args, **kwargs):
+        time.sleep(2.5)
+        return []
+
+    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", slow)
+    late = _run(job, reference)
+    assert late.record["status"] == "failed" and late.record["failure_class"] == "timeout"
+    assert late.tasks == [] and "tasks_s" not in late.record
+
+
+def test_an_out_of_memory_retry_halves_the_task_batch_and_keeps_the_id():
+    from quantdask.driver.retry import with_more_room
+
+    job = expand_grid(sweep_from_dict(tasks_sweep(batch_size=16)))[1]
+    roomier = with_more_room(job)
+    assert roomier.tasks.batch_size == 8 and roomier.eval.batch_size == job.eval.batch_size // 2
+    assert roomier.tasks.identity() == job.tasks.identity()
+
+
+def test_the_demo_runs_without_lm_eval_less_its_tasks_and_gates(monkeypatch, capsys):
+    import importlib.util
+
+    from quantdask.demo_model import load_demo_sweep
+
+    assert load_demo_sweep().tasks.names == ("demo_facts",)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    sweep = load_demo_sweep()
+    assert sweep.tasks is None and sweep.gates == ()
+    assert "pip install 'quantdask[tasks]'" in capsys.readouterr().out

@@ -200,14 +200,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_SWEEP, build_demo_model
-    from quantdask.spec.sweep_file import load_sweep
+    from quantdask.demo_model import DEMO_MODEL_DIR, build_demo_model, load_demo_sweep
 
     if not os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")):
         print(f"quantdask: building the demo model in {DEMO_MODEL_DIR} (once)", flush=True)
         build_demo_model()
-    args.run_dir = args.run_dir or default_run_dir(load_sweep(DEMO_SWEEP).name)
-    return _run_and_report(load_sweep(DEMO_SWEEP), args, scaling=not args.no_scaling)
+    sweep = load_demo_sweep()
+    args.run_dir = args.run_dir or default_run_dir(sweep.name)
+    return _run_and_report(sweep, args, scaling=not args.no_scaling)
 
 
 def cmd_report(args) -> int:

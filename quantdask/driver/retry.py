@@ -60,11 +60,13 @@ def after_failure(job: Job, number: int, failure_class: FailureClass, backoff_s:
 
 
 def with_more_room(job: Job) -> Job:
-    """``job`` on a device of its own, evaluating half as many windows per forward pass, and
-    asking for twice the device memory it was estimated to need (the driver caps that at the
-    largest worker's)."""
+    """``job`` on a device of its own, evaluating half as many windows (and task requests) per
+    forward pass, and asking for twice the device memory it was estimated to need (the driver
+    caps that at the largest worker's). Batch sizes are not part of the job's id."""
     smaller = dataclasses.replace(job.eval, batch_size=max(1, job.eval.batch_size // 2))
-    return dataclasses.replace(job, gpu_share=1.0, eval=smaller,
+    tasks = job.tasks and dataclasses.replace(job.tasks,
+                                              batch_size=max(1, job.tasks.batch_size // 2))
+    return dataclasses.replace(job, gpu_share=1.0, eval=smaller, tasks=tasks,
                                device_memory_bytes=2 * job.device_memory_bytes)
 
 
