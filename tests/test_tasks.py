@@ -70,17 +70,22 @@ def test_a_changed_local_task_file_changes_the_ids(tmp_path):
 
 @pytest.mark.parametrize("tasks, field, words", [
     ({"names": ["demo_factz"]}, "tasks.names[0]", "did you mean demo_facts"),
+    ({"names": ["no_such_task_anywhere"]}, "tasks.names[0]", "no lm-eval task or group"),
     ({"names": []}, "tasks.names", "at least one"),
     ({"limit": 0}, "tasks.limit", "positive"),
     ({"num_fewshot": -1}, "tasks.num_fewshot", ">= 0"),
     ({"include_path": "no-such-folder"}, "tasks.include_path", "not a folder"),
     ({"batch": 4}, "tasks.batch", "unknown key"),
 ])
-def test_bad_task_settings_are_refused_naming_the_field(tasks, field, words):
+def test_bad_task_settings_are_refused_naming_the_field(tasks, field, words, write_sweep,
+                                                        capsys):
     with pytest.raises(SpecError) as error:
         sweep_from_dict(tasks_sweep(**tasks))
     assert error.value.field == field
     assert words in error.value.message
+    assert main(["plan", write_sweep(tasks_sweep(**tasks))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"quantdask: error: {field}: ") and "Traceback" not in err
 
 
 def test_tasks_without_lm_eval_are_refused_with_the_install_command(monkeypatch, write_sweep,
@@ -88,14 +93,16 @@ def test_tasks_without_lm_eval_are_refused_with_the_install_command(monkeypatch,
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
     assert main(["plan", write_sweep(tasks_sweep())]) == 2
     err = capsys.readouterr().err
-    assert "tasks:" in err and "pip install 'quantdask[tasks]'" in err
+    assert err.startswith("quantdask: error: tasks: task accuracy needs lm-evaluation-harness")
+    assert "pip install 'quantdask[tasks]'" in err
     assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("gates, field, words", [
     (["perplexity_ratio <= 2"], "gates[0]", "unknown gate metric 'perplexity_ratio'"),
     (["kl_divergence =< 0.1"], "gates[0]", "METRIC OP VALUE"),
-    (["kl_divergence <= much"], "gates[0]", "must be a number"),
+    (["kl_divergence <= much"], "gates[0]", "must be a finite number"),
+    (["kl_divergence <= inf"], "gates[0]", "must be a finite number"),
     ([{"gate": "recovery >= 0.9", "task": "mmlu"}], "gates[0].task", "no task"),
     ([{"gate": "kl_divergence <= 1", "model": "other"}], "gates[0].model", "no model"),
     ([{"gate": "kl_divergence <= 1", "when": 1}], "gates[0].when", "unknown key"),
@@ -163,21 +170,23 @@ def choice_log_likelihoods(model, tokenizer, query: str, choices: list[str]) -> 
     return sums
 
 
-def hand_scores(model, tokenizer, docs: list[dict]) -> tuple[float, float, float]:
+def hand_scores(model, tokenizer, docs: list[dict]) -> tuple[float, float, float, list[bool]]:
     """Accuracy (argmax of the summed log-likelihoods), the same over each choice's length in
-    characters (lm-eval's acc_norm; the delimiter not counted), and the smallest gap between
-    the best two choices under either (how near a tie the closest call was)."""
-    correct = correct_norm = 0
+    characters (lm-eval's acc_norm; the delimiter not counted), the smallest gap between the
+    best two choices under either (how near a tie the closest call was), and each sample's
+    argmax right or not."""
+    correct_norm = 0
+    right = []
     closest = float("inf")
     for doc in docs:
         sums = choice_log_likelihoods(model, tokenizer, doc["query"], doc["choices"])
         normed = [s / len(c) for s, c in zip(sums, doc["choices"])]
-        correct += max(range(len(sums)), key=lambda i: (sums[i], -i)) == doc["gold"]
+        right.append(max(range(len(sums)), key=lambda i: (sums[i], -i)) == doc["gold"])
         correct_norm += max(range(len(normed)), key=lambda i: (normed[i], -i)) == doc["gold"]
         for scores in (sums, normed):
             top = sorted(scores, reverse=True)
             closest = min(closest, top[0] - top[1])
-    return correct / len(docs), correct_norm / len(docs), closest
+    return sum(right) / len(docs), correct_norm / len(docs), closest, right
 
 
 def realistic_task(folder: Path, n: int = 40) -> Path:
@@ -206,6 +215,22 @@ def realistic_task(folder: Path, n: int = 40) -> Path:
     return folder
 
 
+def _logging_samples(monkeypatch) -> dict:
+    """lm-eval's per-sample log of the next ``evaluate_tasks`` (which asks for none): its
+    ``simple_evaluate`` called with ``log_samples=True``, the result kept here."""
+    import lm_eval
+
+    kept: dict = {}
+    real = lm_eval.simple_evaluate
+
+    def logging(*args, **kwargs):
+        kept.update(real(*args, **{**kwargs, "log_samples": True}))
+        return kept
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", logging)
+    return kept
+
+
 def _docs(settings: TaskSettings) -> list[dict]:
     [config] = settings.specs()
     path = config["dataset_kwargs"]["data_files"]["test"]
@@ -228,11 +253,11 @@ def _quantized(model_dir: str, bits: int):
 
 @pytest.mark.parametrize("regime, bits", [("peaked", 32), ("peaked", 4), ("realistic", 32),
                                           ("realistic", 4), ("flat", 32)])
-def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path):
+def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monkeypatch):
     """quantdask's accuracy (the job's task phase: lm-eval on the model in memory) equals a
     hand-written argmax over per-choice log-likelihoods computed with plain transformers in
-    float64, exactly (the same count of right answers out of the same samples), on a peaked,
-    a realistic and a flat model, unquantized and nf4."""
+    float64, exactly and sample by sample, on a peaked, a realistic and a flat model,
+    unquantized and nf4."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantdask.worker.tasks import evaluate_tasks
@@ -249,8 +274,11 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         model, tokenizer = _quantized(model_dir, bits)
+    per_sample = _logging_samples(monkeypatch)
     rows = {row["metric"]: row for row in evaluate_tasks(model, tokenizer, settings)}
-    acc, acc_norm, closest = hand_scores(model, tokenizer, _docs(settings))
+    acc, acc_norm, closest, right = hand_scores(model, tokenizer, _docs(settings))
+    [(task, samples)] = per_sample["samples"].items()
+    assert [bool(s["acc"]) for s in sorted(samples, key=lambda s: s["doc_id"])] == right
     # lm-eval computes in float32 and batched; the hand computation in float64, one choice at
     # a time: a choice within float32's rounding of the best would make the two disagree.
     assert closest > 1e-4, f"a near tie ({closest:.2g} nats): the comparison cannot decide it"
@@ -262,27 +290,79 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path):
     assert rows["acc"]["truncated_samples"] == 0
 
 
-def test_truncated_prompts_are_counted_per_task():
-    """A window shorter than the prompts: lm-eval cuts them from the left (and only warns);
-    every row of the task counts the samples cut."""
+class _Warnings:
+    """Stands in for lm-eval's HFLM logger: keeps what it warns (past any log level)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def warning(self, message, *args):
+        self.lines.append(message % args if args else message)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_truncated_prompts_are_counted_as_lm_eval_cuts_them(monkeypatch):
+    """A window shorter than the prompts: lm-eval cuts them from the left and only warns, once
+    per request it cuts. Every row of the task counts the samples with any request cut: as
+    many requests as lm-eval warned of, over exactly those samples."""
+    import lm_eval.models.huggingface as hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker.tasks import evaluate_tasks
+    from quantdask.worker.tasks import evaluate_tasks, truncated_total
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     settings = TaskSettings(**DEMO_TASK, limit=24)
     docs = _docs(settings)
-    longest = max(len(tokenizer(d["query"] + " " + c)["input_ids"])
-                  for d in docs for c in d["choices"])
-    cut = dataclasses.replace(settings, max_length=longest - 2)
-    expected = sum(any(len(tokenizer(d["query"] + " " + c)["input_ids"]) > longest - 1
-                       for c in d["choices"]) for d in docs)
-    assert 0 < expected <= len(docs)
-    rows = evaluate_tasks(model, tokenizer, cut)
-    assert {row["truncated_samples"] for row in rows} == {expected}
+    lengths = [[len(tokenizer(d["query"] + " " + c)["input_ids"]) for c in d["choices"]]
+               for d in docs]
+    window = max(max(ls) for ls in lengths) - 2  # the longest requests lose a token
+    cut = [[n > window + 1 for n in ls] for ls in lengths]
+    assert 0 < sum(map(any, cut)) < len(docs)
+
+    warned = _Warnings()
+    monkeypatch.setattr(hf, "eval_logger", warned)
+    rows = evaluate_tasks(model, tokenizer, dataclasses.replace(settings, max_length=window))
+    lm_eval_cuts = [line for line in warned.lines if line.startswith("Combined length")]
+    assert len(lm_eval_cuts) == sum(map(sum, cut))  # requests lm-eval cut
+    assert {row["truncated_samples"] for row in rows} == {sum(map(any, cut))}
+    assert truncated_total(rows) == sum(map(any, cut))  # one task: counted once, not per metric
     assert {row["truncated_samples"] for row in evaluate_tasks(model, tokenizer, settings)} \
         == {0}
+
+
+def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path):
+    """A generate_until task: lm-eval keeps the last max_length - max_gen_toks tokens of a
+    prompt (max_new_tokens spelled as the task spells it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantdask.worker.tasks import evaluate_tasks
+
+    task = tmp_path / "gen"
+    task.mkdir()
+    docs = [json.loads(line) for line in
+            Path(DEMO_TASKS_DIR, "demo_facts", "demo_facts.jsonl").read_text().splitlines()][:12]
+    (task / "gen.jsonl").write_text("".join(
+        json.dumps({"query": d["query"], "answer": d["choices"][d["gold"]]}) + "\n"
+        for d in docs))
+    (task / "gen.yaml").write_text(
+        "task: demo_generate\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        "    test: gen.jsonl\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{query}}'\ndoc_to_target: ' {{answer}}'\n"
+        "generation_kwargs:\n  until: ['.', ',']\n  max_new_tokens: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n"
+        "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    lengths = [len(tokenizer(d["query"])["input_ids"]) for d in docs]
+    window = sorted(lengths)[len(lengths) // 2] + 4  # prompts longer than window - 4 are cut
+    settings = TaskSettings(names=["demo_generate"], include_path=str(tmp_path),
+                            max_length=window)
+    [row] = evaluate_tasks(model, tokenizer, settings)
+    assert row["metric"] == "exact_match" and row["samples"] == 12
+    assert row["truncated_samples"] == sum(n > window - 4 for n in lengths) > 0
 
 
 # --- the task phase inside a job: failures and deadlines -------------------------------------
@@ -365,3 +445,47 @@ def test_the_demo_runs_without_lm_eval_less_its_tasks_and_gates(monkeypatch, cap
     sweep = load_demo_sweep()
     assert sweep.tasks is None and sweep.gates == ()
     assert "pip install 'quantdask[tasks]'" in capsys.readouterr().out
+
+
+def test_recovery_is_a_share_kept_whichever_way_the_metric_points():
+    from quantdask.worker.tasks import with_baseline
+
+    def row(metric, value, higher):
+        return {"task": "t", "metric": metric, "filter": "none", "value": value,
+                "stderr": None, "higher_is_better": higher}
+
+    baseline = [row("acc", 0.8, True), row("word_perplexity", 20.0, False), row("f1", 0.0, True)]
+    joined = with_baseline([row("acc", 0.6, True), row("word_perplexity", 25.0, False),
+                            row("f1", 0.3, True)], baseline)
+    assert [r["recovery"] for r in joined] == [pytest.approx(0.75), pytest.approx(0.8), None]
+    assert [r["baseline_value"] for r in joined] == [0.8, 20.0, 0.0]
+
+
+def test_gates_from_python_are_checked_as_the_yaml_ones_are():
+    base = sweep_dict(tasks=DEMO_TASK)
+    sweep = sweep_from_dict({**base, "gates": [Gate("recovery", ">=", 0.95, task="demo_facts")]})
+    assert sweep.gates[0].label == "recovery [demo_facts] >= 0.95"
+    for gate, field in ((Gate("kl_divergence", "<=", 0.1, model="typo"), "gates[0].model"),
+                        (Gate("kl_divergence", "=>", 0.1), "gates[0].gate"),
+                        (Gate("kl_divergence", "<=", float("nan")), "gates[0].gate")):
+        with pytest.raises(SpecError) as error:
+            sweep_from_dict({**base, "gates": [gate]})
+        assert error.value.field == field
+
+
+def test_a_local_task_whose_data_is_missing_is_refused(tmp_path):
+    import shutil
+
+    shutil.copytree(Path(DEMO_TASKS_DIR, "demo_facts"), tmp_path / "demo_facts")
+    (tmp_path / "demo_facts" / "demo_facts.jsonl").unlink()
+    with pytest.raises(SpecError) as error:
+        TaskSettings(names=["demo_facts"], include_path=str(tmp_path))
+    assert error.value.field == "names[0]" and "not there" in error.value.message
+
+
+def test_a_task_folder_reached_through_a_link_is_local(tmp_path):
+    (tmp_path / "linked").symlink_to(DEMO_TASKS_DIR, target_is_directory=True)
+    settings = TaskSettings(names=["demo_facts"], include_path=str(tmp_path / "linked"))
+    direct = TaskSettings(names=["demo_facts"], include_path=DEMO_TASKS_DIR)
+    assert settings.digests == direct.digests and len(settings.digests["demo_facts"]) == 64
+    assert isinstance(settings.specs()[0], dict)

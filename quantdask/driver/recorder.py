@@ -70,14 +70,16 @@ class Recorder:
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record
 
-    def restamp_gates(self, job_ids: set[str]) -> int:
-        """Check the recorded done jobs ``job_ids`` against this sweep's gates (they may have
-        changed since those jobs ran; the measurements have not) and rewrite the gate columns
-        of those whose verdict differs. Returns how many were rewritten."""
+    def restamp_gates(self) -> int:
+        """Check every done job recorded in the run directory against this sweep's gates (they
+        may have changed since those jobs ran; the measurements have not) and rewrite the gate
+        columns of those whose verdict differs, so that the records, the report and
+        ``quantdask status`` judge by the gates of the last sweep run here. Returns how many
+        were rewritten."""
         results = self.store.read_results()
         tasks = self.store.read_tasks()
         rewritten = 0
-        for record in results.filter(pl.col("job_id").is_in(list(job_ids))).to_dicts():
+        for record in results.filter(pl.col("status") == Status.DONE).to_dicts():
             rows = tasks.filter(pl.col("job_id") == record["job_id"]).to_dicts()
             columns = gate_columns(self.gates, record, rows, record["backend"] == BASELINE)
             if any(record[k] != v for k, v in columns.items()):

@@ -76,7 +76,7 @@ def run_sweep(
         progress.already_finished([Status.DONE] * (len(jobs) - len(todo)))
         driver = SweepDriver(client, store, sweep, run_id, on_result, progress, on_progress,
                              placement)
-        driver.recorder.restamp_gates(finished & {job.id for job in jobs})
+        driver.recorder.restamp_gates()
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
         session = {"run_id": run_id, "sweep": sweep.name, "started_at": utcnow(),
                    "finished_at": None, "completed": False, "workers": workers, "slots": slots,

@@ -17,6 +17,7 @@ must not pass a config on a number nobody took.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -92,9 +93,10 @@ def parse_gates(raw: Any, models: set[str], tasks: tuple[str, ...] | None) -> tu
     gates = []
     for i, item in enumerate(raw):
         where = f"gates[{i}]"
-        if isinstance(item, Gate):  # from Python
-            gates.append(item)
-            continue
+        if isinstance(item, Gate):  # from Python: checked as its YAML form would be
+            item = {"gate": f"{item.metric} {item.op} {item.threshold!r}", "model": item.model,
+                    "task": item.task, "task_metric": item.task_metric}
+            item = {k: v for k, v in item.items() if v is not None}
         fields = keyed(where, {"gate": item} if isinstance(item, str) else item,
                        ("gate", "model", "task", "task_metric"),
                        "'METRIC OP VALUE' or a mapping with gate and optionally model, task, "
@@ -118,7 +120,9 @@ def _gate(where: str, fields: dict, models: set[str], tasks: tuple[str, ...] | N
     try:
         threshold = float(text)
     except ValueError:
-        raise SpecError(where, f"the threshold must be a number, got {text!r}") from None
+        threshold = math.nan
+    if not math.isfinite(threshold):
+        raise SpecError(where, f"the threshold must be a finite number, got {text!r}")
     model, task = fields.get("model"), fields.get("task")
     if model is not None and model not in models:
         raise SpecError(f"{scope}.model", f"no model is named {model!r}; models: "

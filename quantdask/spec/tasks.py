@@ -37,14 +37,26 @@ def import_lm_eval(field_name: str = "tasks"):
     return lm_eval
 
 
-@functools.lru_cache(maxsize=8)
 def task_manager(include_paths: tuple[str, ...], defaults: bool):
     """An lm-eval ``TaskManager`` over ``include_paths`` (and lm-eval's own tasks when
     ``defaults``: indexing those takes seconds, so it is skipped when every task is local);
-    one per process and arguments."""
+    one per process and arguments, made again when a file under ``include_paths`` changed (a
+    task added in a notebook's session is found)."""
+    return _task_manager(include_paths, defaults, _fingerprint(include_paths))
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(include_paths: tuple[str, ...], defaults: bool, fingerprint: tuple):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(include_paths) or None, include_defaults=defaults)
+
+
+def _fingerprint(folders: tuple[str, ...]) -> tuple:
+    """Every file under ``folders`` with its size and modification time."""
+    return tuple(sorted((str(path), path.stat().st_size, path.stat().st_mtime_ns)
+                        for folder in folders for path in Path(folder).rglob("*")
+                        if path.is_file()))
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,9 @@ class TaskSettings:
         if self.max_length is not None:
             positive_int("max_length", self.max_length, "a positive number of tokens (or null)")
         object.__setattr__(self, "include_paths", self._checked_paths())
-        import_lm_eval("tasks")
+        if isinstance(self.include_path, list):  # a Job holding these must stay hashable
+            object.__setattr__(self, "include_path", tuple(self.include_path))
+        import_lm_eval("")  # the field is the block itself (sweep files: tasks)
         object.__setattr__(self, "digests", self._digests())
 
     def _checked_paths(self) -> tuple[str, ...]:
@@ -110,7 +124,7 @@ class TaskSettings:
             if not os.path.isdir(full):
                 raise SpecError(where, f"{full} is not a folder; give a folder of lm-eval task "
                                        "YAML files (relative to the sweep file)")
-            resolved.append(os.path.abspath(full))
+            resolved.append(str(Path(full).resolve()))  # as lm-eval's index holds them
         return tuple(resolved)
 
     def manager(self):
@@ -122,9 +136,10 @@ class TaskSettings:
         return task_manager(self.include_paths, True)
 
     def _digests(self) -> dict[str, str]:
-        """Per task, what its score depends on besides the settings: a local task's YAML and
-        data files (sha256), or lm-eval's version for a built-in one. Unknown names are refused
-        with the closest known ones."""
+        """Per task, what its score depends on besides the settings: for a local one (its YAML
+        under ``include_path``), a sha256 of every file in the YAML's folder (includes,
+        ``!function`` helpers) and of the data files it names; for a built-in one, lm-eval's
+        version. Unknown names, and a local task whose data files are missing, are refused."""
         import lm_eval
 
         index = self.manager().task_index
@@ -137,16 +152,28 @@ class TaskSettings:
                 raise SpecError(f"names[{i}]", f"no lm-eval task or group is named {name!r} "
                                 f"(lm-eval {lm_eval.__version__}, include_path: "
                                 f"{list(self.include_paths) or 'none'}){hint}")
-            local = self.local_config(entry)
-            if local is None:
+            if not self._is_local(entry):
                 digests[name] = f"lm-eval {lm_eval.__version__}"
                 continue
-            sha = hashlib.sha256(Path(entry.yaml_path).read_bytes())
-            for path in data_files(local):
-                if os.path.isfile(path):
-                    sha.update(Path(path).read_bytes())
+            folder = Path(entry.yaml_path).parent
+            files = sorted(p for p in folder.iterdir() if p.is_file())
+            config = self.local_config(entry) or {}
+            local = [f for f in data_files(config) if "://" not in f]
+            missing = [f for f in local if not os.path.isfile(f)]
+            if missing:
+                raise SpecError(f"names[{i}]", f"the local task {name!r} names data files that "
+                                f"are not there: {', '.join(missing)} (data_files are "
+                                f"relative to {folder})")
+            sha = hashlib.sha256()
+            for path in [*files, *map(Path, local)]:
+                sha.update(str(path.name).encode() + b"\0" + path.read_bytes())
             digests[name] = sha.hexdigest()
         return digests
+
+    def _is_local(self, entry) -> bool:
+        yaml_path = getattr(entry, "yaml_path", None)
+        return yaml_path is not None and any(
+            Path(yaml_path).resolve().is_relative_to(p) for p in self.include_paths)
 
     def local_config(self, entry) -> dict[str, Any] | None:
         """A local task's full config (includes merged) with its ``data_files`` made absolute
@@ -155,10 +182,9 @@ class TaskSettings:
         from lm_eval.tasks._index import Kind
         from lm_eval.tasks._yaml_loader import load_yaml
 
-        yaml_path = getattr(entry, "yaml_path", None)
-        if entry.kind != Kind.TASK or yaml_path is None or not any(
-                Path(yaml_path).resolve().is_relative_to(p) for p in self.include_paths):
+        if entry.kind != Kind.TASK or not self._is_local(entry):
             return None
+        yaml_path = entry.yaml_path
         config = load_yaml(yaml_path, resolve_func=True)
         kwargs = dict(config.get("dataset_kwargs") or {})
         if "data_files" in kwargs:

@@ -168,6 +168,7 @@ WINDOW_SCHEMA: dict[str, pl.DataType] = {
 TASK_SCHEMA: dict[str, pl.DataType] = {
     "job_id": pl.String(),
     "task": pl.String(),  # the lm-eval task (or group) name
+    "is_group": pl.Boolean(),  # a group's row aggregates its tasks' (which have rows too)
     "metric": pl.String(),  # e.g. acc, acc_norm, exact_match
     "filter": pl.String(),  # lm-eval's filter of the answers ("none" for most tasks)
     "value": pl.Float64(),
@@ -180,7 +181,8 @@ TASK_SCHEMA: dict[str, pl.DataType] = {
     "higher_is_better": pl.Boolean(),
     "baseline_value": pl.Float64(),  # the unquantized model's value, same task and metric
     "baseline_stderr": pl.Float64(),
-    "recovery": pl.Float64(),  # value / baseline_value (null when the baseline scored 0)
+    # value / baseline_value (baseline / value where lower is better): 1 is no loss
+    "recovery": pl.Float64(),
 }
 """One row per (done job, task, metric, filter) of a sweep with a tasks block."""
 TASK_OPTIONAL = ("value", "stderr", "samples", "num_fewshot", "higher_is_better",

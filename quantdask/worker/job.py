@@ -43,7 +43,7 @@ from quantdask.worker.outcome import (
     peak_columns,
 )
 from quantdask.worker.runtime import held_resources, torch_device
-from quantdask.worker.tasks import TASK_COLUMNS, with_baseline
+from quantdask.worker.tasks import TASK_COLUMNS, truncated_total, with_baseline
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +191,7 @@ def score_tasks(run: JobRun) -> None:
                          tasks_peak_device_mem_bytes=peak.peak_device_bytes,
                          tasks_peak_host_rss_bytes=peak.peak_rss_bytes)
     run.tasks = with_baseline(rows, run.reference.baseline_tasks)
-    run.extra["tasks_truncated_samples"] = sum(r["truncated_samples"] for r in run.tasks)
+    run.extra["tasks_truncated_samples"] = truncated_total(run.tasks)
 
 
 def keep_artifacts(run: JobRun) -> None:

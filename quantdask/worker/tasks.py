@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -47,24 +48,31 @@ def _truncation_aware_lm():
                 self.truncated[request.task_name].add(request.doc_id)
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
-            # The same rule as HFLM._loglikelihood_tokens: context + continuation longer than
-            # max_length + 1 tokens loses its left end.
+            # The pairs as TemplateLM.loglikelihood encodes them, and the rule of
+            # HFLM._loglikelihood_tokens: context + continuation longer than max_length + 1
+            # tokens loses its left end.
             for request in requests:
                 context, continuation = request.args
                 if context:
                     context_enc, continuation_enc = self._encode_pair(context, continuation)
                 else:
-                    context_enc, continuation_enc = [self.prefix_token_id], self.tok_encode(
-                        continuation, add_special_tokens=False)
+                    continuation_enc = self.tok_encode(continuation, add_special_tokens=False)
+                    context_enc, continuation_enc = (
+                        ([self.prefix_token_id], continuation_enc)
+                        if self.prefix_token_id != continuation_enc[0]
+                        else (continuation_enc[:1], continuation_enc[1:]))
                 self._note(request, len(context_enc) + len(continuation_enc)
                            > self.max_length + 1)
             return super().loglikelihood(requests, disable_tqdm=True)
 
         def generate_until(self, requests, disable_tqdm: bool = False):
             # HFLM.generate_until keeps the last max_length - max_gen_toks tokens of a prompt.
+            from lm_eval.models.utils import normalize_gen_kwargs
+
             for request in requests:
                 context, gen_kwargs = request.args
-                room = self.max_length - int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+                new_tokens = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+                room = self.max_length - new_tokens["max_gen_toks"]
                 self._note(request, len(self.tok_encode(context)) > room)
             return super().generate_until(requests, disable_tqdm=True)
 
@@ -81,7 +89,7 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[dict[str, A
     import lm_eval
 
     seed = settings.seed
-    with _quiet():
+    with _offline_and_quiet():
         lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
                                     batch_size=settings.batch_size,
                                     max_length=settings.max_length)
@@ -100,16 +108,20 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[dict[str, A
 
 
 @contextlib.contextmanager
-def _quiet():
-    """No progress bars and only lm-eval's errors while tasks run: a worker's output is a log,
-    and the truncation lm-eval warns of per request is counted and reported per task here.
-    (The model's calls get ``disable_tqdm``; the requests' build has no such switch, and tqdm
-    reads ``TQDM_DISABLE`` only when imported, so its bar is switched off where lm-eval
-    imported it.)"""
+def _offline_and_quiet():
+    """Nothing downloaded (a task's data comes from local files or the datasets cache, as the
+    eval text does), no progress bars and only lm-eval's errors while tasks run: a worker's
+    output is a log, and the truncation lm-eval warns of per request is counted and reported
+    per task here. (The model's calls get ``disable_tqdm``; the requests' build has no such
+    switch, and tqdm reads ``TQDM_DISABLE`` only when imported, so its bar is switched off
+    where lm-eval imported it.)"""
+    # Read at import by `datasets`: set before it is first imported, and on its config after.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
     import lm_eval.api.task as task_module
     from tqdm import tqdm
 
+    datasets.config.HF_DATASETS_OFFLINE = True
     if getattr(task_module, "tqdm", None) is tqdm:
         task_module.tqdm = functools.partial(tqdm, disable=True)
     datasets.disable_progress_bars()
@@ -143,7 +155,8 @@ def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[dict[s
                 continue
             metric, filter_name = key.split(",", 1)
             rows.append({
-                "task": task, "metric": metric, "filter": filter_name, "value": _number(value),
+                "task": task, "is_group": task in groups, "metric": metric,
+                "filter": filter_name, "value": _number(value),
                 "stderr": _number(figures.get(f"{metric}_stderr,{filter_name}")),
                 "samples": sum(counts.get(m, 0) for m in members) or None,
                 "truncated_samples": sum(truncated.get(m, 0) for m in members),
@@ -151,6 +164,13 @@ def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[dict[s
                 "higher_is_better": better.get(task, {}).get(metric),
             })
     return rows
+
+
+def truncated_total(rows: list[dict[str, Any]]) -> int:
+    """Samples with a prompt cut, over the tasks of ``rows``: each task's once (its metrics
+    share its samples; a group's rows add up tasks already counted)."""
+    per_task = {row["task"]: row["truncated_samples"] for row in rows if not row["is_group"]}
+    return sum(per_task.values())
 
 
 def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
@@ -161,13 +181,17 @@ def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
 def with_baseline(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]
                   ) -> list[dict[str, Any]]:
     """``rows`` with the baseline's value and standard error of the same (task, metric, filter),
-    and ``recovery`` = value / baseline value (null when the baseline scored 0 or is missing)."""
+    and ``recovery``: value / baseline value, or baseline / value for a metric where lower is
+    better (perplexity, bits per byte), so that 1.0 is no loss and below 1 a loss either way
+    (null when the divisor is 0 or missing)."""
     by_key = {(b["task"], b["metric"], b["filter"]): b for b in baseline}
     joined = []
     for row in rows:
         base = by_key.get((row["task"], row["metric"], row["filter"]), {})
         value, base_value = row["value"], base.get("value")
+        if row["higher_is_better"] is False:
+            value, base_value = base_value, value
         recovery = value / base_value if value is not None and base_value else None
-        joined.append({**row, "baseline_value": base_value,
+        joined.append({**row, "baseline_value": base.get("value"),
                        "baseline_stderr": base.get("stderr"), "recovery": recovery})
     return joined
