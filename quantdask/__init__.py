@@ -36,7 +36,6 @@ from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.spec.tasks import TaskSettings
 from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.run_store import (
-    job_status,
     read_attempts,
     read_device_samples,
     read_layers,
@@ -45,7 +44,8 @@ from quantdask.store.run_store import (
     read_tasks,
     read_windows,
 )
-from quantdask.store.summary import device_summary, sweep_summary
+from quantdask.store.speed import read_speed
+from quantdask.store.summary import device_summary, job_status, sweep_summary
 
 __version__ = "0.1.0"
 
@@ -56,7 +56,8 @@ __all__ = [
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "get_backend", "job_status", "kl_ties", "load_sweep",
     "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
-    "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_tasks",
+    "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
+    "read_tasks",
     "read_windows",
     "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
     "sweep_summary", "TaskSettings", "tls_security", "write_report",

@@ -23,6 +23,7 @@ FRAME_HEADINGS = {
     "LAYER_SCHEMA": "Per-layer frame",
     "WINDOW_SCHEMA": "Per-window frame",
     "TASK_SCHEMA": "Tasks frame",
+    "SPEED_SCHEMA": "Speed frame",
     "SAMPLE_SCHEMA": "Device samples frame",
     "ATTEMPT_SCHEMA": "Attempts frame",
     "SESSION_SCHEMA": "Sessions frame",

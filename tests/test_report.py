@@ -34,8 +34,8 @@ from tests.conftest import sweep_dict
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-CHARTS_IN_REPORT = 7  # quality, task accuracy, timeline, memory, time per job, per-layer
-# error, scaling
+CHARTS_IN_REPORT = 8  # quality, task accuracy, speed, timeline, memory, time per job,
+# per-layer error, scaling
 
 
 def mixed_sweep():
@@ -252,7 +252,7 @@ def test_every_chart_carries_every_job(mixed_run):
     assert len(timeline) == started.height == 6
     assert {r["status"] for r in timeline} == {"done", "failed", "skipped"}
     breakdown = chart_rows(report.time_breakdown_chart(results))
-    assert len(breakdown) == 6 * len(done)  # load, calibrate, quantize, eval, tasks, other
+    assert len(breakdown) == 7 * len(done)  # load, calibrate, quantize, eval, tasks, speed, other
     heat = chart_rows(report.layer_error_heatmap(results, layers))
     assert {r["job_id"] for r in heat} == set(layers["job_id"]) and len(heat) == 2 * layers.height
     memory = chart_rows(report.memory_chart(results, samples))
@@ -385,7 +385,7 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
         assert chart["marks"] > 0 and chart["width"] > 100 and chart["height"] > 40, chart
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert screenshot.stat().st_size > 50_000
-    for heading in ("Which config to ship", "Task accuracy", "Every job",
+    for heading in ("Which config to ship", "Task accuracy", "Generation speed", "Every job",
                     "Failed and skipped jobs", "Timeline",
                     "Memory", "Time per job", "Per-layer error", "Scaling"):
         assert heading in page.text

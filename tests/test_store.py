@@ -9,8 +9,9 @@ import polars as pl
 import pytest
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.store.run_store import RunStore, job_status, read_results, read_windows
+from quantdask.store.run_store import RunStore, read_results, read_windows
 from quantdask.store.schema import RESULT_SCHEMA, records_to_frame, validate_record
+from quantdask.store.summary import job_status
 
 pytestmark = pytest.mark.timeout(60)
 

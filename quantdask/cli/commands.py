@@ -256,7 +256,7 @@ def cmd_scale(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from quantdask.store.run_store import job_status
+    from quantdask.store.summary import job_status
 
     if not os.path.isdir(args.run_dir):
         raise RunDirError(f"no run directory at {args.run_dir}")

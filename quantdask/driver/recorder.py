@@ -66,6 +66,8 @@ class Recorder:
             self.store.write_windows(job.id, outcome.windows)
             if job.tasks is not None:
                 self.store.write_tasks(job.id, outcome.tasks)
+            if job.speed is not None:
+                self.store.write_speed(job.id, outcome.speed)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record

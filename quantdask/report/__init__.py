@@ -1,5 +1,5 @@
 """Reports: interactive Altair charts over the run's frames (``charts``; task accuracy and gates:
-``tasks``), and the notebooks run
+``tasks``; generation speed: ``speed``), and the notebooks run
 and exported to one self-contained HTML file (``html``, with its kernel and template).
 
 ``from quantdask import report`` gives the chart and table functions, as the notebooks use them.
@@ -14,10 +14,11 @@ _CHARTS = (
     "scaling_chart", "time_breakdown_chart", "timeline_chart", "with_job_label",
 )
 _TASKS = ("gates_banner", "recovery_table", "task_chart")
+_SPEED = ("speed_chart", "speedup_table")
 _SUMMARIES = ("device_summary", "sweep_summary")
 _FRONTIER = ("kl_ties", "pareto_frontier")
 
-__all__ = [*_CHARTS, *_TASKS, *_SUMMARIES, *_FRONTIER]
+__all__ = [*_CHARTS, *_TASKS, *_SPEED, *_SUMMARIES, *_FRONTIER]
 
 
 def __getattr__(name: str):
@@ -25,6 +26,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("quantdask.report.charts"), name)
     if name in _TASKS:
         return getattr(importlib.import_module("quantdask.report.tasks"), name)
+    if name in _SPEED:
+        return getattr(importlib.import_module("quantdask.report.speed"), name)
     if name in _SUMMARIES:
         return getattr(importlib.import_module("quantdask.store.summary"), name)
     if name in _FRONTIER:

@@ -24,9 +24,9 @@ UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the r
 alt.data_transformers.disable_max_rows()
 STATUS_COLORS = alt.Scale(domain=[status.value for status in Status],
                           range=["#4c78a8", "#e45756", "#bab0ac"])
-PHASE_COLORS = alt.Scale(domain=["load", "calibrate", "quantize", "eval", "tasks", "other"],
-                         range=["#72b7b2", "#e45756", "#f58518", "#4c78a8", "#b279a2",
-                                "#d3d3d3"])
+PHASE_COLORS = alt.Scale(
+    domain=["load", "calibrate", "quantize", "eval", "tasks", "speed", "other"],
+    range=["#72b7b2", "#e45756", "#f58518", "#4c78a8", "#b279a2", "#54a24b", "#d3d3d3"])
 JOB_TOOLTIP = [alt.Tooltip("model:N"), alt.Tooltip("config_label:N", title="config"),
                alt.Tooltip("backend:N"), alt.Tooltip("config:N", title="options"),
                alt.Tooltip("job_id:N")]
@@ -288,16 +288,17 @@ def memory_chart(results: pl.DataFrame, samples: pl.DataFrame) -> alt.VConcatCha
 
 def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
     """Where each finished job's time went: load, calibrate (a calibrated backend's tuning on
-    data), the rest of quantizing, eval, task accuracy (and the rest of its run). The
+    data), the rest of quantizing, eval, task accuracy, generation speed (and the rest). The
     baseline's eval and tasks ran with its model's reference: their time is shown there."""
     calibrate = pl.col("calibrate_s").fill_null(0.0)
     tasks = pl.col("tasks_s").fill_null(0.0) * (pl.col("backend") != "none")
+    speed = pl.col("speed_s").fill_null(0.0)
     data = with_job_label(results).filter(pl.col("status") == Status.DONE).with_columns(
         pl.col("load_s").alias("load"), calibrate.alias("calibrate"),
         (pl.col("quantize_s") - calibrate).clip(lower_bound=0).alias("quantize"),
-        pl.col("eval_s").alias("eval"), tasks.alias("tasks"),
-        (pl.col("wall_s") - pl.col("load_s") - pl.col("quantize_s") - pl.col("eval_s") - tasks)
-        .clip(lower_bound=0).alias("other"))
+        pl.col("eval_s").alias("eval"), tasks.alias("tasks"), speed.alias("speed"),
+        (pl.col("wall_s") - pl.col("load_s") - pl.col("quantize_s") - pl.col("eval_s") - tasks
+         - speed).clip(lower_bound=0).alias("other"))
     if data.is_empty():
         return _empty("no finished jobs: no time breakdown")
     long = data.unpivot(index=["job_id", "job", "model", "config_label", "backend", "config",

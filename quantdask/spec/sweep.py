@@ -26,6 +26,7 @@ from quantdask.spec.fields import NAME, keyed, positive_int, require
 from quantdask.spec.gates import Gate, parse_gates
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
+from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.tasks import TaskSettings
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang", "slow")
@@ -101,6 +102,7 @@ class Sweep:
     artifacts: ArtifactSettings | None = None  # which quantized models are kept, and where
     tasks: TaskSettings | None = None  # lm-eval task accuracy of every job (spec.tasks)
     gates: list[str | dict | Gate] = field(default_factory=list)  # thresholds (spec.gates)
+    speed: SpeedSettings | None = None  # generation speed of every job (spec.speed)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and NAME.match(self.name)):
@@ -151,6 +153,8 @@ class Sweep:
             require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
         if self.tasks is not None:
             require("tasks", self.tasks, TaskSettings, "the task settings")
+        if self.speed is not None:
+            require("speed", self.speed, SpeedSettings, "the speed settings")
         object.__setattr__(self, "gates", parse_gates(
             self.gates, set(labels), self.tasks.names if self.tasks else None))
         for i, block in enumerate(self.backends):
@@ -209,6 +213,7 @@ class Job:
     calibration: CalibrationSettings | None = None
     artifacts: ArtifactSettings | None = None  # keep the quantized model; not part of the id
     tasks: TaskSettings | None = None  # lm-eval tasks to score; part of the id when given
+    speed: SpeedSettings | None = None  # generation to time; part of the id when given
 
     @property
     def is_baseline(self) -> bool:
@@ -225,16 +230,18 @@ class Job:
 
 def job_identity(model: ModelSpec, backend: str, options: BackendOptions, eval: EvalSettings,
                  seed: int, calibration: CalibrationSettings | None = None,
-                 tasks: TaskSettings | None = None) -> dict:
+                 tasks: TaskSettings | None = None, speed: SpeedSettings | None = None) -> dict:
     """The canonical job spec: every field that changes what the job measures, nothing else
-    (``calibration`` only for a backend that calibrates; ``tasks`` only when given, so a sweep
-    without tasks keeps its ids)."""
+    (``calibration`` only for a backend that calibrates; ``tasks`` and ``speed`` only when
+    given, so a sweep without them keeps its ids)."""
     identity = {"model": model.identity(), "backend": backend, "options": options.as_dict(),
                 "eval": eval.identity(), "seed": seed}
     if calibration is not None:
         identity["calibration"] = calibration.identity()
     if tasks is not None:
         identity["tasks"] = tasks.identity()
+    if speed is not None:
+        identity["speed"] = speed.identity()
     return identity
 
 
@@ -254,7 +261,8 @@ def expand_grid(sweep: Sweep) -> list[Job]:
     out) are one job.
     """
     jobs: dict[str, Job] = {}
-    share = 1.0 / sweep.jobs_per_gpu
+    # A job timing generation holds its whole device: packed jobs would time each other.
+    share = 1.0 if sweep.speed is not None else 1.0 / sweep.jobs_per_gpu
     for model in sweep.models:
         # The baseline is what every config is compared to: it goes first.
         entries = [(BASELINE, get_backend(BASELINE).normalize({}, "options"), sweep.priority + 1)]
@@ -264,7 +272,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
         for backend, options, priority in entries:
             calibration = sweep.calibration if get_backend(backend).calibrated else None
             identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration,
-                                    sweep.tasks)
+                                    sweep.tasks, sweep.speed)
             jid = job_id(identity)
             if jid not in jobs:
                 jobs[jid] = Job(
@@ -273,7 +281,7 @@ def expand_grid(sweep: Sweep) -> list[Job]:
                     seed=sweep.seed, priority=priority, retries=sweep.retries,
                     timeout_s=float(sweep.timeout_s), gpu_share=share,
                     layer_stats=sweep.layer_stats, calibration=sweep.calibration,
-                    artifacts=sweep.artifacts, tasks=sweep.tasks,
+                    artifacts=sweep.artifacts, tasks=sweep.tasks, speed=sweep.speed,
                     faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                                  if f["config"] == get_backend(backend).config_label(options)
                                  and f.get("model", model.label) == model.label),

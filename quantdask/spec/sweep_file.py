@@ -14,6 +14,7 @@ from typing import Any
 from quantdask.errors import SpecError
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
+from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.sweep import BackendBlock, Sweep, field_names
 from quantdask.spec.tasks import TaskSettings
 
@@ -80,11 +81,15 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
         with _under("tasks"):
             tasks = TaskSettings(**_mapping("", data["tasks"], TaskSettings,
                                             required=("names",)), root=root)
-    rest = {k: v for k, v in data.items()
-            if k not in ("models", "backends", "eval", "calibration", "artifacts", "tasks")}
+    speed = None
+    if data.get("speed") is not None:
+        with _under("speed"):
+            speed = SpeedSettings(**_mapping("", data["speed"], SpeedSettings))
+    rest = {k: v for k, v in data.items() if k not in (
+        "models", "backends", "eval", "calibration", "artifacts", "tasks", "speed")}
     with _under(""):
         return Sweep(models=models, backends=blocks, eval=evaluation, calibration=calibration,
-                     artifacts=artifacts, tasks=tasks, **rest)
+                     artifacts=artifacts, tasks=tasks, speed=speed, **rest)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:

@@ -7,6 +7,7 @@ Layout::
     RUN_DIR/layers/<job_id>.parquet   per-layer error of a done job, written before its result
     RUN_DIR/windows/<job_id>.parquet  per-window quality of a done job, written before its result
     RUN_DIR/tasks/<job_id>.parquet    task scores of a done job (a sweep with tasks), likewise
+    RUN_DIR/speed/<job_id>.parquet    generation speed of a done job (a sweep with speed)
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
     RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
@@ -43,6 +44,8 @@ from quantdask.store.schema import (
     RESULT_SCHEMA,
     SAMPLE_SCHEMA,
     SESSION_SCHEMA,
+    SPEED_OPTIONAL,
+    SPEED_SCHEMA,
     TASK_OPTIONAL,
     TASK_SCHEMA,
     WINDOW_SCHEMA,
@@ -89,6 +92,7 @@ class RunStore:
         self.layers_dir = self.root / "layers"
         self.windows_dir = self.root / "windows"
         self.tasks_dir = self.root / "tasks"
+        self.speed_dir = self.root / "speed"
         self.samples_dir = self.root / "samples"
         self.attempts_dir = self.root / "attempts"
         self.sessions_dir = self.root / "sessions"
@@ -108,8 +112,8 @@ class RunStore:
 
     def create(self) -> RunStore:
         for d in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
-                  self.samples_dir, self.attempts_dir, self.sessions_dir, self.job_logs_dir,
-                  self.worker_logs_dir):
+                  self.speed_dir, self.samples_dir, self.attempts_dir, self.sessions_dir,
+                  self.job_logs_dir, self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -140,6 +144,11 @@ class RunStore:
         """Persist a job's task rows (``job_id`` added), atomically."""
         return self._write_rows(self.tasks_dir, job_id, rows, TASK_SCHEMA, "task",
                                 TASK_OPTIONAL)
+
+    def write_speed(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist a job's speed rows (``job_id`` added), atomically."""
+        return self._write_rows(self.speed_dir, job_id, rows, SPEED_SCHEMA, "speed",
+                                SPEED_OPTIONAL)
 
     @staticmethod
     def _write_rows(directory: Path, job_id: str, rows: list[dict[str, Any]], schema: dict,
@@ -244,7 +253,8 @@ class RunStore:
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
         moved = []
         for directory in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
-                          self.attempts_dir, self.samples_dir, self.sessions_dir):
+                          self.speed_dir, self.attempts_dir, self.samples_dir,
+                          self.sessions_dir):
             if not directory.is_dir():
                 continue
             for tmp in directory.glob(".*.tmp"):
@@ -277,6 +287,11 @@ class RunStore:
         return self._done_rows(self.tasks_dir, TASK_SCHEMA).sort("job_id", "task", "metric",
                                                                  "filter")
 
+    def read_speed_rows(self) -> pl.DataFrame:
+        """Speed rows of the jobs recorded done, as measured (``store.speed.read_speed`` adds
+        the baseline's figures)."""
+        return self._done_rows(self.speed_dir, SPEED_SCHEMA).sort("job_id", "batch_size")
+
     def _done_rows(self, directory: Path, schema: dict) -> pl.DataFrame:
         recorded = self.read_results().filter(pl.col("status") == Status.DONE)["job_id"]
         return _read_dir(directory, schema).filter(pl.col("job_id").is_in(recorded.to_list()))
@@ -293,9 +308,10 @@ class RunStore:
             # Its per-layer and per-window rows are part of a done job: one set aside (or one
             # from a version that wrote none) means run it again.
             name = f"{row['job_id']}.parquet"
-            tasks_kept = row["tasks_s"] is None or (self.tasks_dir / name).exists()
-            if (self.layers_dir / name).exists() and (self.windows_dir / name).exists() \
-                    and tasks_kept:
+            kept = [self.layers_dir, self.windows_dir]
+            kept += [self.tasks_dir] if row["tasks_s"] is not None else []
+            kept += [self.speed_dir] if row["speed_s"] is not None else []
+            if all((directory / name).exists() for directory in kept):
                 finished.add(row["job_id"])
         return finished
 
@@ -331,7 +347,7 @@ class RunStore:
 
 
 _SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "windows": WINDOW_SCHEMA,
-            "tasks": TASK_SCHEMA, "samples": SAMPLE_SCHEMA,
+            "tasks": TASK_SCHEMA, "speed": SPEED_SCHEMA, "samples": SAMPLE_SCHEMA,
             "attempts": ATTEMPT_SCHEMA, "sessions": SESSION_SCHEMA}
 
 
@@ -402,16 +418,3 @@ def read_results(run_dir: str | os.PathLike) -> pl.DataFrame:
     >>> read_results("runs/demo").select("config_label", "perplexity")  # doctest: +SKIP
     """
     return RunStore(run_dir).read_results()
-
-
-def job_status(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """One row per planned job of ``run_dir`` with its status (``pending`` when not recorded)."""
-    store = RunStore(run_dir)
-    plan = store.read_plan()
-    results = store.read_results().select("job_id", "status", "attempts", "worker", "wall_s",
-                                          "perplexity", "failure_class", "error_message")
-    if not plan:
-        return results.with_columns(pl.lit(None, pl.String).alias("config_label"))
-    planned = pl.DataFrame(plan).select("job_id", "model", "backend", "config_label", "priority")
-    return (planned.join(results, on="job_id", how="left")
-            .with_columns(pl.col("status").fill_null("pending")))

@@ -46,6 +46,9 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "tasks_peak_device_mem_bytes": pl.Int64(),
     "tasks_peak_host_rss_bytes": pl.Int64(),
     "tasks_truncated_samples": pl.Int64(),
+    # The speed phase (a sweep with a speed block; null without): its wall time, warm-up runs
+    # included. Its figures are in the speed frame, one row per batch size.
+    "speed_s": pl.Float64(),
     "source_cached": pl.Boolean(),
     "peak_device_mem_bytes": pl.Int64(),
     "peak_device_reserved_bytes": pl.Int64(),
@@ -187,6 +190,31 @@ TASK_SCHEMA: dict[str, pl.DataType] = {
 """One row per (done job, task, metric, filter) of a sweep with a tasks block."""
 TASK_OPTIONAL = ("value", "stderr", "samples", "num_fewshot", "higher_is_better",
                  "baseline_value", "baseline_stderr", "recovery")
+
+SPEED_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "batch_size": pl.Int64(),
+    "prompt_tokens": pl.Int64(),  # per prompt
+    "new_tokens": pl.Int64(),  # generated per prompt, exactly (greedy, no early stop)
+    "repeats": pl.Int64(),  # timed runs (warm-up runs not counted)
+    "device": pl.String(),  # cuda:<physical id> or cpu
+    "exclusive": pl.Boolean(),  # the job held its whole device, no other job measured beside
+    "ttft_s": pl.Float64(),  # time to first token (prefill), median over the runs
+    "decode_s_p50": pl.Float64(),  # one decode step (a token per prompt), median
+    "decode_s_p90": pl.Float64(),
+    "prefill_tokens_per_s": pl.Float64(),  # batch x prompt tokens / ttft_s
+    "decode_tokens_per_s": pl.Float64(),  # batch / mean decode step
+    "peak_device_mem_bytes": pl.Int64(),  # during the timed runs
+    # Added when read (qd.read_speed), from the baseline's row of the same model and batch:
+    "baseline_decode_tokens_per_s": pl.Float64(),
+    "decode_speedup": pl.Float64(),  # decode tokens/s over the baseline's
+    "prefill_speedup": pl.Float64(),
+}
+"""One row per (done job, batch size) of a sweep with a speed block."""
+SPEED_MEASURED = tuple(c for c in SPEED_SCHEMA if c not in (
+    "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup"))
+SPEED_OPTIONAL = ("decode_s_p50", "decode_s_p90", "decode_tokens_per_s",
+                  "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup")
 
 FAILURE_CLASSES = tuple(FailureClass)
 """How a failed or skipped job is classified, and so what the scheduler does about it."""

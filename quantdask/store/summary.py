@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import os
+
 import polars as pl
 
+from quantdask.store.run_store import RunStore
 from quantdask.worker.outcome import Status
 
 DEVICE_SUMMARY_SCHEMA = {
@@ -146,3 +149,16 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
         .select(list(SWEEP_SUMMARY_SCHEMA))
         .cast(SWEEP_SUMMARY_SCHEMA)
     )
+
+
+def job_status(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """One row per planned job of ``run_dir`` with its status (``pending`` when not recorded)."""
+    store = RunStore(run_dir)
+    plan = store.read_plan()
+    results = store.read_results().select("job_id", "status", "attempts", "worker", "wall_s",
+                                          "perplexity", "failure_class", "error_message")
+    if not plan:
+        return results.with_columns(pl.lit(None, pl.String).alias("config_label"))
+    planned = pl.DataFrame(plan).select("job_id", "model", "backend", "config_label", "priority")
+    return (planned.join(results, on="job_id", how="left")
+            .with_columns(pl.col("status").fill_null("pending")))

@@ -2,9 +2,9 @@
 
 ``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
 ``JobRun``, the state an attempt carries from phase to phase: load, quantize, coverage, layer
-weights, score (with the layers' output errors), task accuracy, artifacts. A new measurement is
-one more phase function here (with its own section of the stopwatch) and one more entry in
-``PHASES``; the record is made from the ``JobRun`` at the end.
+weights, score (with the layers' output errors), task accuracy, generation speed, artifacts. A
+new measurement is one more phase function here (with its own section of the stopwatch) and one
+more entry in ``PHASES``; the record is made from the ``JobRun`` at the end.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -71,6 +71,7 @@ class JobRun:
     reference: Reference
     device: str  # torch's device, e.g. cuda:0
     cuda: bool
+    device_label: str = ""  # what the records call it: cuda:<physical id> or cpu
     watch: Stopwatch = field(default_factory=Stopwatch)
     peak: PeakMemory | None = None
     holding: contextlib.ExitStack | None = None  # what the attempt holds until it is measured
@@ -86,6 +87,7 @@ class JobRun:
     scores: dict[str, Any] = field(default_factory=dict)
     windows: list[dict[str, Any]] = field(default_factory=list)  # per-window quality
     tasks: list[dict[str, Any]] = field(default_factory=list)  # the tasks frame's rows
+    speed: list[dict[str, Any]] = field(default_factory=list)  # the speed frame's rows
     extra: dict[str, Any] = field(default_factory=dict)  # more record columns from phases
 
     @contextlib.contextmanager
@@ -194,6 +196,23 @@ def score_tasks(run: JobRun) -> None:
     run.extra["tasks_truncated_samples"] = truncated_total(run.tasks)
 
 
+def time_generation(run: JobRun) -> None:
+    """Greedy generation timed per batch size (``worker.speed``), on the model the quality
+    phases measured; its own section of the stopwatch (``speed_s``), never part of the eval's.
+    Exclusive when the attempt holds its whole device and no other job measured beside it."""
+    settings = run.job.speed
+    if settings is None:
+        return
+    from quantdask.worker.speed import measure_speed
+
+    share = held_resources().get("GPU", 1.0)  # outside Dask: nothing else is scheduled here
+    with run.watch("speed"):
+        run.speed = measure_speed(run.model, run.reference.windows, settings, run.cuda,
+                                  run.source.tokenizer.pad_token_id, run.device_label,
+                                  exclusive=share >= 1.0)
+    run.extra["speed_s"] = run.watch.seconds["speed"]
+
+
 def keep_artifacts(run: JobRun) -> None:
     """Save (and verify) the quantized model, when the sweep keeps artifacts."""
     artifacts = run.job.artifacts
@@ -204,7 +223,7 @@ def keep_artifacts(run: JobRun) -> None:
 
 Phase = Callable[[JobRun], None]
 PHASES: tuple[Phase, ...] = (load, quantize, check_coverage, layer_weights, score,
-                             score_tasks, keep_artifacts)
+                             score_tasks, time_generation, keep_artifacts)
 """What an attempt does, in order."""
 
 
@@ -285,7 +304,7 @@ def start(job: Job, backend: Backend | bytes, attempt: int, reference: Reference
         reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                       calibration=job.calibration, tasks=job.tasks)
     torch.manual_seed(job.seed)
-    return JobRun(job, backend, reference, device, cuda)
+    return JobRun(job, backend, reference, device, cuda, device_label=device_label)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
@@ -311,6 +330,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
                     phase(run)
             record.update(done_record(run))
             outcome.layers, outcome.windows, outcome.tasks = run.layers, run.windows, run.tasks
+            outcome.speed = run.speed
             _log_done(record, len(run.layers))
         except Exception as error:
             record.update(not_done_record(error, job.backend))
@@ -334,4 +354,4 @@ def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: Attempt
     outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
     outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
                           error_class="JobTimeout", error_message=str(late))
-    outcome.layers, outcome.windows, outcome.tasks = [], [], []
+    outcome.layers, outcome.windows, outcome.tasks, outcome.speed = [], [], [], []

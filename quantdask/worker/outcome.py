@@ -84,6 +84,7 @@ class JobOutcome:
     layers: list[dict[str, Any]] = field(default_factory=list)  # rows of the layers frame
     windows: list[dict[str, Any]] = field(default_factory=list)  # rows of the windows frame
     tasks: list[dict[str, Any]] = field(default_factory=list)  # rows of the tasks frame
+    speed: list[dict[str, Any]] = field(default_factory=list)  # rows of the speed frame
     device_samples: list[dict[str, Any]] = field(default_factory=list)
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
 
