@@ -31,6 +31,7 @@ from quantdask.report.html import execute_notebook, write_report
 from quantdask.spec.gates import Gate
 from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import EvalSettings
+from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.spec.tasks import TaskSettings
@@ -60,5 +61,5 @@ __all__ = [
     "read_tasks",
     "read_windows",
     "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
-    "sweep_summary", "TaskSettings", "tls_security", "write_report",
+    "sweep_summary", "SpeedSettings", "TaskSettings", "tls_security", "write_report",
 ]

@@ -108,6 +108,7 @@ def test_a_sweep_records_the_speed_of_the_baseline_and_every_config(cluster, tmp
         results.select("job_id", "config_label"), on="job_id")
     assert speed.height == 3 * 2 and set(speed["batch_size"]) == {1, 2}
     assert set(speed["device"]) == {"cpu"} and speed["exclusive"].all()
+    assert speed["other_slots_busy"].is_not_null().all()  # 2 slots share the machine's cores
     assert (speed["new_tokens"] == 8).all() and (speed["decode_tokens_per_s"] > 0).all()
     baseline = speed.filter(pl.col("config_label") == "baseline")
     assert baseline["decode_speedup"].to_list() == [1.0, 1.0]

@@ -198,12 +198,15 @@ SPEED_SCHEMA: dict[str, pl.DataType] = {
     "new_tokens": pl.Int64(),  # generated per prompt, exactly (greedy, no early stop)
     "repeats": pl.Int64(),  # timed runs (warm-up runs not counted)
     "device": pl.String(),  # cuda:<physical id> or cpu
-    "exclusive": pl.Boolean(),  # the job held its whole device, no other job measured beside
+    "exclusive": pl.Boolean(),  # the job held its whole device; no other job measured beside
+    # A CPU slot's device is the machine's cores: whether another slot's job computed on them
+    # before or after the timed runs (null on a GPU)
+    "other_slots_busy": pl.Boolean(),
     "ttft_s": pl.Float64(),  # time to first token (prefill), median over the runs
     "decode_s_p50": pl.Float64(),  # one decode step (a token per prompt), median
     "decode_s_p90": pl.Float64(),
     "prefill_tokens_per_s": pl.Float64(),  # batch x prompt tokens / ttft_s
-    "decode_tokens_per_s": pl.Float64(),  # batch / mean decode step
+    "decode_tokens_per_s": pl.Float64(),  # batch / median decode step
     "peak_device_mem_bytes": pl.Int64(),  # during the timed runs
     # Added when read (qd.read_speed), from the baseline's row of the same model and batch:
     "baseline_decode_tokens_per_s": pl.Float64(),
@@ -213,7 +216,7 @@ SPEED_SCHEMA: dict[str, pl.DataType] = {
 """One row per (done job, batch size) of a sweep with a speed block."""
 SPEED_MEASURED = tuple(c for c in SPEED_SCHEMA if c not in (
     "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup"))
-SPEED_OPTIONAL = ("decode_s_p50", "decode_s_p90", "decode_tokens_per_s",
+SPEED_OPTIONAL = ("other_slots_busy", "decode_s_p50", "decode_s_p90", "decode_tokens_per_s",
                   "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup")
 
 FAILURE_CLASSES = tuple(FailureClass)

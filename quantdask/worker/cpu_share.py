@@ -83,6 +83,18 @@ def busy_jobs() -> int:
     return count
 
 
+def others_busy() -> bool:
+    """Whether a job of another CPU slot of this machine is computing now (its cores are this
+    one's too): False where cores are not shared, or nothing else is marked busy."""
+    if _own_threads is None:
+        return False
+    mine = 1 if getattr(_marks, "path", None) is not None else 0
+    try:
+        return busy_jobs() > mine
+    except OSError:  # the directory went away
+        return False
+
+
 def rebalance() -> None:
     """Take the cores idle slots leave (or give them back): call between steps of a job,
     inside :func:`busy`. Does nothing elsewhere."""

@@ -199,17 +199,18 @@ def score_tasks(run: JobRun) -> None:
 def time_generation(run: JobRun) -> None:
     """Greedy generation timed per batch size (``worker.speed``), on the model the quality
     phases measured; its own section of the stopwatch (``speed_s``), never part of the eval's.
-    Exclusive when the attempt holds its whole device and no other job measured beside it."""
+    On a CPU slot, whose device is the machine's cores, the rows also say whether another
+    slot's job computed meanwhile."""
     settings = run.job.speed
     if settings is None:
         return
     from quantdask.worker.speed import measure_speed
 
-    share = held_resources().get("GPU", 1.0)  # outside Dask: nothing else is scheduled here
+    whole = held_resources().get("GPU", 1.0) >= 1.0  # outside Dask: nothing else scheduled
     with run.watch("speed"):
         run.speed = measure_speed(run.model, run.reference.windows, settings, run.cuda,
-                                  run.source.tokenizer.pad_token_id, run.device_label,
-                                  exclusive=share >= 1.0)
+                                  run.source.tokenizer.pad_token_id, run.device_label, whole,
+                                  None if run.cuda else cpu_share.others_busy)
     run.extra["speed_s"] = run.watch.seconds["speed"]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quantdask.worker.measure import PeakMemory
@@ -92,15 +93,19 @@ def generate_timed(model, prompts: torch.Tensor, new_tokens: int, cuda: bool,
 
 
 def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: bool,
-                  pad_token_id: int | None, device_label: str,
-                  exclusive: bool) -> list[dict[str, Any]]:
-    """The speed frame's rows of ``model``: one per batch size (see the module)."""
+                  pad_token_id: int | None, device_label: str, whole_device: bool,
+                  others_busy: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """The speed frame's rows of ``model``: one per batch size (see the module). A row is
+    ``exclusive`` when the job holds its ``whole_device`` and no other job was measured on
+    this worker meanwhile; on a CPU slot, ``others_busy()`` (sampled before and after the timed
+    runs) says whether another slot's job computed on the machine's cores."""
     rows = []
     for batch in settings.batch_sizes:
         prompts = prompt_ids(windows, batch, settings.prompt_length)
         for _ in range(settings.warmup):
             generate_timed(model, prompts, settings.new_tokens, cuda, pad_token_id)
         first, steps = [], []
+        busy_before = others_busy() if others_busy else None
         with PeakMemory(cuda) as peak:
             for _ in range(settings.repeats):
                 made, to_first, decode = generate_timed(model, prompts, settings.new_tokens,
@@ -110,15 +115,16 @@ def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: b
                                        f"{settings.new_tokens} asked for")
                 first.append(to_first)
                 steps += decode
-        ttft = statistics.median(first)
-        step = statistics.fmean(steps) if steps else None
+        ttft, step = statistics.median(first), _quantile(steps, 0.5)
         rows.append({
             "batch_size": batch, "prompt_tokens": settings.prompt_length,
             "new_tokens": settings.new_tokens, "repeats": settings.repeats,
-            "device": device_label, "exclusive": exclusive and not peak.shared,
-            "ttft_s": ttft, "decode_s_p50": _quantile(steps, 0.5),
-            "decode_s_p90": _quantile(steps, 0.9),
+            "device": device_label, "exclusive": whole_device and not peak.shared,
+            "other_slots_busy": None if others_busy is None else busy_before or others_busy(),
+            "ttft_s": ttft, "decode_s_p50": step, "decode_s_p90": _quantile(steps, 0.9),
             "prefill_tokens_per_s": batch * settings.prompt_length / ttft,
+            # The median step: a stray slow step (a page fault, another process) does not
+            # move it, as it would a mean.
             "decode_tokens_per_s": batch / step if step else None,
             "peak_device_mem_bytes": peak.peak_device_bytes,
         })
