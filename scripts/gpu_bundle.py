@@ -6,8 +6,11 @@ The lent machine (the device tool's KINDS.md) runs Python 3.12 with a CUDA 13 to
 transformers, accelerate, cuda-core, cuda-bindings, nvidia-ml-py, rich, psutil and pytest, and
 it has no network. This script downloads cp312 manylinux wheels of exactly what it lacks
 (``BUNDLE``, pinned), installs them into one folder (``pip --target``, no dependencies), keeps
-only the bitsandbytes libraries a CUDA 13 torch loads, and packs that folder as
-``.gpu-bundle/site.tar.xz`` (an ignored folder). ``scripts/gpu_smoke.sh`` unpacks it there and
+only the bitsandbytes libraries a CUDA 13 torch loads, leaves out bytecode, torchao's top-level
+``test`` package and whatever differs from build to build (``LEFT_OUT``, ``UNSTABLE_METADATA``),
+and packs that folder as ``.gpu-bundle/site.tar.xz`` (an ignored folder) with one mtime, no
+owner and sorted entries: the same pins give the same archive bytes, so the lock's digest
+changes only when the pins (or this script) do. ``scripts/gpu_smoke.sh`` unpacks it there and
 puts it on ``PYTHONPATH``. It also writes ``scripts/gpu_bundle.lock.json``: each package's
 version, wheel, sha256 and requirements, and the archive's size, which the tests check offline
 (every requirement is bundled or on the machine, nothing extra, the size fits one call).
@@ -18,6 +21,7 @@ version, wheel, sha256 and requirements, and the archive's size, which the tests
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import json
 import lzma
@@ -209,11 +213,41 @@ def pinned_wheels(wheels: Path, pins: dict[str, str]) -> dict[str, Path]:
     return found
 
 
+LEFT_OUT = {
+    "test": "torchao's own tests, installed as a top-level package: on PYTHONPATH it would "
+            "shadow the standard library's test package",
+    "shared-actions": "dask-cuda's CI scripts (not a package)",
+    "bin": "console scripts whose first line names the python that built the bundle",
+}
+"""Top-level entries of the installed folder that the bundle leaves out, and why."""
+
+UNSTABLE_METADATA = ("direct_url.json",)
+"""Files in each ``*.dist-info`` that differ from build to build (``direct_url.json`` names the
+path of the wheel installed); left out, with their lines in ``RECORD``."""
+
+EPOCH = 315532800
+"""The one mtime every archive entry gets (1980-01-01T00:00:00Z, the earliest a zip can hold),
+unless ``SOURCE_DATE_EPOCH`` sets another: the same pins give the same archive bytes."""
+
+
 def prune(site: Path, keep: dict[str, tuple[str, ...]]) -> list[str]:
-    """Remove compiled caches, and of each ``keep`` package the native libraries it does not
-    name; returns the libraries kept."""
-    for cache in list(site.rglob("__pycache__")):
+    """Remove what would make the archive differ between builds or harm the lent machine:
+    compiled caches (``__pycache__``, ``*.pyc``), ``LEFT_OUT``'s top-level entries and each
+    dist-info's ``UNSTABLE_METADATA``, whose lines ``RECORD`` then loses too; and of each
+    ``keep`` package the native libraries it does not name. Returns the libraries kept."""
+    for cache in sorted(site.rglob("__pycache__")):
         shutil.rmtree(cache)
+    for compiled in [*site.rglob("*.pyc"), *site.rglob("*.pyo")]:
+        compiled.unlink()
+    for name in LEFT_OUT:
+        entry = site / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
+    for info in site.glob("*.dist-info"):
+        for name in UNSTABLE_METADATA:
+            (info / name).unlink(missing_ok=True)
     kept = []
     for package, names in keep.items():
         for library in sorted((site / package).glob("lib*.so")):
@@ -221,17 +255,50 @@ def prune(site: Path, keep: dict[str, tuple[str, ...]]) -> list[str]:
                 kept.append(f"{package}/{library.name}")
             else:
                 library.unlink()
+    for record in site.glob("*.dist-info/RECORD"):
+        _record_only_what_is_there(record, site)
     return kept
+
+
+def _record_only_what_is_there(record: Path, site: Path) -> None:
+    """Drop from a ``RECORD`` the lines of files the bundle does not hold (pruned, or outside
+    the folder: ``../../bin/...``), so that it lists what is there."""
+    lines = record.read_text(encoding="utf-8").splitlines(keepends=True)
+    root = site.resolve()
+
+    def there(line: str) -> bool:
+        path = next(csv.reader([line]), [""])[0]
+        if not path:
+            return False
+        target = (site / path).resolve()
+        return target.is_relative_to(root) and target.is_file()
+
+    record.write_text("".join(line for line in lines if there(line)), encoding="utf-8")
+
+
+def _normalized(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """An archive entry without what differs between builds and builders: one mtime, root's
+    ids and no names, modes from the executable bit alone (not the umask)."""
+    info.mtime = int(os.environ.get("SOURCE_DATE_EPOCH", EPOCH))
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    executable = info.isdir() or info.mode & 0o111
+    info.mode = 0o755 if executable else 0o644
+    return info
 
 
 def pack(site: Path, archive: Path) -> None:
     """``site`` as one xz tarball (Python's lzma, so the lent machine unpacks it with
-    tarfile alone)."""
+    tarfile alone), the same bytes for the same files: entries in path order, normalized
+    (``_normalized``)."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_suffix(".partial")
-    with lzma.open(partial, "wb", preset=6) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
-        for path in sorted(site.rglob("*")):
-            tar.add(path, arcname=str(path.relative_to(site)), recursive=False)
+    entries = sorted(site.rglob("*"), key=lambda p: p.relative_to(site).as_posix())
+    with lzma.open(partial, "wb", preset=6) as xz, \
+            tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in entries:
+            tar.add(path, arcname=path.relative_to(site).as_posix(), recursive=False,
+                    filter=_normalized)
     os.replace(partial, archive)
 
 

@@ -12,8 +12,12 @@ runs under pytest. Each worker must advertise its GPU's memory (the ``DEVICE_MEM
 that placement by memory uses). ``--dry-run`` does the same on CPU slots (the tests run it so
 that this script does not rot), checking ``cpu`` where CUDA would be (tests/test_gpu.py skips).
 
+It prints first the versions of cuda-core and cuda-bindings (dask-cuda 26.10 imports ``from
+cuda.core import Device``: cuda-core 0.5 or later) and the host's memory, then each stage's time.
 The output directory is new every run (a rerun of an old one would resume and check stale
-results); ``--tar FILE`` packs it for the trip back. No HTML report here: the lent machine has no
+results); ``--tar FILE`` packs it for the trip back, in a ``finally``: a failure, or the SIGTERM
+of gpu_smoke.sh's ``timeout`` (packed at once, before the cluster closes), still leaves the
+tarball with what finished. No HTML report here: the lent machine has no
 Jupyter stack; ``quantdask report DIR/sweep`` writes it from the unpacked directory.
 Exit 0 when every check passed, 1 otherwise, 2 when it cannot start.
 """
@@ -21,8 +25,11 @@ Exit 0 when every check passed, 1 otherwise, 2 when it cannot start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -74,8 +81,11 @@ def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tup
     else:
         from quantdask.worker.devices import NvmlProbe, nvml_uuid
 
-        # This process sees every GPU: CUDA index g, looked up in NVML by its UUID.
-        totals = {NvmlProbe(nvml_uuid(int(g))).sample()["memory_total_bytes"] for g in gpus}
+        # The cluster runs on every GPU this process sees, in order: the i-th has CUDA index
+        # i here, looked up in NVML by its UUID. (``gpus`` holds physical ids: numbers of an
+        # inherited CUDA_VISIBLE_DEVICES, or its GPU-/MIG- UUIDs.)
+        totals = {NvmlProbe(nvml_uuid(i)).sample()["memory_total_bytes"]
+                  for i in range(len(gpus))}
         ok = bool(advertised) and all(m in totals for m in advertised.values())
     shown = ", ".join(f"{n}: {(m or 0) / 2**30:.1f} GiB" for n, m in sorted(advertised.items()))
     return ok, shown
@@ -136,6 +146,104 @@ def run_gpu_tests(out: Path, dry_run: bool) -> tuple[bool, str]:
     return ok, summary
 
 
+class Terminated(BaseException):
+    """SIGTERM (``timeout`` cutting the smoke short): raised in the main thread so that every
+    ``with`` and ``finally`` runs and the tarball holds what finished."""
+
+
+def cuda_python_versions() -> list[str]:
+    """The versions of cuda-core and cuda-bindings here ('missing' if absent), and a warning
+    when cuda-core is too old: dask-cuda 26.10 imports ``from cuda.core import Device``, which
+    needs cuda-core 0.5 or later (its requirement: 0.5.1)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    lines, found = [], {}
+    for name in ("cuda-core", "cuda-bindings"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "missing"
+    lines.append(", ".join(f"{name} {v}" for name, v in found.items()))
+    try:
+        from packaging.version import Version
+
+        if found["cuda-core"] != "missing" and Version(found["cuda-core"]) < Version("0.5.1"):
+            lines.append(f"cuda-core {found['cuda-core']} is older than the 0.5.1 dask-cuda "
+                         "26.10 needs (from cuda.core import Device): GPU workers cannot start")
+    except Exception:  # noqa: BLE001 - a version it cannot read is printed as it is above
+        pass
+    return lines
+
+
+def host_memory() -> str:
+    """The host's memory now: a GPU worker has no host-memory limit, but the figure is the
+    first thing to look at when a worker is lost."""
+    try:
+        import psutil
+    except ImportError:
+        return "host memory: psutil missing"
+    memory = psutil.virtual_memory()
+    return (f"host memory {memory.total / 2**30:.1f} GiB total, "
+            f"{memory.available / 2**30:.1f} GiB available; {os.cpu_count()} CPUs")
+
+
+class Stages:
+    """Times each stage of the smoke and prints it: ``with stages("name"):``."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.current = name
+        began = time.perf_counter()
+        try:
+            yield
+        except BaseException as error:
+            print(f"smoke: stage {name} stopped after {time.perf_counter() - began:.1f}s by "
+                  f"{type(error).__name__}", flush=True)
+            raise
+        print(f"smoke: stage {name}: {time.perf_counter() - began:.1f}s "
+              f"(at {time.perf_counter() - self.started:.0f}s)", flush=True)
+        self.current = None
+
+
+class Packer:
+    """Packs the output directory as ``tar`` (nothing without one): at the end, in a
+    ``finally``, and at once on SIGTERM (``timeout`` kills 10 s later; closing a cluster may
+    take longer). Each pack replaces the tarball whole."""
+
+    def __init__(self, out: Path, tar: str | None):
+        self.out, self.tar, self.final = out, tar, False
+
+    def pack(self) -> None:
+        if not self.tar:
+            return
+        partial = f"{self.tar}.partial"
+        with tarfile.open(partial, "w:gz") as packed:
+            packed.add(self.out, arcname=self.out.name, recursive=False)
+            for path in sorted(self.out.rglob("*")):
+                try:
+                    packed.add(path, arcname=f"{self.out.name}/{path.relative_to(self.out)}",
+                               recursive=False)
+                except FileNotFoundError:  # a worker's temporary file, gone since listed
+                    continue
+        os.replace(partial, self.tar)
+        print(f"smoke: {self.out} packed as {self.tar}", flush=True)
+
+    def last(self) -> None:
+        self.final = True  # a SIGTERM from here on lets this pack finish
+        self.pack()
+
+    def on_sigterm(self, signum, frame) -> None:
+        if self.final:
+            return
+        print("smoke: SIGTERM (the time limit): packing what finished", flush=True)
+        self.pack()
+        raise Terminated("SIGTERM")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU slots instead of GPUs")
@@ -143,16 +251,19 @@ def main() -> int:
                                       "runs/gpu-smoke-<UTC time>")
     parser.add_argument("--tar", help="also pack the output directory as this .tar.gz")
     args = parser.parse_args()
+    for line in cuda_python_versions():
+        print(f"smoke: {line}", flush=True)
+    print(f"smoke: {host_memory()}", flush=True)
     out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
-    missing = cannot_import()
+    stages = Stages()
+    with stages("imports"):
+        missing = cannot_import()
     if missing:
         print(f"gpu_smoke: {sys.executable} cannot import what the smoke needs:\n{missing}"
               "gpu_smoke: on the lent machine, carry .gpu-bundle (make gpu-bundle builds it "
               "here); elsewhere run 'make test' first or set PYTHON", file=sys.stderr)
         return 2
     import torch
-
-    import quantdask as qd
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -169,16 +280,42 @@ def main() -> int:
         if not ok:
             failures.append(what)
 
-    device_pattern = r"cpu" if args.dry_run else r"cuda:\d+"
-    started = time.perf_counter()
+    packer = Packer(out, args.tar)
+    signal.signal(signal.SIGTERM, packer.on_sigterm)
+    try:
+        run_checks(args, out, check, stages)
+    except BaseException as error:  # noqa: BLE001 - SIGTERM, Ctrl-C and any failure alike
+        if not isinstance(error, Terminated | KeyboardInterrupt):
+            traceback.print_exc()
+        failures.append(f"stopped in stage {stages.current or '-'} by "
+                        f"{type(error).__name__}: {error}")
+    finally:
+        packer.last()
+    print(f"smoke: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)} "
+          f"in {time.perf_counter() - stages.started:.0f}s", flush=True)
+    return 0 if not failures else 1
+
+
+def run_checks(args, out: Path, check, stages: Stages) -> None:
+    """Every check of the smoke, stage by stage, into ``out``."""
+    import quantdask as qd
+
+    device_pattern = r"cpu" if args.dry_run else r"cuda:(\d+|(GPU|MIG)-\S+)"
     where = {"workers": 2} if args.dry_run else {}
-    with qd.start_cluster(**where) as cluster:
+    with contextlib.ExitStack() as running:
+        with stages("cluster start"):
+            cluster = running.enter_context(qd.start_cluster(**where))
         print(f"smoke: {cluster.n_workers} workers ({cluster.kind}), "
               f"GPUs {cluster.gpus or '-'}", flush=True)
         ok, shown = memory_advertised_as_expected(cluster.client, cluster.gpus, args.dry_run)
         check(ok, f"each worker advertises its device memory for placement ({shown})")
-        results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run), out / "sweep", cluster.client)
-        ao = qd.run_sweep(torchao_sweep(args.dry_run), out / "torchao", cluster.client)
+        with stages("bitsandbytes sweep"):
+            results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run), out / "sweep",
+                                   cluster.client)
+        with stages("torchao sweep"):
+            ao = qd.run_sweep(torchao_sweep(args.dry_run), out / "torchao", cluster.client)
+        with stages("cluster close"):
+            running.close()
     check(results.height == len(CONFIGS) + 1 and (results["status"] == "done").all(),
           f"{results.height} jobs done: {results['status'].to_list()}")
     for row in [*results.sort("config_label").to_dicts(), *ao.sort("config_label").to_dicts()]:
@@ -206,9 +343,10 @@ def main() -> int:
           f"({size.get('ao int4wo g128')} < {size.get('ao int8wo')} bytes)")
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
-    with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
-        packed = qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run,
-                                    configs=2), out / "shared", cluster.client)
+    with stages("packed sweep (its own cluster)"):
+        with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
+            packed = qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run,
+                                        configs=2), out / "shared", cluster.client)
     pairs = overlapping(qd.read_attempts(out / "shared"))
     check(len(pairs) > 0, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
                           f"({len(pairs)} overlapping pairs)")
@@ -221,17 +359,12 @@ def main() -> int:
           f"samples taken while two jobs ran carry both ({sum(',' in t for t in tags)} of "
           f"{len(tags)} job samples)")
 
-    ok, summary = run_gpu_tests(out, args.dry_run)
+    with stages("tests/test_gpu.py"):
+        ok, summary = run_gpu_tests(out, args.dry_run)
     check(ok, f"tests/test_gpu.py: {summary}")
     print(f"smoke: no HTML report here; where the Jupyter stack is: quantdask report "
           f"{out / 'sweep'}", flush=True)
-    if args.tar:
-        with tarfile.open(args.tar, "w:gz") as packed_run:
-            packed_run.add(out, arcname=out.name)
-        print(f"smoke: {out} packed as {args.tar}", flush=True)
-    print(f"smoke: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)} "
-          f"in {time.perf_counter() - started:.0f}s", flush=True)
-    return 0 if not failures else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ benchmarks/RESULTS.md; timing targets are never asserted here)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -86,3 +87,69 @@ def test_gpu_smoke_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "no CUDA GPU visible" in run.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gpu_smoke_cut_by_its_time_limit_still_packs_what_finished(tmp_path):
+    # gpu_smoke.sh runs `timeout --kill-after=10 $QUANTDASK_SMOKE_TIMEOUT_S`; timeout's expiry
+    # is a SIGALRM to itself, which sends SIGTERM to the smoke's process group. The test sends
+    # that SIGALRM once the first sweep is done: the cut falls mid-way, wherever the machine is.
+    import signal
+    import time
+
+    out, tarball = tmp_path / "smoke", tmp_path / "smoke.tar.gz"
+    env = {**os.environ, "PYTHON": sys.executable, "QUANTDASK_SMOKE_TIMEOUT_S": "100"}
+    smoke = subprocess.Popen(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--out", str(out),
+                              "--tar", str(tarball)], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in smoke.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("smoke: stage bitsandbytes sweep:"):
+                smoke.send_signal(signal.SIGALRM)  # `exec timeout`: this pid is timeout's
+                break
+        lines += smoke.stdout.read().splitlines()
+        rc = smoke.wait(60)
+    finally:
+        smoke.kill()
+    log = "\n".join(lines)
+    assert rc == 124, log  # timeout's own status for a command it cut
+    assert lines[0] == "smoke: cuda-core missing, cuda-bindings missing" or \
+        lines[0].startswith("smoke: cuda-core "), log
+    assert "smoke: host memory " in log and " GiB available" in log
+    for stage in ("imports", "cluster start", "bitsandbytes sweep"):
+        assert re.search(rf"^smoke: stage {re.escape(stage)}: \d+\.\ds \(at \d+s\)$", log,
+                         re.MULTILINE), stage
+    assert "smoke: SIGTERM (the time limit): packing what finished" in log
+    assert re.search(r"^smoke: stage .* stopped after \d+\.\ds by Terminated$", log,
+                     re.MULTILINE), log
+    assert lines[-1].startswith("smoke: FAILED: stopped in stage ") and "Terminated" in lines[-1]
+    with tarfile.open(tarball) as packed:
+        names = set(packed.getnames())
+    # What finished is there: the first sweep's five results; the last stage never ran.
+    results = [n for n in names if n.startswith("smoke/sweep/results/")]
+    assert len(results) == 5, sorted(names)
+    assert "smoke/test_gpu.log" not in names
+    on_disk = {f"smoke/{p.relative_to(out)}" for p in out.rglob("*")} | {"smoke"}
+    assert {n for n in names if "/results/" in n} == {n for n in on_disk if "/results/" in n}
+    assert not list(tmp_path.glob("*.partial"))
+
+    # The limit is read from QUANTDASK_SMOKE_TIMEOUT_S: 1 s stops it in its imports.
+    started = time.monotonic()
+    cut = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--out",
+                          str(tmp_path / "cut")], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={**env, "QUANTDASK_SMOKE_TIMEOUT_S": "1"})
+    assert cut.returncode == 124 and time.monotonic() - started < 15
+
+
+def test_gpu_smoke_unsets_bnb_cuda_version(tmp_path):
+    # Set, bitsandbytes would look for libbitsandbytes_cuda<version>.so: the bundle keeps 130 only.
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "BNB_CUDA_VERSION=${BNB_CUDA_VERSION-unset}"\n')
+    python.chmod(0o755)
+    run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHON": str(python), "BNB_CUDA_VERSION": "118"})
+    assert run.returncode == 0 and run.stdout.strip() == "BNB_CUDA_VERSION=unset", run

@@ -50,6 +50,9 @@ def test_the_bundle_and_the_tree_fit_one_device_call():
     assert {"dask", "distributed", "dask_cuda", "rapids_dask_dependency", "polars",
             "_polars_runtime_32", "bitsandbytes", "torchao", "tornado", "zict"} <= top
     assert not {"torch", "numpy", "transformers", "quantdask"} & top  # the machine's, the tree's
+    # torchao's top-level test/ would shadow the standard library's on PYTHONPATH; bin/ names
+    # the builder's python.
+    assert not {"test", "bin", "shared-actions"} & top
 
 
 def test_the_pins_match_what_quantdask_pins_exactly_and_the_drift_is_reported():
@@ -133,3 +136,60 @@ def test_the_build_installs_prunes_packs_and_locks_from_local_wheels(tmp_path):
         gpu_bundle.build(wheels, tmp_path / "again", pins={"bitsandbytes": "0.50.2"},
                          top=["bitsandbytes>=0.51"])
     assert not (tmp_path / "again").exists()  # refused before anything was written
+
+
+@pytest.mark.timeout(180)
+def test_two_builds_of_the_same_pins_give_the_same_archive_bytes(tmp_path):
+    # What differed between two builds: each file's mtime (pip writes them at install time),
+    # the builder's uid/gid and names, modes from the umask, and each dist-info's
+    # direct_url.json (the path of the wheel), with its line and size in RECORD; the console
+    # scripts in bin/ name the python that built them. torchao's top-level test/ package would
+    # shadow the standard library's on PYTHONPATH.
+    import os
+    import shutil
+    import time
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    dist = "bitsandbytes-0.50.2.dist-info"
+    make_wheel(wheels, "bitsandbytes", "0.50.2", {
+        "bitsandbytes/__init__.py": b"VERSION = '0.50.2'\ndef main():\n    pass\n",
+        "bitsandbytes/libbitsandbytes_cpu.so": b"\x7fELF cpu",
+        "bitsandbytes/libbitsandbytes_cuda118.so": b"\x7fELF cuda118",
+        "bitsandbytes/__pycache__/__init__.cpython-312.pyc": b"\x00stale bytecode",
+        "bitsandbytes/stray.pyc": b"\x00more bytecode",
+        "test/__init__.py": b"", "test/test_it.py": b"def test(): pass\n",
+        f"{dist}/entry_points.txt": b"[console_scripts]\nbnb-check = bitsandbytes:main\n"})
+    make_wheel(wheels, "locket", "1.0.0", {"locket/__init__.py": b"LOCK = 1\n"})
+    elsewhere = tmp_path / "another-folder-with-a-longer-name" / "wheels"
+    shutil.copytree(wheels, elsewhere)
+    pins = {"bitsandbytes": "0.50.2", "locket": "1.0.0"}
+    keep = {"bitsandbytes": ("libbitsandbytes_cpu.so",)}
+    first = gpu_bundle.build(wheels, tmp_path / "one", pins=pins, top=list(pins), keep=keep)
+    time.sleep(1.1)  # the next second: pip's mtimes differ
+    umask = os.umask(0o077)  # and the modes pip gives
+    try:
+        second = gpu_bundle.build(elsewhere, tmp_path / "two", pins=pins, top=list(pins),
+                                  keep=keep)
+    finally:
+        os.umask(umask)
+    one, two = (tmp_path / d / "site.tar.xz" for d in ("one", "two"))
+    assert one.read_bytes() == two.read_bytes()
+    assert first["archive"] == second["archive"]
+    with tarfile.open(one) as packed:
+        members = packed.getmembers()
+        record = packed.extractfile(f"{dist}/RECORD").read().decode()
+    names = [m.name for m in members]
+    assert names == sorted(names)
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == \
+        {(gpu_bundle.EPOCH, 0, 0, "", "")}
+    assert {m.mode for m in members if m.isfile()} == {0o644}
+    assert {m.mode for m in members if m.isdir()} == {0o755}
+    assert not [n for n in names if n.endswith(".pyc") or "__pycache__" in n
+                or n.split("/")[0] in ("test", "bin") or n.endswith("direct_url.json")]
+    assert first["top_level"] == sorted({n.split("/")[0] for n in names})
+    # RECORD lists what the bundle holds, nothing it left out.
+    listed = {line.split(",")[0] for line in record.splitlines()}
+    assert "bitsandbytes/__init__.py" in listed and f"{dist}/RECORD" in listed
+    assert listed <= set(names)
+    assert not [p for p in listed if "direct_url" in p or "bin/" in p or p.endswith(".pyc")]

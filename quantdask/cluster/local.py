@@ -246,7 +246,9 @@ def _connect(address: str | None, cluster: Any, adapt: Adapt | None,
 
 def _physical_gpus(local: list[int], adapt: Adapt | None) -> list[str]:
     """The physical ids of the GPUs this process calls ``local``: ids count the GPUs it sees,
-    so they map through an inherited CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation)."""
+    so they map through an inherited CUDA_VISIBLE_DEVICES (e.g. a SLURM allocation). Its
+    entries are kept as they are, numbers or UUIDs (``GPU-...``, ``MIG-...``, which dask-cuda
+    takes too); never parsed as numbers."""
     inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                  if g.strip()]
     physical = [inherited[i] if i < len(inherited) else str(i) for i in local]
@@ -359,18 +361,19 @@ def _start_cuda_cluster(gpus: list[str], common: dict[str, Any],
     # the GPUs' memory from it); dask-cuda gives each new worker the next unused GPU.
     _keep_nannies_of_lost_workers()
     _keep_glibc_malloc_defaults()
-    import psutil
-
     cluster = LocalCUDACluster(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
         n_workers=max(1, adapt.minimum) if adapt is not None else len(gpus),
-        # Dask's default splits the host's memory evenly between the workers, and the nanny
-        # pauses a worker at 80% of its share and kills it at 95%. A GPU worker's host memory
-        # is not Dask data: it maps a checkpoint and builds a model before moving it to its
-        # GPU, and one such load can pass a 1/n share while the other workers use little.
-        # Each may use up to the whole host; running out of it for real is a worker lost
-        # (retried), as any process killed by the kernel is.
-        memory_limit=psutil.virtual_memory().total, **common,
+        # No host-memory limit (0: distributed's parse_memory_limit, which dask-cuda 26.10
+        # calls, makes it None; its device-host file then keeps host data unbounded). Dask's
+        # default splits the host's memory between the workers, and the nanny pauses a worker
+        # at 80% of its limit and kills it at 95%. A GPU worker's host memory is not Dask data:
+        # it maps a checkpoint and builds a model before moving it to its GPU. Any limit is
+        # read once, when the cluster starts: on a VM whose memory grows after boot that can
+        # be a few GiB, and the workers would pause before the first job and hang the sweep.
+        # Running out of host memory for real is a worker lost (retried), as any process
+        # killed by the kernel is.
+        memory_limit=0, **common,
     )
     if adapt is not None:
         adapt.apply(cluster)
