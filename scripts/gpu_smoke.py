@@ -6,7 +6,8 @@ On a CUDA machine: a LocalCUDACluster over every GPU runs a 4-config bitsandbyte
 demo model (plus its baseline) and checks that each job recorded a peak device memory above
 zero and its GPU (``cuda:<id>``), and that NVML samples were taken; on the same cluster, torchao
 int8 and int4 weight-only run on the demo model loaded in bfloat16 (int4's size must not count
-its layout's padding: below int8's); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once,
+its layout's padding: below int8's), and a speed sweep times generation of bf16, int8 and nf4
+(``qd.read_speed`` printed); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once,
 whose peaks must be flagged shared and whose samples must name both; then ``tests/test_gpu.py``
 runs under pytest. Each worker must advertise its GPU's memory (the ``DEVICE_MEMORY`` resource
 that placement by memory uses). ``--dry-run`` does the same on CPU slots (the tests run it so
@@ -106,6 +107,70 @@ def torchao_sweep(dry_run: bool):
                  "samples": 8 if dry_run else 32, "batch_size": 8},
         "retries": 1,
     })
+
+
+SPEED = {"prompt_length": 128, "new_tokens": 32, "batch_sizes": [1, 8], "warmup": 1,
+         "repeats": 3}
+DRY_SPEED = {"prompt_length": 16, "new_tokens": 4, "batch_sizes": [1], "warmup": 0,
+             "repeats": 1}
+"""The speed block of the smoke's speed sweep (tiny in a dry run: it checks the path, not the
+figures, which on CPU slots say nothing about GPU speed)."""
+
+
+def speed_sweep(dry_run: bool):
+    """Generation speed of bf16 (the baseline: the demo model loaded in bfloat16), int8 and nf4
+    (bitsandbytes) on the demo model, each job holding its device alone; a short eval (the
+    speed phase runs after quality)."""
+    from quantdask import sweep_from_dict
+    from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
+
+    return sweep_from_dict({
+        "name": "smoke-speed",
+        "models": [{"name": "demo-bf16", "path": DEMO_MODEL_DIR, "dtype": "bfloat16"}],
+        "backends": [{"backend": "bitsandbytes", "configs": [
+            {"bits": 8}, {"bits": 4, "quant_type": "nf4"}]}],
+        "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 64, "samples": 8, "batch_size": 8},
+        "speed": DRY_SPEED if dry_run else SPEED,
+        "retries": 1,
+    })
+
+
+def speed_checks(speed, results, settings: dict, device_pattern: str) -> list[tuple[bool, str]]:
+    """What the speed frame must show: a row per job and batch size, each with exactly the
+    tokens asked for, its device held alone, figures above zero and a speed-up against bf16."""
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    rows = speed.to_dicts()
+    batches = settings["batch_sizes"]
+    wanted = {(label, b) for label in labels.values() for b in batches}
+    got = {(labels.get(r["job_id"]), r["batch_size"]) for r in rows}
+    whole = all(r["new_tokens"] == settings["new_tokens"] and r["exclusive"]
+                and r["repeats"] == settings["repeats"]
+                and re.fullmatch(device_pattern, r["device"] or "") for r in rows)
+    figures = all((r[c] or 0) > 0 for r in rows for c in (
+        "ttft_s", "decode_tokens_per_s", "prefill_tokens_per_s", "decode_speedup"))
+    return [
+        (len(labels) == 3 and got == wanted and len(rows) == len(wanted) and whole,
+         f"speed rows for {sorted(labels.values())} at batch sizes {batches}: {len(rows)} rows, "
+         f"{settings['new_tokens']} new tokens each, every device held alone"),
+        (bool(rows) and figures, "every speed row has prefill and decode tokens/s above zero "
+                                 "and a decode speed-up against bf16"),
+    ]
+
+
+def print_speed(speed, results) -> None:
+    """The speed frame (``qd.read_speed``), one line per job and batch size, then whole."""
+    import polars as pl
+
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    for r in speed.to_dicts():
+        print(f"smoke:      {labels.get(r['job_id'], r['job_id']):14} batch {r['batch_size']:2} "
+              f"{r['device'] or '-':8} ttft {(r['ttft_s'] or 0) * 1e3:8.2f} ms  decode p50 "
+              f"{(r['decode_s_p50'] or 0) * 1e3:7.2f} ms p90 {(r['decode_s_p90'] or 0) * 1e3:7.2f}"
+              f" ms  {r['decode_tokens_per_s'] or 0:9.1f} tok/s  prefill "
+              f"{r['prefill_tokens_per_s'] or 0:10.1f} tok/s  x{r['decode_speedup'] or 0:.2f} "
+              f"of bf16  peak {(r['peak_device_mem_bytes'] or 0) / 2**20:.1f} MiB", flush=True)
+    with pl.Config(tbl_cols=-1, tbl_rows=-1, tbl_width_chars=400, fmt_str_lengths=40):
+        print(speed, flush=True)
 
 
 def fresh_directory(path: str | None) -> Path:
@@ -314,6 +379,9 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
                                    cluster.client)
         with stages("torchao sweep"):
             ao = qd.run_sweep(torchao_sweep(args.dry_run), out / "torchao", cluster.client)
+        with stages("speed sweep"):
+            fast = qd.run_sweep(speed_sweep(args.dry_run), out / "speed", cluster.client)
+            speed = qd.read_speed(out / "speed")
         with stages("cluster close"):
             running.close()
     check(results.height == len(CONFIGS) + 1 and (results["status"] == "done").all(),
@@ -341,6 +409,10 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
     check(bool(size.get("ao int4wo g128")) and size["ao int4wo g128"] < size["ao int8wo"],
           f"torchao int4's size counts no layout padding: below int8's "
           f"({size.get('ao int4wo g128')} < {size.get('ao int8wo')} bytes)")
+    print_speed(speed, fast)
+    for ok, what in speed_checks(speed, fast, DRY_SPEED if args.dry_run else SPEED,
+                                 device_pattern):
+        check(ok, what)
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
     with stages("packed sweep (its own cluster)"):

@@ -44,7 +44,7 @@ def test_gpu_smoke_script_passes_in_dry_mode_with_only_what_the_lent_machine_has
                          cwd=REPO, capture_output=True, text=True, timeout=320, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("smoke:")]
-    assert sum(line.startswith("smoke: ok") for line in lines) == 11
+    assert sum(line.startswith("smoke: ok") for line in lines) == 13
     assert not [line for line in lines if "FAIL" in line]
     assert "each worker advertises its device memory for placement (0: " in run.stdout
     assert "two jobs ran at once on one slot" in run.stdout
@@ -53,12 +53,20 @@ def test_gpu_smoke_script_passes_in_dry_mode_with_only_what_the_lent_machine_has
     assert "torchao int8 and int4 on a bfloat16 model: ['done', 'done', 'done']" in run.stdout
     assert "torchao int4's size counts no layout padding" in run.stdout
     assert "smoke: ok   tests/test_gpu.py: 1 skipped" in run.stdout  # no GPU here
+    # bf16 (the baseline), int8 and nf4 timed: the dry run's tiny speed block, the frame printed.
+    assert "smoke: ok   speed rows for ['baseline', 'int8 t=6', 'nf4'] at batch sizes [1]: 3 " \
+           "rows, 4 new tokens each, every device held alone" in run.stdout
+    assert "smoke: ok   every speed row has prefill and decode tokens/s above zero" in run.stdout
+    assert "decode_speedup" in run.stdout and "shape: (3, 17)" in run.stdout
+    for stage in ("imports", "cluster start", "bitsandbytes sweep", "torchao sweep",
+                  "speed sweep", "packed sweep (its own cluster)", "tests/test_gpu.py"):
+        assert f"smoke: stage {stage}: " in run.stdout, stage
     assert f"quantdask report {out / 'sweep'}" in run.stdout
     assert not (out / "sweep" / "report.html").exists()
     assert lines[-1].startswith("smoke: passed in")
     with tarfile.open(tarball) as packed:
         names = set(packed.getnames())
-    for run_dir in ("sweep", "torchao", "shared"):
+    for run_dir in ("sweep", "torchao", "speed", "shared"):
         assert any(n.startswith(f"smoke/{run_dir}/results/") for n in names), run_dir
     assert "smoke/test_gpu.log" in names
 
