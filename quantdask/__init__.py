@@ -3,7 +3,8 @@
 >>> import quantdask as qd
 >>> sweep = qd.load_sweep("data/demo_sweep.yaml")
 >>> with qd.start_cluster(workers=2) as cluster:  # doctest: +SKIP
-...     results = qd.run_sweep(sweep, "runs/demo", cluster.client)
+...     handle = qd.submit_sweep(sweep, "runs/demo", cluster.client)  # returns at once
+...     results = handle.wait()             # or qd.run_sweep(...): the same, blocking
 """
 
 from quantdask.backends import (
@@ -16,10 +17,12 @@ from quantdask.backends import (
     register_backend,
 )
 from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
+from quantdask.driver.handle import SweepHandle
 from quantdask.driver.placement import estimate_device_memory, place_jobs
 from quantdask.driver.progress import read_progress
 from quantdask.driver.scaling import read_scaling, scale_sweep
 from quantdask.driver.sweep import run_sweep
+from quantdask.driver.sweep import submit_sweep as _submit_sweep
 from quantdask.errors import (
     PlacementError,
     QuantdaskError,
@@ -50,6 +53,14 @@ from quantdask.store.summary import device_summary, job_status, sweep_summary
 
 __version__ = "0.1.0"
 
+
+def submit_sweep(sweep: Sweep, run_dir, client, on_result=None,
+                 on_progress=None) -> SweepHandle:
+    """Start ``sweep`` in the background of this process and return its
+    :class:`SweepHandle` at once (see :func:`quantdask.driver.sweep.submit_sweep`); the
+    handle's ``report()`` writes the run's HTML report."""
+    return _submit_sweep(sweep, run_dir, client, on_result, on_progress, reporter=write_report)
+
 __all__ = [
     "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Gate",
     "Job",
@@ -60,6 +71,7 @@ __all__ = [
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",
     "read_windows",
-    "register_backend", "run_sweep", "scale_sweep", "start_cluster", "sweep_from_dict",
+    "register_backend", "run_sweep", "submit_sweep", "SweepHandle", "scale_sweep",
+    "start_cluster", "sweep_from_dict",
     "sweep_summary", "SpeedSettings", "TaskSettings", "tls_security", "write_report",
 ]

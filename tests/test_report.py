@@ -20,7 +20,7 @@ from quantdask.driver.scaling import read_scaling, scale_sweep
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import RunDirError, SpecError
 from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.store.run_store import (
     read_attempts,
     read_device_samples,
@@ -464,16 +464,25 @@ def test_notebook_runs_green(name, mixed_run, html_report, tmp_path):
     assert charts, f"{name} drew no chart"
 
 
-def test_quickstart_notebook_runs_a_sweep_on_its_own_cluster(tmp_path, write_sweep):
+def test_quickstart_notebook_runs_a_sweep_on_its_own_cluster(tmp_path, write_sweep, cluster):
+    """A real Jupyter kernel through the quickstart: the cell after submit_sweep completes
+    while jobs still run (it shows fewer finished jobs than the sweep has), and the results
+    the notebook waits for equal those of a blocking run of the same sweep."""
     run_dir = tmp_path / "quickstart"
     # A sweep file of its own (the baseline and nf4; the demo sweep's 7 jobs by default).
+    sweep_file = write_sweep()
     nb = execute_notebook("quickstart", {"run_dir": str(run_dir), "workers": 2,
-                                         "sweep_file": write_sweep()}, cwd=tmp_path)
+                                         "sweep_file": sweep_file}, cwd=tmp_path)
     assert not [o for o in _outputs(nb) if o.output_type == "error"]
     results = read_results(run_dir)
     assert results.height == 2 and (results["status"] == "done").all()
     text = json.dumps(nbformat.writes(nb))
     assert "2 jobs, 2 done." in text and "127.0.0.1" in text
+    [partial] = re.findall(r"(\d+) of (\d+) jobs finished so far; still running: (\w+)", text)
+    assert int(partial[0]) < int(partial[1]) == 2 and partial[2] == "True"
+    blocking = run_sweep(load_sweep(sweep_file), tmp_path / "blocking", cluster.client)
+    metrics = ["job_id", "status", "perplexity", "kl_divergence", "top1_agreement"]
+    assert blocking.select(metrics).sort("job_id").equals(results.select(metrics).sort("job_id"))
 
 
 def test_a_failing_notebook_names_the_cell(tmp_path):

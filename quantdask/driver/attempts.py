@@ -38,24 +38,45 @@ class Attempt:
         return cls(job, number, utcnow(), job.id)
 
 
-class AttemptTable:
-    """Submitted attempts by Dask key, with one ``take`` for every way the driver settles them."""
+_plain_keys_lock = threading.Lock()
+_plain_keys: set[str] = set()  # job ids some table of this process used as a key
 
-    def __init__(self):
+
+class AttemptTable:
+    """Submitted attempts by Dask key, with one ``take`` for every way the driver settles them.
+    ``tag`` (the driver session's id) names the attempts of a job another sweep of this
+    process keys too."""
+
+    def __init__(self, tag: str = ""):
         self._by_key: dict[str, Attempt] = {}
         self._lock = threading.Lock()
         self._submissions = 0
         self._keyed: set[str] = set()  # job ids that have had a key
+        self._plain: set[str] = set()  # those keyed by their id alone
+        self._tag = tag
 
     def new_key(self, job_id: str) -> str:
         """The Dask key for a new attempt of ``job_id``: the job id for its first, then the job
         id and a count. A Dask key names one computation: each resubmission needs a key of its
-        own, or Dask hands back the earlier (failed) result."""
-        with self._lock:
+        own, or Dask hands back the earlier (failed) result; and so does the same job in two
+        sweeps running at once on one client (the second's carries its tag), or cancelling one
+        would cancel the other's."""
+        with self._lock, _plain_keys_lock:
             self._submissions += 1
-            key = job_id if job_id not in self._keyed else f"{job_id}-{self._submissions}"
+            if job_id not in self._keyed and job_id not in _plain_keys:
+                key = job_id
+                _plain_keys.add(job_id)
+                self._plain.add(job_id)
+            else:
+                key = f"{job_id}-{self._tag}-{self._submissions}".replace("--", "-")
             self._keyed.add(job_id)
             return key
+
+    def forget_keys(self) -> None:
+        """Let later sweeps key this one's jobs by their ids again (at its end)."""
+        with self._lock, _plain_keys_lock:
+            _plain_keys.difference_update(self._plain)
+            self._plain.clear()
 
     def add(self, attempt: Attempt) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ attempts by resources and priority; this loop only does the client and disk I/O.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -21,7 +22,7 @@ from quantdask.cluster.operations import (
     restart_worker,
     retire_worker,
 )
-from quantdask.driver import LOG_CHANNEL
+from quantdask.driver import LOG_CHANNEL, topics
 from quantdask.driver.attempts import Attempt, AttemptTable, label
 from quantdask.driver.health import DeviceHealth
 from quantdask.driver.placement import Placement, advertised_memory, workers_with_room
@@ -43,7 +44,7 @@ from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.worker.job import run_job
-from quantdask.worker.outcome import FailureClass, JobOutcome, Status
+from quantdask.worker.outcome import ATTEMPT_CANCELLED, FailureClass, JobOutcome, Status
 from quantdask.worker.runtime import JOB_START_TOPIC
 
 log = logging.getLogger(LOG_CHANNEL)
@@ -79,7 +80,7 @@ class SweepDriver:
         self.on_progress = on_progress
         self._progress_shown = 0.0
         self.run_id = run_id
-        self.attempts = AttemptTable()
+        self.attempts = AttemptTable(tag=run_id)
         self.recorder = Recorder(store, self.run_id, sweep.gates)
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
                                           clock, slots=lambda: cluster_capacity(
@@ -92,6 +93,8 @@ class SweepDriver:
         self._next_stranded_check = 0.0
         self._workers = WorkerWatch(NO_WORKERS_GRACE_S)
         self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
+        self.stop = threading.Event()  # set by SweepHandle.cancel(): submit nothing more
+        self.cancelled: list[str] = []  # jobs whose running attempts were cancelled
 
     def _pickled_backend(self, name: str) -> bytes:
         if name not in self._backends:
@@ -149,14 +152,16 @@ class SweepDriver:
 
     def run(self, jobs: list[Job]) -> None:
         self.client.register_plugin(DeviceSampler())
-        # Samples from before this sweep are not its own.
-        self.client.run(drain_this_worker, on_error="ignore")
-        self.client.subscribe_topic(JOB_START_TOPIC, self._on_job_start)
-        self.client.subscribe_topic(TELEMETRY_TOPIC, self._on_telemetry)
+        alone = topics.subscribers(self.client, TELEMETRY_TOPIC) == 0
+        if alone:  # samples from before this sweep are not its own (nor another sweep's)
+            self.client.run(drain_this_worker, on_error="ignore")
+        topics.subscribe(self.client, JOB_START_TOPIC, self._on_job_start)
+        topics.subscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
         try:
             for job in jobs:
                 self.submit(job, 1)
-            while not self.pending.is_empty() or self.delayed or self.references.parked:
+            while not self.stop.is_set() and (
+                    not self.pending.is_empty() or self.delayed or self.references.parked):
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future, result in ready:
                     self._collect(future, result)
@@ -168,18 +173,45 @@ class SweepDriver:
                 self.show_progress()
                 if not ready:
                     time.sleep(POLL_S)
+            if self.stop.is_set():
+                self._cancel_the_rest()
         except BaseException:
             # On an error (or an interrupt in a notebook) nothing may keep running unseen.
             self._take_and_cancel(list)
             self.client.cancel(self.references.all_futures())
             raise
         finally:
-            self.client.unsubscribe_topic(JOB_START_TOPIC)
-            self.client.unsubscribe_topic(TELEMETRY_TOPIC)
+            self.attempts.forget_keys()
+            topics.unsubscribe(self.client, JOB_START_TOPIC, self._on_job_start)
+            topics.unsubscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
             self.references.release()
-        # The idle time since each worker's last job.
-        for samples in self.client.run(drain_this_worker, on_error="ignore").values():
-            self.recorder.samples(samples)
+        if topics.subscribers(self.client, TELEMETRY_TOPIC) == 0:
+            # The idle time since each worker's last job (another sweep's, while one runs).
+            for samples in self.client.run(drain_this_worker, on_error="ignore").values():
+                self.recorder.samples(samples)
+
+    def _cancel_the_rest(self) -> None:
+        """After ``stop``: cancel every attempt and reference, record the attempts that had
+        started as cancelled (their jobs have no result, so the next run of the sweep runs
+        them), and forget the waiting retries and parked attempts."""
+        taken = self._take_and_cancel(list)
+        self.client.cancel(self.references.all_futures())
+        self.delayed.take_all()
+        self.references.take_parked()
+        for key, attempt in taken:
+            self.progress.attempt_dropped(key)
+            if attempt.started is None:
+                continue
+            self.cancelled.append(attempt.job.id)
+            self.recorder.attempt(attempt, JobOutcome({
+                "status": ATTEMPT_CANCELLED, "worker": attempt.worker_name,
+                "finished_at": utcnow(), "error_class": "Cancelled",
+                "error_message": "cancelled by SweepHandle.cancel()"}, log=(
+                    f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt="
+                    f"{attempt.number} cancelled by SweepHandle.cancel(); the next run of "
+                    "the sweep runs it again\n")))
+        log.warning("sweep %s cancelled: %d running attempts stopped", self.sweep.name,
+                    len(self.cancelled))
 
     def _take_and_cancel(self, select) -> list[tuple[str, Attempt]]:
         """Take the attempts ``select`` picks out of the table and cancel their futures."""

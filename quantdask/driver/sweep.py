@@ -1,7 +1,9 @@
 """Run a sweep on a Dask cluster: one future per job, results persisted as they arrive.
 
-``run_sweep`` places the jobs, holds the run directory, writes the plan and the session's row,
-and runs the driver's loop (``loop.SweepDriver``) over the jobs not finished yet.
+``submit_sweep`` places the jobs, holds the run directory, writes the plan and the session's
+row (``start_session``), and runs the driver's loop (``loop.SweepDriver``) over the jobs not
+finished yet in a background thread, behind a :class:`~quantdask.driver.handle.SweepHandle`;
+``run_sweep`` is ``submit_sweep(...).wait()``.
 
 >>> with start_cluster(workers=2) as cluster:  # doctest: +SKIP
 ...     results = run_sweep(load_sweep("data/demo_sweep.yaml"), "runs/demo", cluster.client)
@@ -9,11 +11,13 @@ and runs the driver's loop (``loop.SweepDriver``) over the jobs not finished yet
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -22,10 +26,11 @@ from distributed import Client
 from quantdask.cluster.operations import cluster_capacity, live_workers
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.artifacts import prune_to_pareto
+from quantdask.driver.handle import Listeners, SweepHandle
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
-from quantdask.spec.sweep import Sweep, expand_grid, plan_rows
+from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
 from quantdask.worker.outcome import Status
@@ -38,30 +43,54 @@ def new_run_id() -> str:
     return f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-def run_sweep(
-    sweep: Sweep,
-    run_dir: str | os.PathLike,
-    client: Client,
-    on_result: Callable[[dict[str, Any]], None] | None = None,
-    on_progress: Callable[[SweepProgress], None] | None = None,
-) -> pl.DataFrame:
-    """Run every job of ``sweep`` not already finished in ``run_dir``; return the sweep's results.
+@dataclass
+class SweepSession:
+    """One driver session of a sweep on its run directory: prepared (jobs placed, plan and
+    session row written, the directory locked) by :func:`start_session`; :meth:`run` runs it
+    to its end, records that end and releases the lock."""
 
-    Each finished job is written to ``run_dir`` as soon as it arrives, so an interrupted sweep
-    resumes where it stopped (a second driver on the same run directory is refused). Failed
-    attempts are retried by failure class up to ``sweep.retries`` times; an attempt running
-    past ``sweep.timeout_s`` fails as ``timeout`` and its worker is restarted; a worker that
-    fails ``sweep.exclude_device_after`` different jobs in a row is retired. Every attempt is
-    recorded (``read_attempts``). ``on_result(record)`` is called after each result is written;
-    ``on_progress(progress)`` a few times a second with the live :class:`SweepProgress`, which
-    is also written to ``RUN_DIR/progress.json`` for ``quantdask status --watch``.
-    """
-    # Before anything is written: a job to run that fits on no worker refuses the whole sweep.
+    sweep: Sweep
+    store: RunStore
+    jobs: list[Job]
+    todo: list[Job]
+    driver: SweepDriver
+    row: dict[str, Any]  # the sessions frame's row
+    lock: contextlib.ExitStack
+
+    def run(self) -> None:
+        driver, artifacts = self.driver, self.sweep.artifacts
+        try:
+            driver.run(self.todo)
+            self.row["completed"] = not driver.stop.is_set()
+            if self.row["completed"] and artifacts is not None and artifacts.keep == "pareto":
+                prune_to_pareto(self.store, artifacts)
+        finally:
+            try:
+                self.store.write_session({**self.row, "finished_at": utcnow()})
+                driver.progress.finish(completed=self.row["completed"])
+                driver.show_progress(final=True)
+            finally:
+                self.lock.close()
+
+    def results(self) -> pl.DataFrame:
+        """The recorded results of this sweep's jobs (those finished so far)."""
+        ids = [job.id for job in self.jobs]
+        return self.store.read_results().filter(pl.col("job_id").is_in(ids))
+
+
+def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
+                  on_result: Callable[[dict[str, Any]], None] | None = None,
+                  on_progress: Callable[[SweepProgress], None] | None = None) -> SweepSession:
+    """Place ``sweep``'s jobs, lock ``run_dir`` and write the plan and the session's row;
+    nothing is submitted yet. Raises before anything is written when a job fits on no
+    worker, and when another driver holds the directory."""
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     placement = place_jobs(expand_grid(sweep), client, run_dir, finished=finished_before)
     jobs = placement.jobs
     store = RunStore(run_dir).create()
-    with store.lock():
+    lock = contextlib.ExitStack()
+    lock.enter_context(store.lock())
+    try:
         store.set_aside_unreadable()
         store.write_plan(plan_rows(jobs))
         finished = store.finished_job_ids()
@@ -78,18 +107,49 @@ def run_sweep(
                              placement)
         driver.recorder.restamp_gates()
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
-        session = {"run_id": run_id, "sweep": sweep.name, "started_at": utcnow(),
-                   "finished_at": None, "completed": False, "workers": workers, "slots": slots,
-                   "jobs_planned": len(jobs), "jobs_run": len(todo)}
-        store.write_session(session)
-        try:
-            driver.run(todo)
-            session["completed"] = True
-            if sweep.artifacts is not None and sweep.artifacts.keep == "pareto":
-                prune_to_pareto(store, sweep.artifacts)
-        finally:
-            store.write_session({**session, "finished_at": utcnow()})
-            progress.finish(completed=session["completed"])
-            driver.show_progress(final=True)
-        ids = [job.id for job in jobs]
-        return store.read_results().filter(pl.col("job_id").is_in(ids))
+        row = {"run_id": run_id, "sweep": sweep.name, "started_at": utcnow(),
+               "finished_at": None, "completed": False, "workers": workers, "slots": slots,
+               "jobs_planned": len(jobs), "jobs_run": len(todo)}
+        store.write_session(row)
+    except BaseException:
+        lock.close()
+        raise
+    return SweepSession(sweep, store, jobs, todo, driver, row, lock)
+
+
+def submit_sweep(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
+                 on_result: Callable[[dict[str, Any]], None] | None = None,
+                 on_progress: Callable[[SweepProgress], None] | None = None,
+                 reporter: Callable[..., Any] | None = None) -> SweepHandle:
+    """Start every job of ``sweep`` not already finished in ``run_dir`` and return at once: a
+    :class:`~quantdask.driver.handle.SweepHandle` on the sweep, which runs in a background
+    thread of this process (as long as the process lives: a script waits with ``.wait()``).
+
+    Each finished job is written to ``run_dir`` as soon as it arrives, so an interrupted sweep
+    resumes where it stopped (a second driver on the same run directory is refused, before
+    this returns). Failed attempts are retried by failure class up to ``sweep.retries`` times;
+    an attempt running past ``sweep.timeout_s`` fails as ``timeout`` and its worker is
+    restarted; a worker that fails ``sweep.exclude_device_after`` different jobs in a row is
+    retired. Every attempt is recorded (``read_attempts``). ``on_result(record)`` is called
+    (from the sweep's thread) after each result is written; ``on_progress(progress)`` a few
+    times a second with the live :class:`SweepProgress`, which is also written to
+    ``RUN_DIR/progress.json`` for ``quantdask status --watch``. Several sweeps may run on one
+    client at once, each on its own run directory. ``reporter`` writes ``handle.report()``
+    (``qd.submit_sweep`` passes ``qd.write_report``).
+    """
+    listeners = Listeners(on_result, on_progress)
+    session = start_session(sweep, run_dir, client, listeners.result, listeners.progress)
+    return SweepHandle(session, listeners, reporter).start()
+
+
+def run_sweep(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
+              on_result: Callable[[dict[str, Any]], None] | None = None,
+              on_progress: Callable[[SweepProgress], None] | None = None) -> pl.DataFrame:
+    """``submit_sweep(...).wait()``: run the sweep to its end here and return its results. An
+    interrupt (Ctrl-C) cancels it: nothing keeps running unseen, and the next run resumes."""
+    handle = submit_sweep(sweep, run_dir, client, on_result, on_progress)
+    try:
+        return handle.wait()
+    except KeyboardInterrupt:
+        handle.cancel()
+        raise

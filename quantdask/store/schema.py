@@ -231,7 +231,7 @@ ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
     "device": pl.String(),
     "started_at": _UTC,
     "finished_at": _UTC,
-    "status": pl.String(),  # done, failed or skipped
+    "status": pl.String(),  # done, failed or skipped; cancelled (SweepHandle.cancel())
     "failure_class": pl.String(),
     "error_class": pl.String(),
     "error_message": pl.String(),

@@ -32,6 +32,11 @@ class Status(StrEnum):
     SKIPPED = "skipped"  # unsupported here: recorded with the reason, never retried
 
 
+ATTEMPT_CANCELLED = "cancelled"
+"""How an attempt stopped by ``SweepHandle.cancel()`` ended: in the attempts frame only. Its
+job has no result, so the next run of the sweep runs it."""
+
+
 class FailureClass(StrEnum):
     """Why a job failed or was skipped, and so what the driver does about it (``retry``)."""
 
