@@ -11,6 +11,7 @@ import time
 
 import polars as pl
 import pytest
+import yaml
 
 import quantdask as qd
 from quantdask.spec.sweep_file import sweep_from_dict
@@ -131,3 +132,41 @@ def test_a_live_chart_is_redrawn_after_each_result(cluster, tmp_path):
     assert set(range(drawn[0], 4)) <= set(drawn)
     [output] = out.outputs
     assert "nf4" in str(output["data"]) and "int8" in str(output["data"])
+
+
+def test_await_handle_in_async_code(cluster, tmp_path):
+    import asyncio
+
+    async def main():
+        handle = qd.submit_sweep(slow_sweep(), tmp_path / "run", cluster.client)
+        return await handle
+
+    assert asyncio.run(main())["status"].to_list() == ["done"] * 3
+
+
+def test_a_kernel_killed_mid_sweep_is_a_killed_driver_the_next_run_resumes(cluster, tmp_path):
+    """A real Jupyter kernel submits a sweep to this cluster and is shut down mid-sweep (the
+    kernel's process killed): the run directory is released and the next run finishes every
+    job, each with one result."""
+    from jupyter_client.manager import start_new_kernel
+
+    run_dir = tmp_path / "run"
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(with_slow_jobs(sweep_dict(backends=[
+        {"backend": "bitsandbytes", "grid": {"bits": [4, 8]}}]))))
+    manager, kernel = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        kernel.execute_interactive(
+            "import quantdask as qd\nfrom distributed import Client\n"
+            f"client = Client({cluster.client.scheduler.address!r})\n"
+            f"handle = qd.submit_sweep(qd.load_sweep({str(sweep_file)!r}), {str(run_dir)!r}, "
+            "client)\n", timeout=120)
+        wait_for(lambda: (progress := qd.read_progress(run_dir)) is not None
+                 and bool(progress.running))  # a job is running in the kernel's sweep
+    finally:
+        manager.shutdown_kernel(now=True)  # killed, as a restart or a crash does
+    assert qd.read_sessions(run_dir)["finished_at"].to_list() == [None]
+    results = qd.run_sweep(qd.load_sweep(sweep_file), run_dir, cluster.client)
+    assert results.height == 3 and (results["status"] == Status.DONE).all()
+    assert len(list((run_dir / "results").glob("*.parquet"))) == 3
+    assert len(qd.read_sessions(run_dir)) == 2

@@ -28,7 +28,7 @@ def __getattr__(name: str):
     if name in _TASKS:
         return getattr(importlib.import_module("quantdask.report.tasks"), name)
     if name in _LIVE:
-        return getattr(importlib.import_module("quantdask.report.live"), name)
+        return getattr(importlib.import_module("quantdask.report.live_charts"), name)
     if name in _SPEED:
         return getattr(importlib.import_module("quantdask.report.speed"), name)
     if name in _SUMMARIES:
