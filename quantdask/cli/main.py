@@ -1,12 +1,17 @@
 """The ``quantdask`` command's arguments: thin parsing over the commands (``commands``).
 
-Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran).
+Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran), 3 a
+done job failed a gate.
+
+The libraries' known notices (``worker.library_noise``) stay off the terminal, here and in the
+workers this command starts, unless ``-v`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from quantdask.cli.commands import (
@@ -21,6 +26,7 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
+from quantdask.worker import library_noise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,7 +89,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="quantdask", description="Quantize models across GPUs with Dask.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every job event")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log every job event, and the libraries' notices")
     parser.add_argument("--version", action="version", version=f"quantdask {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_sweep_commands(commands)
@@ -171,6 +178,8 @@ def _add_run_dir_commands(commands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:  # the workers this command starts show the libraries' notices again
+        os.environ[library_noise.SHOW_ENV] = "1"
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -311,8 +311,10 @@ def _fork_cpu_slots_from_a_warm_server() -> None:
     # After Dask's own first call, which sets its preload list once: this one replaces it (it
     # takes effect when the server first starts). Only libraries that start no thread when
     # imported: a fork copies just the forking thread, so a lock another thread held (polars'
-    # allocator, say; quantdask imports polars) would stay locked in every worker.
-    get_mp_context().set_forkserver_preload(["distributed", *WarmImports.modules])
+    # allocator, say; quantdask imports polars) would stay locked in every worker. The
+    # libraries' known notices are quieted first (quantdask.worker.library_noise).
+    get_mp_context().set_forkserver_preload(["quantdask.worker.library_noise", "distributed",
+                                             *WarmImports.modules])
 
 
 def _keep_nannies_of_lost_workers() -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from quantdask.errors import SpecError
 from quantdask.spec.fields import NAME, require, resolve_root
@@ -54,17 +55,19 @@ def _safetensors_problem(path: str) -> str | None:
     return None
 
 
-def check_model_files(directory: str) -> None:
-    """Refuse a model directory with a damaged config.json or a cut-short safetensors file,
-    reading only the config and the weight files' headers (cheap, on the driver), so that a
-    broken checkpoint stops the sweep before a cluster starts instead of failing every job."""
+def check_model_files(directory: str, trust_remote_code: bool = False) -> None:
+    """Refuse a model directory with a damaged config.json, a ``model_type`` the installed
+    transformers does not know, or a cut-short safetensors file, reading only the config and
+    the weight files' headers (cheap, on the driver), so that a broken checkpoint stops the
+    sweep before a cluster starts instead of failing every job."""
     config = os.path.join(directory, "config.json")
     try:
         with open(config, encoding="utf-8") as f:
-            json.load(f)
+            fields = json.load(f)
     except ValueError as err:
         raise SpecError("path", f"{config} is not valid JSON ({err}); restore the model's "
                                 "config.json") from None
+    _check_model_type(config, fields, trust_remote_code)
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -84,6 +87,24 @@ def check_model_files(directory: str) -> None:
             if problem:
                 raise SpecError("path", f"{os.path.join(directory, name)} {problem}; the file is "
                                         "damaged or incomplete: copy or download it again")
+
+
+def _check_model_type(config: str, fields: Any, trust_remote_code: bool) -> None:
+    """Refuse a ``model_type`` the installed transformers has no class for (a model with its
+    own code, ``auto_map``, is loaded with ``trust_remote_code: true`` instead)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING_NAMES:
+        return
+    if trust_remote_code and "auto_map" in fields:
+        return
+    custom = (" or, for a model that ships its own code (auto_map), set trust_remote_code: "
+              "true" if "auto_map" in fields else "")
+    raise SpecError("path", f"{config} names model_type {model_type!r}, which the installed "
+                            f"transformers {transformers.__version__} does not know: upgrade "
+                            f"it (pip install -U transformers){custom}")
 
 
 @dataclass(frozen=True)
@@ -111,7 +132,7 @@ class ModelSpec:
             if not os.path.isfile(os.path.join(self.location, "config.json")):
                 raise SpecError("path", f"no model directory at {self.location} (a directory with "
                                         "config.json); fix the path, or use `hub:` for a hub id")
-            check_model_files(self.location)
+            check_model_files(self.location, self.trust_remote_code)
         else:
             require("hub", self.hub, str, "a hub id such as org/name")
             if not _HUB_ID.match(self.hub):

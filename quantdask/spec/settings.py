@@ -138,6 +138,8 @@ class ArtifactSettings:
             raise SpecError("to", f"is required with keep: {self.keep}: a directory, or an "
                                   "fsspec URL such as s3://bucket/prefix")
         object.__setattr__(self, "root", os.path.abspath(self.root or "."))
+        if self.enabled and self.is_url:
+            _check_filesystem(self.to)
 
     @property
     def enabled(self) -> bool:
@@ -152,3 +154,20 @@ class ArtifactSettings:
         if self.is_url:
             return f"{self.to.rstrip('/')}/{job_id}"
         return os.path.join(self.root, self.to, job_id)
+
+
+def _check_filesystem(url: str) -> None:
+    """Refuse an fsspec URL whose filesystem cannot load here (s3:// without s3fs, say),
+    before any job saves to it: a failed save only records the error on each job."""
+    protocol = url.split("://", 1)[0]
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:
+        raise SpecError("to", f"{url} needs a filesystem package that is not installed "
+                              f"({err}): install it (pip install s3fs for s3://, gcsfs for "
+                              "gs://, adlfs for az://) on the driver and every worker") from None
+    except ValueError as err:
+        raise SpecError("to", f"{url}: {err}; give a directory or an fsspec URL such as "
+                              "s3://bucket/prefix") from None

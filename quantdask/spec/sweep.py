@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,6 +29,8 @@ from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.tasks import TaskSettings
+
+log = logging.getLogger("quantdask.spec")
 
 FAULT_KINDS = ("raise", "oom", "kill", "hang", "slow")
 """Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
@@ -146,24 +149,29 @@ class Sweep:
             raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         positive_int("exclude_device_after", self.exclude_device_after)
         require("layer_stats", self.layer_stats, bool, "true or false")
-        if self.calibration is not None:
-            require("calibration", self.calibration, CalibrationSettings,
-                     "the calibration settings")
-        if self.artifacts is not None:
-            require("artifacts", self.artifacts, ArtifactSettings, "the artifact settings")
-        if self.tasks is not None:
-            require("tasks", self.tasks, TaskSettings, "the task settings")
-        if self.speed is not None:
-            require("speed", self.speed, SpeedSettings, "the speed settings")
+        self._check_blocks(labels)
+        object.__setattr__(self, "faults", tuple(self._checked_faults()))
+
+    def _check_blocks(self, labels: list[str]) -> None:
+        """The optional blocks: calibration (with the backends that need it), artifacts,
+        tasks, speed and the gates."""
+        for name, kind in (("calibration", CalibrationSettings), ("artifacts", ArtifactSettings),
+                           ("tasks", TaskSettings), ("speed", SpeedSettings)):
+            if getattr(self, name) is not None:
+                require(name, getattr(self, name), kind, f"the {name} settings")
         object.__setattr__(self, "gates", parse_gates(
             self.gates, set(labels), self.tasks.names if self.tasks else None))
+        calibrated = [get_backend(b.backend).calibrated for b in self.backends]
+        if self.calibration is not None and not any(calibrated):
+            log.warning("calibration: no backend of this sweep calibrates on data (autoround "
+                        "does), so the calibration block is not used; remove it, or add such "
+                        "a backend")
         for i, block in enumerate(self.backends):
-            if get_backend(block.backend).calibrated and self.calibration is None:
+            if calibrated[i] and self.calibration is None:
                 raise SpecError(f"backends[{i}].backend",
                                 f"{block.backend} fits its quantization to calibration data: add "
                                 "a calibration block (calibration: {text: PATH, samples: N, "
                                 "seq_len: N}, or dataset: {...} instead of text)")
-        object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
     def _checked_faults(self):
         require("faults", self.faults, (list, tuple), "a list of fault mappings")

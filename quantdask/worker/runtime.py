@@ -4,11 +4,12 @@ runs on, and the library notices that are noise in a job's log."""
 
 from __future__ import annotations
 
-import logging
+import os
 import socket
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from quantdask.worker import library_noise
 from quantdask.worker.devices import physical_gpu_id
 
 JOB_START_TOPIC = "quantdask-job-start"
@@ -51,28 +52,10 @@ def torch_device() -> tuple[str, str, bool]:
     return "cpu", "cpu", False
 
 
-# Library notices that are noise, not news: bitsandbytes logs one per 8-bit matmul of a float32
-# model, and one saying its optional hub-downloaded CPU kernel is absent (we want it so);
-# torchao (imported by transformers when installed) says its CUDA-only extensions are absent.
-_LIBRARY_NOISE = {
-    "bitsandbytes.autograd._functions": "inputs will be cast",
-    "bitsandbytes.backends.cpu.ops": "from kernels-community",
-    "torchao": "Failed to load",
-    "torchao.kernel.intmm": "Detected no triton",
-    "torch.utils._pytree": "is an Enum subclass",
-}
-
-
-def _drop_library_noise(record: logging.LogRecord) -> bool:
-    return _LIBRARY_NOISE.get(record.name, "\0") not in record.getMessage()
-
-
 def quiet_libraries() -> None:
-    """Silence progress bars and known notices of transformers, bitsandbytes and torchao."""
-    for name in _LIBRARY_NOISE:
-        logger = logging.getLogger(name)
-        if _drop_library_noise not in logger.filters:
-            logger.addFilter(_drop_library_noise)
+    """Silence transformers' progress bars and notices, and the libraries' known notices
+    (``library_noise``), in a job's log."""
+    library_noise.quiet_notices()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -112,7 +95,8 @@ class WarmImports(WorkerPlugin):
     def setup(self, worker) -> None:
         import importlib
 
-        quiet_libraries()  # before bitsandbytes' import-time notices
+        if os.environ.get(library_noise.SHOW_ENV) != "1":
+            quiet_libraries()  # before bitsandbytes' import-time notices
         for module in self.modules:
             try:
                 importlib.import_module(module)
