@@ -91,7 +91,7 @@ NOT_CARRIED = {
     "altair": "the report, written here from the run directory that comes back",
     "vl-convert-python": "the report", "nbformat": "the report", "nbclient": "the report",
     "nbconvert": "the report", "ipykernel": "the report", "jupyterlab": "the report",
-    "ipywidgets": "a notebook's live progress widget",
+    "ipywidgets": "a notebook's live progress widget", "great-tables": "the report",
 }
 """Requirements the smoke run does without, and why."""
 

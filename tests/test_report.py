@@ -389,12 +389,34 @@ def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, m
                     "Failed and skipped jobs", "Timeline",
                     "Memory", "Time per job", "Per-layer error", "Scaling"):
         assert heading in page.text
-    # The jobs table holds every job (4 rows), not a truncated listing.
+    # The jobs table holds every job, formatted for people: sizes in binary units, shares in
+    # %, no Polars repr (its shape line and dtype row).
     every_job = page.text.split("Every job", 1)[1].split("Failed and skipped jobs", 1)[0]
-    assert "shape: (4, 22)" in every_job and "…" not in every_job
     for label in ("baseline", "nf4", "int8 t=6", "ao int4wo"):
         assert label in every_job
+    assert re.search(r"\d(\.\d)? (KiB|MiB|GiB)", every_job) and "%" in every_job
+    assert "shape:" not in page.text and not DTYPE_ROW.search(page.text)
     print(f"screenshot: {screenshot}")
+
+
+DTYPE_ROW = re.compile(r"^\s*(str|f64|i64|bool|datetime\[[^\]]*\])(\s+(str|f64|i64|bool|"
+                       r"datetime\[[^\]]*\]))+\s*$", re.MULTILINE)
+
+
+def test_every_table_of_the_report_is_formatted_for_people(html_report):
+    """Each table of the exported report is a Great Tables table: no dtype row, no quotes
+    around strings, labels in words, sizes in binary units and times with their unit."""
+    html = html_report.read_text(encoding="utf-8")
+    tables = re.findall(r'<table class="gt_table".*?</table>', html, re.DOTALL)
+    assert len(tables) >= 5  # ties, every job, failures, the sweep, per device, ...
+    assert "shape: (" not in html and '<table class="dataframe"' not in html
+    for table in tables:
+        cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", table, re.DOTALL)
+        assert not {"str", "f64", "i64", "bool"} & {c.strip() for c in cells}, table[:300]
+        assert not any(c.strip().startswith('"') for c in cells), table[:300]
+    jobs = next(t for t in tables if "bits / weight" in t)
+    assert re.search(r"\d(\.\d)? (KiB|MiB|GiB)<", jobs) and re.search(r"\d+\.\d%<", jobs)
+    assert re.search(r"\d(\.\d+)? (s|min)<", jobs)  # wall time with its unit
 
 
 def test_a_chart_that_cannot_draw_is_caught_by_the_browser_check(tmp_path, chromium):

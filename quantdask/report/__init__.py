@@ -16,10 +16,11 @@ _CHARTS = (
 _TASKS = ("gates_banner", "recovery_table", "task_chart")
 _SPEED = ("speed_chart", "speedup_table")
 _LIVE = ("live",)
+_TABLES = ("table",)
 _SUMMARIES = ("device_summary", "sweep_summary")
 _FRONTIER = ("kl_ties", "pareto_frontier")
 
-__all__ = [*_CHARTS, *_TASKS, *_SPEED, *_LIVE, *_SUMMARIES, *_FRONTIER]
+__all__ = [*_CHARTS, *_TASKS, *_SPEED, *_LIVE, *_TABLES, *_SUMMARIES, *_FRONTIER]
 
 
 def __getattr__(name: str):
@@ -27,6 +28,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("quantdask.report.charts"), name)
     if name in _TASKS:
         return getattr(importlib.import_module("quantdask.report.tasks"), name)
+    if name in _TABLES:
+        return getattr(importlib.import_module("quantdask.report.tables"), name)
     if name in _LIVE:
         return getattr(importlib.import_module("quantdask.report.live_charts"), name)
     if name in _SPEED:

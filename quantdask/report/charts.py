@@ -133,7 +133,7 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
 
     # One row of panels per model: perplexities of different models do not share a scale.
     return alt.vconcat(*[
-        alt.hconcat(panel(model_data, "perplexity", "perplexity"),
+        alt.hconcat(panel(model_data, "perplexity", "perplexity (no unit)"),
                     panel(model_data, "kl_divergence", "KL divergence (nats/token)"))
         for _, model_data in data.group_by("model", maintain_order=True)
     ]).properties(title="Quality vs size (lower left is better)")
@@ -155,11 +155,14 @@ def layer_error_heatmap(results: pl.DataFrame, layers: pl.DataFrame) -> alt.Char
                    .sort("position")["layer"].to_list())
 
     def heatmap(model_long: pl.DataFrame) -> alt.Chart:
+        # Every column named by its config's label, none dropped for lack of room.
         return alt.Chart(model_long).mark_rect().encode(
             x=alt.X("config_label:N", title="config",
-                    sort=_job_order(results.filter(pl.col("model") == model_long["model"][0]))),
-            y=alt.Y("layer:N", sort=layer_order, title=None),
-            color=alt.Color("error:Q", title="relative error",
+                    sort=_job_order(results.filter(pl.col("model") == model_long["model"][0])),
+                    axis=alt.Axis(labelAngle=-35, labelOverlap=False, labelLimit=240,
+                                  orient="bottom")),
+            y=alt.Y("layer:N", sort=layer_order, title="layer (in network order)"),
+            color=alt.Color("error:Q", title="relative error (‖Δ‖ / ‖·‖, no unit)",
                             scale=alt.Scale(scheme="orangered")),
             tooltip=[alt.Tooltip("layer:N"), alt.Tooltip("in_features:Q"),
                      alt.Tooltip("out_features:Q"), alt.Tooltip("metric:N"),
@@ -218,7 +221,7 @@ def job_memory_chart(results: pl.DataFrame) -> alt.Chart:
     return alt.Chart(long).mark_bar().encode(
         y=alt.Y("job:N", sort=_job_order(results), title="job"),
         yOffset="memory:N",
-        x=alt.X("MiB:Q", title="peak MiB"),
+        x=alt.X("MiB:Q", title="peak memory (MiB)"),
         color=alt.Color("memory:N", title=None),
         tooltip=[*JOB_TOOLTIP, alt.Tooltip("worker:N"), alt.Tooltip("device:N"),
                  alt.Tooltip("memory:N"), alt.Tooltip("MiB:Q", format=".1f")],
@@ -238,7 +241,7 @@ def device_memory_chart(results: pl.DataFrame, samples: pl.DataFrame) -> alt.Cha
         pl.concat_str("worker", pl.lit(" · "), "device").alias("lane"))
     return alt.Chart(data).mark_bar().encode(
         y=alt.Y("lane:N", title="worker · device"),
-        x=alt.X("peak MiB:Q"),
+        x=alt.X("peak MiB:Q", title="peak memory (MiB)"),
         tooltip=[alt.Tooltip("worker:N"), alt.Tooltip("device:N"), alt.Tooltip("jobs:Q"),
                  alt.Tooltip("busy_s:Q", format=".1f"), alt.Tooltip("idle_s:Q", format=".1f"),
                  alt.Tooltip("utilization:Q", format=".0%"),
@@ -269,7 +272,7 @@ def memory_timeline_chart(samples: pl.DataFrame) -> alt.Chart:
     zoom = alt.selection_interval(bind="scales", encodings=["x"])
     return alt.Chart(data).mark_line(interpolate="step-after").encode(
         x=alt.X("time:T", title="time (UTC)", scale=UTC_TIME, axis=alt.Axis(format="%H:%M:%S")),
-        y=alt.Y("MiB:Q", title="memory used MiB"),
+        y=alt.Y("MiB:Q", title="memory used (MiB)"),
         color=alt.Color("lane:N", title="worker · device"),
         tooltip=[alt.Tooltip("lane:N", title="worker · device"),
                  alt.Tooltip("time:T", format="%H:%M:%S.%L UTC", formatType="utc"),
@@ -306,7 +309,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
                         variable_name="phase", value_name="seconds")
     return alt.Chart(long).mark_bar().encode(
         y=alt.Y("job:N", sort=_job_order(results), title="job"),
-        x=alt.X("seconds:Q", title="seconds", stack="zero"),
+        x=alt.X("seconds:Q", title="time (s)", stack="zero"),
         color=alt.Color("phase:N", scale=PHASE_COLORS, sort=PHASE_COLORS.domain),
         order=alt.Order("phase_order:Q"),
         tooltip=[*JOB_TOOLTIP, alt.Tooltip("phase:N"), alt.Tooltip("seconds:Q", format=".3f"),
@@ -336,11 +339,13 @@ def scaling_chart(scaling: pl.DataFrame) -> alt.HConcatChart:
               scale=alt.Scale(zero=False, padding=20))
     base = alt.Chart(data).encode(x=x)
     measured = base.mark_line(point=True).encode(
-        y=alt.Y("throughput_jobs_per_min:Q", title="jobs per minute"), tooltip=tooltip)
+        y=alt.Y("throughput_jobs_per_min:Q", title="throughput (jobs per minute)"),
+        tooltip=tooltip)
     ideal = base.mark_line(strokeDash=[5, 3], color="gray").encode(
         y="ideal_jobs_per_min:Q", tooltip=[alt.Tooltip("ideal_jobs_per_min:Q", format=".2f")])
     efficiency = base.mark_line(point=True, color="#f58518").encode(
-        y=alt.Y("scaling_efficiency:Q", title="efficiency", axis=alt.Axis(format="%"),
+        y=alt.Y("scaling_efficiency:Q", title="scaling efficiency (%)",
+                axis=alt.Axis(format="%"),
                 scale=alt.Scale(domain=[0, 1.1])), tooltip=tooltip)
     one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(color="gray", strokeDash=[5, 3]) \
         .encode(y="y:Q")

@@ -75,12 +75,14 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
             f"{model}: {panel}" + (f"  (TRUNCATED PROMPTS: up to {truncated} samples cut; not "
                                    "the task's score)" if truncated else ""),
             color="#e45756" if truncated else "black")
-        base = alt.Chart(part).encode(x=alt.X("bits_per_weight:Q", title="bits per weight",
+        base = alt.Chart(part).encode(x=alt.X("bits_per_weight:Q",
+                                              title="bits per weight (whole model, as stored)",
                                               scale=alt.Scale(zero=False, padding=12)))
         bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
             y="value_lo:Q", y2="value_hi:Q", color="backend:N", tooltip=tooltip)
         points = base.mark_point(size=90, filled=True).encode(
-            y=alt.Y("value:Q", title=panel, scale=alt.Scale(zero=False, padding=12)),
+            y=alt.Y("value:Q", title=f"{panel} (score, ± 1 s.e.)",
+                    scale=alt.Scale(zero=False, padding=12)),
             color="backend:N", tooltip=tooltip)
         rule = alt.Chart(part.filter(pl.col("backend") == "none")).mark_rule(
             color="gray", strokeDash=[6, 3]).encode(y="value:Q", tooltip=tooltip)
