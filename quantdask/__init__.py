@@ -39,6 +39,7 @@ from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
 from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
 from quantdask.spec.tasks import TaskSettings
 from quantdask.store.frontier import kl_ties, pareto_frontier
+from quantdask.store.mlflow_export import ExportSummary, export_mlflow
 from quantdask.store.run_store import (
     read_attempts,
     read_device_samples,
@@ -66,7 +67,8 @@ __all__ = [
     "Job",
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
-    "execute_notebook", "expand_grid", "get_backend", "job_status", "kl_ties", "load_sweep",
+    "execute_notebook", "expand_grid", "export_mlflow", "ExportSummary", "get_backend",
+    "job_status", "kl_ties", "load_sweep",
     "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",

@@ -18,6 +18,7 @@ from quantdask.cli.commands import (
     EXIT_BAD_INPUT,
     EXIT_FAILED_JOBS,
     cmd_demo,
+    cmd_export,
     cmd_logs,
     cmd_plan,
     cmd_report,
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_sweep_commands(commands)
     _add_run_dir_commands(commands)
+    _add_export_commands(commands)
     return parser
 
 
@@ -174,6 +176,22 @@ def _add_run_dir_commands(commands) -> None:
     logs.add_argument("run_dir")
     logs.add_argument("job_id", help="a job id, or its unique beginning")
     logs.set_defaults(func=cmd_logs)
+
+
+def _add_export_commands(commands) -> None:
+    """``export <tracker> RUN_DIR``: a run directory into an experiment tracker."""
+    export = commands.add_parser("export", help="export a run directory to a tracker")
+    trackers = export.add_subparsers(dest="tracker", required=True, parser_class=_Parser,
+                                     metavar="{mlflow}")
+    mlflow = trackers.add_parser("mlflow", help="one MLflow run per job, under a parent run "
+                                                "with the report and Parquet files; only new "
+                                                "jobs on a second export")
+    mlflow.add_argument("run_dir")
+    mlflow.add_argument("--tracking-uri", metavar="URI",
+                        help="MLflow tracking URI (default MLFLOW_TRACKING_URI, else ./mlruns)")
+    mlflow.add_argument("--experiment", metavar="NAME",
+                        help="MLflow experiment (default the sweep's name)")
+    mlflow.set_defaults(func=cmd_export)
 
 
 def main(argv: list[str] | None = None) -> int:
