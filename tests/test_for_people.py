@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from quantdask.cli import main
-from quantdask.demo_model import DEMO_MODEL_DIR
+from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_TASKS_DIR
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +32,10 @@ def quantdask(*args: str, cwd) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_run_prints_only_quantdask_lines_on_stderr_and_v_shows_the_libraries(write_sweep,
                                                                              tmp_path):
-    sweep = write_sweep()
+    # With task accuracy too (lm-eval ran `git describe` in a folder that is no repository);
+    # tmp_path is none.
+    sweep = write_sweep(tasks={"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
+                               "limit": 8})
     quiet = quantdask("run", sweep, "--workers", "1", "--no-report", "--run-dir", "quiet",
                       cwd=tmp_path)
     assert quiet.returncode == 0, quiet.stderr[-2000:]

@@ -119,11 +119,15 @@ def _offline_and_quiet():
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
     import lm_eval.api.task as task_module
+    import lm_eval.evaluator
     from tqdm import tqdm
 
     datasets.config.HF_DATASETS_OFFLINE = True
     if getattr(task_module, "tqdm", None) is tqdm:
         task_module.tqdm = functools.partial(tqdm, disable=True)
+    # lm-eval records the git commit of the working directory by running `git describe`,
+    # which prints "fatal: not a git repository" to the terminal anywhere else; unused here.
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
     datasets.disable_progress_bars()
     lm_eval_log = logging.getLogger("lm_eval")
     level = lm_eval_log.level
