@@ -6,6 +6,7 @@ values after each result; a live chart redrawn as results arrive."""
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 
@@ -95,6 +96,16 @@ def test_two_handles_on_one_client_run_side_by_side(cluster, tmp_path):
 
 
 def test_an_interrupt_while_waiting_stops_only_the_waiting(cluster, tmp_path):
+    # Python's own SIGINT handler, as in a Jupyter kernel (dask_jobqueue.runner, imported by
+    # another test in this process, replaces it with one that exits).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupted_while_waiting(cluster, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupted_while_waiting(cluster, tmp_path) -> None:
     handle = qd.submit_sweep(slow_sweep(), tmp_path / "run", cluster.client)
     threading.Timer(0.3, _thread.interrupt_main).start()  # what a kernel interrupt does
     with pytest.raises(KeyboardInterrupt):
