@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from quantdask.driver import LOG_CHANNEL
+from quantdask.store.summary import failures_table
 from quantdask.util import format_duration
-from quantdask.worker.outcome import Status
 
 if TYPE_CHECKING:
     from quantdask.driver.progress import SweepProgress
@@ -45,7 +45,6 @@ class Listeners:
     on_progress: Callable[[SweepProgress], None] | None = None
     results: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
     updates: list[Callable[[SweepProgress], None]] = field(default_factory=list)
-    last: SweepProgress | None = None
 
     def result(self, record: dict[str, Any]) -> None:
         if self.on_result is not None:
@@ -54,7 +53,6 @@ class Listeners:
             _quietly(listener, record)
 
     def progress(self, progress: SweepProgress) -> None:
-        self.last = progress
         if self.on_progress is not None:
             self.on_progress(progress)
         for listener in list(self.updates):
@@ -142,12 +140,9 @@ class SweepHandle:
         return list(self._session.driver.cancelled)
 
     def failures(self) -> pl.DataFrame:
-        """The jobs that failed or were skipped so far, with the first line of the error."""
-        return (self.results.filter(pl.col("status") != Status.DONE)
-                .select("job_id", "model", "config_label", "status", "failure_class",
-                        "attempts", "error_class",
-                        pl.col("error_message").str.split("\n").list.first().alias("reason"))
-                .sort("model", "config_label"))
+        """The jobs that failed or were skipped so far, with the first line of the error (the
+        report's ``failures_table``)."""
+        return failures_table(self.results)
 
     def logs(self, job: str) -> str:
         """A job's log, every attempt: ``job`` is its id, a unique prefix, or its config label

@@ -11,7 +11,7 @@ import importlib
 
 _MODULES = {
     "quantdask.report.charts": (
-        "artifacts_table", "device_memory_chart", "failures_table", "job_memory_chart",
+        "artifacts_table", "device_memory_chart", "job_memory_chart",
         "jobs_table", "layer_error_heatmap", "memory_chart", "memory_timeline_chart",
         "quality_chart", "scaling_chart", "time_breakdown_chart", "timeline_chart",
         "with_job_label"),
@@ -19,7 +19,7 @@ _MODULES = {
     "quantdask.report.speed": ("speed_chart", "speedup_table"),
     "quantdask.report.live_charts": ("live",),
     "quantdask.report.tables": ("table",),
-    "quantdask.store.summary": ("device_summary", "sweep_summary"),
+    "quantdask.store.summary": ("device_summary", "failures_table", "sweep_summary"),
     "quantdask.store.frontier": ("kl_ties", "pareto_frontier"),
 }
 """Where each function of ``quantdask.report`` lives."""

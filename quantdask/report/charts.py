@@ -357,15 +357,6 @@ def scaling_chart(scaling: pl.DataFrame) -> alt.HConcatChart:
     ).properties(title="Scaling")
 
 
-def failures_table(results: pl.DataFrame) -> pl.DataFrame:
-    """The jobs that did not finish: status, class, attempts and the first line of the error."""
-    return (results.filter(pl.col("status") != Status.DONE)
-            .select("job_id", "model", "config_label", "status", "failure_class", "attempts",
-                    "error_class",
-                    pl.col("error_message").str.split("\n").list.first().alias("reason"))
-            .sort("status", "model", "config_label"))
-
-
 def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:
     """The saved models (``artifacts:``): kept or deleted, size, the reload check and any save
     failure, per job that made or tried one."""

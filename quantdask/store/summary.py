@@ -162,3 +162,12 @@ def job_status(run_dir: str | os.PathLike) -> pl.DataFrame:
     planned = pl.DataFrame(plan).select("job_id", "model", "backend", "config_label", "priority")
     return (planned.join(results, on="job_id", how="left")
             .with_columns(pl.col("status").fill_null("pending")))
+
+
+def failures_table(results: pl.DataFrame) -> pl.DataFrame:
+    """The jobs that did not finish: status, class, attempts and the first line of the error."""
+    return (results.filter(pl.col("status") != Status.DONE)
+            .select("job_id", "model", "config_label", "status", "failure_class", "attempts",
+                    "error_class",
+                    pl.col("error_message").str.split("\n").list.first().alias("reason"))
+            .sort("status", "model", "config_label"))
