@@ -129,7 +129,7 @@ class SweepHandle:
         return self.results
 
     def __await__(self):
-        return asyncio.get_event_loop().run_in_executor(None, self.wait).__await__()
+        return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
 
     def cancel(self) -> list[str]:
         """Stop the sweep: submit nothing more, cancel the running attempts and record them as
