@@ -109,7 +109,7 @@ def kl(reference, log_q, windows) -> tuple[float, float]:
     meter = QualityMeter(windows, reference)
     meter.add(slice(0, windows.size(0)), slice(0, windows.size(1) - 1), log_q)
     scores = meter.scores()
-    return scores["kl_divergence"], scores["kl_se"]
+    return scores.kl_divergence, scores.kl_se
 
 
 def main() -> None:

@@ -43,13 +43,15 @@ from quantdask.store.mlflow_export import ExportSummary, export_mlflow
 from quantdask.store.run_store import (
     read_attempts,
     read_device_samples,
+    read_frame,
+    read_frames,
     read_layers,
     read_results,
     read_sessions,
+    read_speed,
     read_tasks,
     read_windows,
 )
-from quantdask.store.speed import read_speed
 from quantdask.store.summary import device_summary, job_status, sweep_summary
 
 __version__ = "0.1.0"
@@ -69,7 +71,8 @@ __all__ = [
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "export_mlflow", "ExportSummary", "get_backend",
     "job_status", "kl_ties", "load_sweep",
-    "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
+    "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples", "read_frame",
+    "read_frames",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",
     "read_windows",

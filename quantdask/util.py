@@ -57,8 +57,9 @@ def format_bytes(value: int | None) -> str:
     """``512 B``, ``1.5 MiB``, ``3.2 GiB``; ``-`` for unknown."""
     if value is None:
         return "-"
+    size = float(value)
     for unit in ("B", "KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

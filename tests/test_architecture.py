@@ -121,23 +121,27 @@ def test_no_function_is_past_60_lines():
     assert [f for f in functions if f[0] > MAX_FUNCTION_LINES] == []
 
 
-# The same word meaning something else than a job's outcome, where it is not the vocabulary's:
-# (module, word) -> what it means there.
+# The same word meaning something else than an outcome (or the baseline), where it is not the
+# vocabulary's: (module, word) -> what it means there.
 OTHER_MEANINGS = {
-    ("quantdask/spec/settings.py", "done"): "artifacts.keep: keep the models of done jobs (spec "
-                                            "sits below the worker and cannot import Status)",
     ("quantdask/store/summary.py", "done"): "the sweep summary's column: jobs done",
     ("quantdask/cli/commands.py", "done"): "the scaling table's column of the same name",
+    ("quantdask/driver/handle.py", "cancelled"): "the sweep's state in the handle's summary line",
+    ("quantdask/driver/references.py", "cancelled"): "a Dask future's status",
+    ("quantdask/spec/tasks.py", "none"): "prose in a message: no include_path was given",
 }
+VOCABULARY = "quantdask/words.py"
 
 
 def _outcome_literals() -> dict[tuple[str, str], int]:
-    """Every string constant in quantdask/ that spells a status or failure class, by module."""
+    """Every string constant in quantdask/ that spells a status, a failure class, an attempt's
+    end or ``"none"`` (the baseline's backend, lm-eval's unfiltered answers, ``keep: none``),
+    by module."""
     import ast
 
-    from quantdask.worker.outcome import FailureClass, Status
+    from quantdask.words import AttemptEnd, FailureClass, Status
 
-    words = {str(word) for word in (*Status, *FailureClass)}
+    words = {str(word) for word in (*Status, *FailureClass, *AttemptEnd)} | {"none"}
     found: dict[tuple[str, str], int] = {}
     for path in sorted((REPO / "quantdask").rglob("*.py")):
         module = str(path.relative_to(REPO))
@@ -150,8 +154,8 @@ def _outcome_literals() -> dict[tuple[str, str], int]:
 @pytest.mark.timeout(30)
 def test_outcome_words_are_spelled_only_in_the_vocabulary():
     found = _outcome_literals()
-    assert ("quantdask/worker/outcome.py", "out_of_memory") in found  # it sees the enums
+    assert (VOCABULARY, "out_of_memory") in found and (VOCABULARY, "none") in found  # it sees them
     stray = {where: n for where, n in found.items()
-             if where[0] != "quantdask/worker/outcome.py" and where not in OTHER_MEANINGS}
+             if where[0] != VOCABULARY and where not in OTHER_MEANINGS}
     assert stray == {}
     assert set(OTHER_MEANINGS) <= set(found)  # no stale exception

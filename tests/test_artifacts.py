@@ -172,6 +172,38 @@ def test_a_local_artifact_path_with_a_scheduler_is_refused_unless_shared(write_s
     assert not (tmp_path / "run").exists() and not (tmp_path / "models").exists()
 
 
+def test_the_workers_rule_refuses_only_a_local_unshared_path(tmp_path):
+    local = sweep_from_dict(artifact_sweep(tmp_path / "models"))
+    local.check_workers(None)  # every worker on this machine: any path
+    with pytest.raises(SpecError) as refused:
+        local.check_workers("the scheduler at tcp://127.0.0.1:9")
+    assert refused.value.field == "artifacts.to"
+    assert "tcp://127.0.0.1:9" in str(refused.value)
+    assert "artifacts.shared: true" in str(refused.value)
+    sweep_from_dict(artifact_sweep(tmp_path / "models", shared=True)).check_workers("--scheduler")
+    sweep_from_dict(artifact_sweep("memory://models")).check_workers("--scheduler")
+
+
+@pytest.mark.timeout(60)
+def test_submit_sweep_on_a_scheduler_reached_by_address_refuses_a_local_path(cluster, tmp_path):
+    """A notebook's client of a scheduler it did not start (by address, loopback or not) may
+    have workers on other machines: the same rule as ``quantdask run --scheduler``, before
+    anything is written. The session's own ``cluster.client`` (a LocalCluster of this process)
+    saves to local paths in the tests above."""
+    from distributed import Client
+
+    import quantdask as qd
+
+    sweep = sweep_from_dict(artifact_sweep(tmp_path / "models"))
+    with Client(cluster.client.scheduler.address) as client:
+        with pytest.raises(SpecError) as refused:
+            qd.submit_sweep(sweep, tmp_path / "run", client)
+    assert refused.value.field == "artifacts.to"
+    assert f"the scheduler at {cluster.client.scheduler.address}" in str(refused.value)
+    assert "artifacts.shared: true" in str(refused.value)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "models").exists()
+
+
 # The reload check on a different model --------------------------------------------------------
 
 def exact_kl(model, windows, reference_log_probs) -> float:

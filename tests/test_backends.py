@@ -48,9 +48,9 @@ def test_torchao_quantizes_for_real(torchao_outcomes):
         < r["ao int8wo"].record["size_bytes"] < r["baseline"].record["size_bytes"]
     assert 0 < r["ao int8wo"].record["kl_divergence"] < r["ao int4wo g32"].record["kl_divergence"]
     for label in ("ao int4wo g32", "ao int4wo g128", "ao int8wo"):
-        assert len(r[label].layers) == 28
-    g32 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g32"].layers}
-    g128 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g128"].layers}
+        assert len(r[label].rows["layers"]) == 28
+    g32 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g32"].rows["layers"]}
+    g128 = {row["layer"]: row["weight_rel_error"] for row in r["ao int4wo g128"].rows["layers"]}
     assert all(g32[name] < g128[name] for name in g32)  # smaller groups, smaller error
     # The baseline ran after torchao in this process: the cached weights were left intact.
     assert r["baseline"].record["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
@@ -106,10 +106,10 @@ def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_outcomes, de
         expected = (sum(n * bits // 8 + 2 * (n // 64) * 4 for n in linear.values())
                     + 4 * (total - sum(linear.values())))
         assert expected <= record["size_bytes"] <= expected + 200 * len(linear)
-        assert [row["layer"] for row in outcome.layers] == list(linear)
+        assert [row["layer"] for row in outcome.rows.get("layers", [])] == list(linear)
     assert 0 < r["hqq 4b g64"].record["kl_divergence"] < r["hqq 2b g64"].record["kl_divergence"]
-    two = {row["layer"]: row["weight_rel_error"] for row in r["hqq 2b g64"].layers}
-    four = {row["layer"]: row["weight_rel_error"] for row in r["hqq 4b g64"].layers}
+    two = {row["layer"]: row["weight_rel_error"] for row in r["hqq 2b g64"].rows["layers"]}
+    four = {row["layer"]: row["weight_rel_error"] for row in r["hqq 4b g64"].rows["layers"]}
     assert all(0 < four[name] < two[name] < 1 for name in linear)  # fewer bits, more error
 
 

@@ -238,7 +238,7 @@ def test_a_calibration_text_too_short_fails_the_calibrated_jobs_only(tmp_path):
            if j.backend == "autoround"][0]
     reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                   calibration=job.calibration)
-    assert reference.calibration is None and reference.baseline["perplexity"] > 1
+    assert reference.calibration is None and reference.baseline.perplexity > 1
     record = run_job(job, get_backend("autoround"), reference=reference).record
     assert record["status"] == "failed"
     assert "fewer than calibration.seq_len (64)" in record["error_message"]

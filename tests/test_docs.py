@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from quantdask.store import schema
+from quantdask.store.schema import FRAME, FRAMES
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -17,17 +18,6 @@ DOCS = REPO / "docs"
 RESULTS_DOC = DOCS / "results.md"
 README_MAX_BYTES = 12_000
 
-# The heading in docs/results.md under which each frame's columns are documented.
-FRAME_HEADINGS = {
-    "RESULT_SCHEMA": "Results frame",
-    "LAYER_SCHEMA": "Per-layer frame",
-    "WINDOW_SCHEMA": "Per-window frame",
-    "TASK_SCHEMA": "Tasks frame",
-    "SPEED_SCHEMA": "Speed frame",
-    "SAMPLE_SCHEMA": "Device samples frame",
-    "ATTEMPT_SCHEMA": "Attempts frame",
-    "SESSION_SCHEMA": "Sessions frame",
-}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
@@ -118,26 +108,28 @@ def documented_columns(heading: str) -> list[str]:
 
 
 @pytest.mark.timeout(30)
-def test_every_schema_has_a_documented_frame():
-    schemas = {name for name, value in vars(schema).items()
-               if name.endswith("_SCHEMA") and isinstance(value, dict)}
-    assert schemas == set(FRAME_HEADINGS), (
-        "each *_SCHEMA needs its frame documented in docs/results.md and named in "
-        "FRAME_HEADINGS here")
+def test_every_schema_is_a_declared_frame():
+    schemas = [value for name, value in vars(schema).items()
+               if name.endswith("_SCHEMA") and isinstance(value, dict)]
+    declared = [frame.schema for frame in FRAMES]
+    assert all(any(s is d for d in declared) for s in schemas), (
+        "each *_SCHEMA of store.schema needs its Frame in store.schema.FRAMES")
+    assert len({frame.heading for frame in FRAMES}) == len(FRAMES)
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("schema_name", sorted(FRAME_HEADINGS))
-def test_documented_columns_are_the_schema(schema_name):
-    heading = FRAME_HEADINGS[schema_name]
+@pytest.mark.parametrize("name", sorted(FRAME))
+def test_documented_columns_are_the_schema(name):
+    frame = FRAME[name]
+    heading = frame.heading
     documented = documented_columns(heading)
     duplicated = sorted({c for c in documented if documented.count(c) > 1})
     assert not duplicated, f"{heading}: documented twice: {duplicated}"
-    actual = set(getattr(schema, schema_name))
+    actual = set(frame.schema)
     assert not actual - set(documented), (
-        f"{heading}: undocumented columns of {schema_name}: {sorted(actual - set(documented))}")
+        f"{heading}: undocumented columns of {name}: {sorted(actual - set(documented))}")
     assert not set(documented) - actual, (
-        f"{heading}: documented columns {schema_name} lacks: {sorted(set(documented) - actual)}")
+        f"{heading}: documented columns {name} lacks: {sorted(set(documented) - actual)}")
 
 
 @pytest.mark.timeout(30)

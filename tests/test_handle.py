@@ -16,7 +16,7 @@ import yaml
 
 import quantdask as qd
 from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.outcome import ATTEMPT_CANCELLED, Status
+from quantdask.words import AttemptEnd, Status
 from tests.conftest import sweep_dict, with_slow_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -67,7 +67,8 @@ def test_cancel_then_rerun_finishes_exactly_the_rest_none_twice(cluster, tmp_pat
     assert handle.done() and cancelled
     first = qd.read_results(run_dir)
     attempts = qd.read_attempts(run_dir)
-    assert set(attempts.filter(pl.col("status") == ATTEMPT_CANCELLED)["job_id"]) == set(cancelled)
+    stopped = attempts.filter(pl.col("status") == AttemptEnd.CANCELLED)["job_id"]
+    assert set(stopped) == set(cancelled)
     assert not set(cancelled) & set(first["job_id"])  # a cancelled job has no result
     assert qd.read_sessions(run_dir)["completed"].to_list() == [False]
     rest = {job.id for job in qd.expand_grid(sweep)} - set(first["job_id"])

@@ -19,7 +19,7 @@ from quantdask.demo_model import DEMO_TASKS_DIR
 from quantdask.store.mlflow_export import metric_key
 from quantdask.store.run_store import RunStore
 from quantdask.store.schema import ALWAYS_REQUIRED
-from quantdask.worker.outcome import FailureClass, Status
+from quantdask.words import FailureClass, Status
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,8 +118,8 @@ def test_exported_twice_one_run_per_job_with_the_results_metrics(run_dir, tmp_pa
 
     mlflow = client(uri)
     sent = {f.path for f in mlflow.list_artifacts(first.parent_run_id)}
-    assert {"report.html", "results", "layers", "windows", "tasks", "speed", "attempts",
-            "sessions"} <= sent
+    assert {"report.html", "results", "layers", "windows", "tasks", "speed", "phases",
+            "attempts", "sessions"} <= sent
     sent_results = {f.path for f in mlflow.list_artifacts(first.parent_run_id, "results")}
     assert sent_results == {f"results/{p.name}" for p in (run_dir / "results").glob("*.parquet")}
 

@@ -242,7 +242,7 @@ def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
     one = measured(list(range(len(pieces))), parts=1)
     split = measured(list(reversed(range(len(pieces)))), parts=3)
     assert one == split
-    assert one["eval_tokens"] == 6 * 8 and one["kl_divergence"] > 0
+    assert one.eval_tokens == 6 * 8 and one.kl_divergence > 0
 
 
 @pytest.mark.parametrize("top_k", [64, None])
@@ -357,9 +357,9 @@ def test_the_windows_frame_holds_each_windows_means(independent):
                 "ln_ppl": nll_q.mean(1),
                 "top1_agreement": (log_p.argmax(-1) == log_q.argmax(-1)).mean(1),
                 "delta_p": (np.exp(-nll_q) - np.exp(-nll_p)).mean(1)}
-    assert [row["window"] for row in outcome.windows] == list(range(SAMPLES))
-    assert {row["tokens"] for row in outcome.windows} == {SEQ_LEN - 1}
+    assert [row["window"] for row in outcome.rows["windows"]] == list(range(SAMPLES))
+    assert {row["tokens"] for row in outcome.rows["windows"]} == {SEQ_LEN - 1}
     for name, values in expected.items():
         scale = np.abs(values).mean()
-        for row, value in zip(outcome.windows, values):
+        for row, value in zip(outcome.rows["windows"], values):
             assert row[name] == pytest.approx(value, rel=2e-3, abs=1e-3 * scale), name

@@ -40,8 +40,8 @@ def done_record(job_id: str = "bitsandbytes-0000000000000001", **overrides) -> d
 
 def record_done(store: RunStore, job_id: str) -> None:
     """What the scheduler writes for a done job: its layer rows, then its result."""
-    store.write_layers(job_id, [])
-    store.write_windows(job_id, [])
+    store.write_job_rows("layers", job_id, [])
+    store.write_job_rows("windows", job_id, [])
     store.write_result(done_record(job_id))
 
 
@@ -141,7 +141,7 @@ def test_results_from_an_older_version_read_with_nulls_and_are_measured_again(tm
     store = RunStore(tmp_path).create()
     old = records_to_frame([done_record("old")]).drop("kl_divergence", "top1_agreement")
     old.write_parquet(store.results_dir / "old.parquet")
-    store.write_layers("old", [])
+    store.write_job_rows("layers", "old", [])
     record_done(store, "new")
     frame = read_results(tmp_path)
     assert frame.schema == pl.Schema(RESULT_SCHEMA)
@@ -194,11 +194,53 @@ def test_a_done_jobs_windows_round_trip_and_are_part_of_it(tmp_path):
     store = RunStore(tmp_path / "run").create()
     rows = [{"window": w, "tokens": 127, "ln_ppl": 0.5 + w, "kl": 0.01 * w,
              "top1_agreement": 0.9, "delta_p": -0.001} for w in range(3)]
-    store.write_layers("a", [])
-    store.write_windows("a", rows)
+    store.write_job_rows("layers", "a", [])
+    store.write_job_rows("windows", "a", rows)
     store.write_result(done_record("a"))
-    store.write_layers("b", [])  # its windows never written (a crash, or an older version)
+    store.write_job_rows("layers", "b", [])  # no windows written (a crash, or an older version)
     store.write_result(done_record("b"))
     frame = read_windows(tmp_path / "run")
     assert frame["job_id"].to_list() == ["a"] * 3 and frame.drop("job_id").to_dicts() == rows
     assert store.finished_job_ids() == {"a"}  # b runs again
+
+
+# What the driver adds to an attempt's record (the recorder: the job's identity, its tries, when
+# it was queued; the gates' verdict) and run_job's finish time: every other column comes from a
+# phase's typed record.
+DRIVER_COLUMNS = ("job_id", "sweep", "model", "backend", "config", "config_label", "priority",
+                  "attempts", "queued_at", "finished_at", "gates_passed", "gates_met",
+                  "gates_failed")
+
+
+@pytest.mark.timeout(30)
+def test_every_result_column_comes_from_exactly_one_place():
+    import typing
+
+    from quantdask.store.schema import FRAME, RESULT_SCHEMA
+    from quantdask.worker.job import PHASES
+    from quantdask.worker.records import NotDone, PhaseRecord, Span, Where
+
+    producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS}
+    frames: dict[str, list[str]] = {}
+    for record_type in (Where, Span, NotDone):
+        producers[record_type.__name__] = record_type.column_names()
+    for phase in PHASES:
+        returned = typing.get_type_hints(phase)["return"]
+        types = [t for t in typing.get_args(returned) or (returned,) if t is not type(None)]
+        assert len(types) == 1 and issubclass(types[0], PhaseRecord), (
+            f"phase {phase.__name__} must return one PhaseRecord (or None), not {returned}")
+        producers[phase.__name__] = types[0].column_names()
+        for frame in types[0].frame_names():
+            frames.setdefault(frame, []).append(phase.__name__)
+    frames.setdefault("phases", []).append("Span")
+    seen: dict[str, str] = {}
+    for producer, columns in producers.items():
+        for column in columns:
+            assert column not in seen, f"{column} comes from both {seen[column]} and {producer}"
+            seen[column] = producer
+    assert set(seen) - {"status"} == set(RESULT_SCHEMA) - {"status"}, (
+        f"not in the schema: {sorted(set(seen) - set(RESULT_SCHEMA))}; "
+        f"from no phase: {sorted(set(RESULT_SCHEMA) - set(seen))}")
+    # Each per-job frame is filled by exactly one phase, and names a declared frame.
+    per_job = {name for name, frame in FRAME.items() if frame.per_done_job}
+    assert set(frames) == per_job and all(len(p) == 1 for p in frames.values()), frames

@@ -310,3 +310,27 @@ def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
     assert rows[1]["started_at"] < rows[0]["finished_at"]  # they ran at the same time
     logs = [(tmp_path / "run" / "logs" / "jobs" / f"{r['job_id']}.log").read_text() for r in rows]
     assert rows[1]["job_id"] not in logs[0] and rows[0]["job_id"] not in logs[1]
+
+
+def test_every_frame_reads_back_and_each_done_job_has_its_phases(demo_run):
+    import quantdask as qd
+    from quantdask.store.schema import FRAMES
+
+    run_dir, results, _ = demo_run
+    frames = qd.read_frames(run_dir)
+    assert list(frames) == [frame.name for frame in FRAMES]
+    for frame in FRAMES:  # each in its declared schema, read by name as by its own reader
+        assert frames[frame.name].schema == pl.Schema(frame.schema), frame.name
+    assert frames["results"].equals(read_results(run_dir))
+    phases = frames["phases"]
+    done = results.filter(pl.col("status") == "done")
+    assert set(phases["job_id"]) == set(done["job_id"])
+    table = qd.report.phases_table(results, phases)
+    assert table.height == done.height and "score" in table.columns
+    # The job's peak is at least its largest phase's, which the table names.
+    joined = table.join(done.select("config_label", pl.col("peak_device_mem_bytes")
+                                    .alias("job_peak")), on="config_label")
+    assert (joined["peak_device_mem_bytes"] <= joined["job_peak"]).all()
+    assert set(table["peak_phase"]) <= set(phases["phase"])
+    with pytest.raises(qd.SchemaError, match="the frames are results, layers"):
+        qd.read_frame(run_dir, "phase")

@@ -36,8 +36,9 @@ from quantdask.driver.retry import (
 from quantdask.errors import JobTimeout
 from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.words import FailureClass
 from quantdask.worker.job import run_job
-from quantdask.worker.outcome import FailureClass, failure_class_of
+from quantdask.worker.outcome import failure_class_of
 from quantdask.worker.reference import compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
@@ -268,7 +269,7 @@ def test_the_worker_discards_a_result_that_came_after_the_deadline(demo_model, j
     assert (record["status"], record["failure_class"], record["error_class"]) == (
         "failed", "timeout", "JobTimeout")
     assert "past timeout_s=0.001s" in record["error_message"]
-    assert "perplexity" not in record and outcome.layers == []
+    assert "perplexity" not in record and outcome.rows.get("layers", []) == []
     assert "past timeout_s=0.001s" in outcome.log
 
 
@@ -539,7 +540,7 @@ def test_the_recorder_writes_the_attempt_the_decision_and_the_result(jobs, tmp_p
     recorder.attempt(attempt, outcome)
     recorder.decision(attempt, "timeout", "not retried: no attempts left")
     recorder.result(attempt, outcome)
-    row = store.read_attempts().row(0, named=True)
+    row = store.read("attempts").row(0, named=True)
     assert (row["run_id"], row["job_id"], row["attempt"], row["key"], row["worker"]) == \
         ("run-1", jobs["nf4"].id, 2, "key-2", "w1")
     assert (row["failure_class"], row["eval_batch_size"]) == ("timeout",

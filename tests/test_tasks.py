@@ -375,7 +375,7 @@ def nf4_job_and_reference():
     jobs = expand_grid(sweep_from_dict(tasks_sweep(limit=8)))
     job = next(j for j in jobs if not j.is_baseline)
     reference = compute_reference(job.model, job.eval, job.eval.read_text(), tasks=job.tasks)
-    assert len(reference.baseline_tasks) == 2 and reference.baseline["tasks_s"] > 0
+    assert len(reference.baseline_tasks) == 2 and reference.tasks.seconds > 0
     return job, reference
 
 
@@ -392,7 +392,7 @@ def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_re
 
     job, reference = nf4_job_and_reference
     done = _run(job, reference)
-    assert done.record["status"] == "done" and len(done.tasks) == 2
+    assert done.record["status"] == "done" and len(done.rows["tasks"]) == 2
     assert done.record["tasks_s"] > 0 and done.record["eval_s"] > 0
 
     def out_of_memory(*args, **kwargs):
@@ -402,7 +402,7 @@ def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_re
     failed = _run(job, reference)
     assert failed.record["status"] == "failed"
     assert failed.record["failure_class"] == "out_of_memory"
-    assert "in score_tasks" in failed.record["traceback"] and failed.tasks == []
+    assert "in score_tasks" in failed.record["traceback"] and failed.rows == {}
 
 
 def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, monkeypatch):
@@ -420,7 +420,7 @@ def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, m
     monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", slow)
     late = _run(job, reference)
     assert late.record["status"] == "failed" and late.record["failure_class"] == "timeout"
-    assert late.tasks == [] and "tasks_s" not in late.record
+    assert late.rows == {} and "tasks_s" not in late.record
 
 
 def test_an_out_of_memory_retry_halves_the_task_batch_and_keeps_the_id():

@@ -78,10 +78,11 @@ def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, ref
     for name, tensor in whole.distribution.items():
         assert torch.equal(combined.distribution[name], tensor), name
     for name in SCORES:  # the same bits (a rerun on fewer workers reproduces its figures),
-        assert combined.baseline[name] == whole.baseline[name], name  # and near batches of 8
-        assert combined.baseline[name] == pytest.approx(reference.baseline[name], rel=1e-6)
-    assert combined.baseline["peak_host_rss_bytes"] == max(
-        p.peaks["peak_host_rss_bytes"] for p in parts)
+        mine = getattr(combined.baseline, name)
+        assert mine == getattr(whole.baseline, name), name  # and near batches of 8
+        assert mine == pytest.approx(getattr(reference.baseline, name), rel=1e-6)
+    assert combined.baseline_peaks.peak_host_rss_bytes == max(
+        p.peaks.peak_host_rss_bytes for p in parts)
     with pytest.raises(ValueError, match="cover windows"):
         combine_reference(job.model, settings, parts[0])  # a part missing
 
@@ -167,16 +168,16 @@ def test_kl_grows_from_8_bit_to_4_bit(records):
 
 
 def test_per_layer_rows_cover_every_quantized_linear(outcomes):
-    assert outcomes["baseline"].layers == []
+    assert outcomes["baseline"].rows["layers"] == []
     for label in ("nf4", "int8 t=6"):
-        layers = outcomes[label].layers
+        layers = outcomes[label].rows["layers"]
         # 4 decoder layers x (q, k, v, o, gate, up, down); the output head stays unquantized.
         assert len(layers) == 28 and not any("lm_head" in row["layer"] for row in layers)
         for row in layers:
             assert 0 < row["weight_rel_error"] < 0.5 and math.isfinite(row["weight_sqnr_db"])
             assert 0 < row["output_rel_error"] < 1.0
-    nf4 = {row["layer"]: row for row in outcomes["nf4"].layers}
-    int8 = {row["layer"]: row for row in outcomes["int8 t=6"].layers}
+    nf4 = {row["layer"]: row for row in outcomes["nf4"].rows["layers"]}
+    int8 = {row["layer"]: row for row in outcomes["int8 t=6"].rows["layers"]}
     assert all(nf4[name]["weight_sqnr_db"] < int8[name]["weight_sqnr_db"] for name in nf4)
 
 
@@ -186,7 +187,7 @@ def test_the_same_job_twice_gives_the_same_quality(demo_model, records, outcomes
     again = outcome.record
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes"):
         assert again[metric] == records["nf4"][metric]
-    assert outcome.layers == outcomes["nf4"].layers
+    assert outcome.rows.get("layers", []) == outcomes["nf4"].rows["layers"]
 
 
 def test_without_layer_stats_a_job_measures_the_same_and_records_no_layer(demo_model, records,
@@ -196,8 +197,8 @@ def test_without_layer_stats_a_job_measures_the_same_and_records_no_layer(demo_m
     job = dataclasses.replace(jobs_for(demo_model)["nf4"], layer_stats=False)
     outcome = run_job(job, get_backend(job.backend), reference=reference)
     record = outcome.record
-    assert record["status"] == "done" and outcome.layers == []
-    assert len(outcomes["nf4"].layers) == 28
+    assert record["status"] == "done" and outcome.rows.get("layers", []) == []
+    assert len(outcomes["nf4"].rows["layers"]) == 28
     for metric in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
                    "quantized_share"):
         assert record[metric] == records["nf4"][metric]
@@ -325,7 +326,7 @@ def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model
     record = outcome.record
     assert record["status"] == "done" and math.isfinite(record["perplexity"])
     assert record["layers_unmeasured"] == 8  # q_proj and o_proj in each of the 4 layers
-    measured = [row["layer"] for row in outcome.layers]
+    measured = [row["layer"] for row in outcome.rows.get("layers", [])]
     assert len(measured) == 20 and not [m for m in measured if m.endswith(("q_proj", "o_proj"))]
     assert "per-layer stats skip model.layers.0.self_attn.q_proj: ValueError: dequantized " \
            "weight (128, 127) does not match the checkpoint's (128, 128)" in outcome.log
@@ -379,7 +380,7 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, ou
         fresh, unmeasured = weight_errors(backend.quantize(source, job.options, "cpu"),
                                           backend.dequantize_layer, originals)
     assert unmeasured == {}
-    recorded = outcomes["nf4"].layers
+    recorded = outcomes["nf4"].rows["layers"]
     assert [r["layer"] for r in fresh] == [r["layer"] for r in recorded]
     for mine, theirs in zip(fresh, recorded):
         assert mine["weight_rel_error"] == pytest.approx(theirs["weight_rel_error"], rel=1e-6)
@@ -465,7 +466,7 @@ def test_per_layer_errors_match_an_independent_computation(demo_model, outcomes,
         ids = AutoTokenizer.from_pretrained(demo_model)(f.read())["input_ids"]
     first_batch = torch.tensor(ids[:seq_len * samples]).view(samples, seq_len)[:8]
     expected = layer_errors_by_hand(demo_model, label, first_batch, PROBE_WINDOWS)
-    rows = outcomes[label].layers
+    rows = outcomes[label].rows["layers"]
     assert [row["layer"] for row in rows] == list(expected)  # every quantized layer, in order
     for row in rows:
         mine = expected[row["layer"]]
@@ -508,3 +509,24 @@ def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
     assert "injecting fault 'slow' on attempt 1" in outcome.log
     again = run_job(job, get_backend(job.backend), attempt=2, reference=reference)
     assert "injecting fault" not in again.log  # attempt 2 has none
+
+
+def test_each_phase_records_its_own_time_and_peak(records, outcomes):
+    from quantdask.worker.job import PHASES
+
+    names = [phase.__name__ for phase in PHASES]
+    for label, outcome in outcomes.items():
+        record, rows = outcome.record, outcome.rows["phases"]
+        ran = [row["phase"] for row in rows]
+        # The phases that had something to do, in the job's order (no tasks, speed or
+        # artifacts in these jobs).
+        assert ran == ["load", "quantize", "check_coverage", "layer_weights", "score"], label
+        assert [row["position"] for row in rows] == [names.index(p) for p in ran]
+        seconds = {row["phase"]: row["seconds"] for row in rows}
+        # Each phase's time holds its own timed part, and the phases fit in the job's wall.
+        assert seconds["load"] >= record["load_s"] and seconds["score"] >= record["eval_s"]
+        assert seconds["quantize"] >= record["quantize_s"]
+        assert sum(seconds.values()) <= record["wall_s"]
+        # The job's peak covers every phase's (phase blocks nest in the job's).
+        assert max(row["peak_device_mem_bytes"] for row in rows) <= record["peak_device_mem_bytes"]
+        assert all(row["peak_host_rss_bytes"] > 0 for row in rows), label

@@ -47,7 +47,8 @@ def skip_label(skip: tuple[str, ...] | None, default: tuple[str, ...] | None = N
 
 
 QuantizeFn = Callable[["ModelSource", BackendOptions, str], "torch.nn.Module"]
-"""quantize(source, options, device) -> a model ready for evaluation on ``device``."""
+"""quantize(source, options, device) -> a model ready for evaluation on ``device`` (a
+calibrated backend's also takes ``calibration=``; see ``Backend.quantize``)."""
 
 
 @dataclass(frozen=True)
@@ -68,51 +69,156 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class Backend:
-    """A quantization backend registered under ``name``.
+    """A quantization backend registered under ``name`` (``register_backend``): the options it
+    accepts, a ``quantize`` function, and optional hooks, each documented below with what it
+    receives, returns and may raise, and when it is called. Every hook but ``quantize`` may be
+    left out.
 
-    ``options`` declares every accepted option: a frozen dataclass subclassing
-    :class:`BackendOptions` (or, as backends of one's own may, a dict of name to :class:`Option`,
-    made into one); once built, ``options`` is the name -> :class:`Option` mapping and
-    ``options_type`` the dataclass, whose instances (the canonical option sets, from
-    ``normalize``) every function below receives. ``complete`` rejects impossible combinations
-    (raise :class:`SpecError` naming the option) and fills defaults that depend on other options;
-    ``label`` makes a short human name for a config; ``dequantize_layer(module)`` returns a
-    quantized layer's weight dequantized to float (None for a module it did not quantize), for
-    per-layer error: a backend without it gets no per-layer rows. ``check(options, facts)``
-    is a cheap look on the driver before a sweep (``quantdask plan``): the reason a config
-    cannot run here (a missing library, a shape it cannot take), or None; the worker still
-    decides (raising :class:`UnsupportedHere`). ``weight_bits(options, loaded_bits)`` is what a
-    weight takes on the device at the job's peak, scales included, given the bits it is loaded
-    at (the device-memory estimate; None: weights stay as loaded). A job of a backend that
-    ``quantizes`` but leaves every weight in full precision is skipped as unsupported.
-    ``selects(name, module_class, options)`` says whether the backend quantizes a module of
-    that name and class, which lets ``quantdask plan`` predict the quantized share.
-    ``stored_bytes(tensor)`` is what one of the backend's tensors counts toward ``size_bytes``
-    when a layout stores more than the weight needs (padding: None counts what is stored).
-    A ``calibrated`` backend fits its quantization to data: a sweep of it needs a
-    ``calibration`` block, and its ``quantize`` is called with ``calibration=``, a
-    :class:`~quantdask.worker.calibration.Calibration` holding the token windows and the block to
-    time its data-driven step in (``calibrate_s``). ``prepare_save(model)`` puts a quantized
-    model (in memory) in the state ``save_pretrained`` must see, just before an artifact is
-    saved (bitsandbytes: its 4-bit weights repacked for the CPU, unpacked).
+    When: at spec time, on the driver, as a sweep is built (``Sweep``, ``load_sweep``), before
+    anything runs: ``options`` and ``complete`` check and complete each config, ``label``
+    names it, ``calibrated`` asks for a calibration block. At plan time, on the driver:
+    ``check`` and ``selects`` (``quantdask plan``), ``weight_bits`` (the device-memory
+    estimate, also made when every sweep places its jobs). On a worker, in the phases of each
+    attempt (``worker.job.PHASES``): ``quantize`` (quantize), ``quantizes`` and
+    ``stored_bytes`` (coverage), ``dequantize_layer`` (layer weights), ``saves`` and
+    ``prepare_save`` (artifacts).
+
+    What an exception does on the worker (``worker.job.not_done_record``; the same for one
+    the later phases meet in the returned model, its forward included):
+    :class:`UnsupportedHere` (a missing library, a shape it cannot take, needs CUDA) and
+    ``NotImplementedError`` (the library has no kernel or op for this layer or tensor) record
+    the job ``skipped`` with the reason, never retried; an allocation failure
+    (``MemoryError``, ``torch.cuda.OutOfMemoryError``) is ``out_of_memory``, retried on a
+    whole device with half the eval batch; anything else is ``job_error``, retried with
+    backoff up to the sweep's ``retries``, then recorded ``failed`` with its traceback. An
+    attempt past the sweep's ``timeout_s`` fails as ``timeout`` (its worker is restarted). A
+    bad config is found earlier: a :class:`SpecError` at spec time refuses the sweep.
+
+    The driver sends the backend with every attempt, pickled by cloudpickle: hooks are plain
+    functions (a notebook's travel by value) that import their heavy libraries inside
+    (``require_library``: an install hint, and the job skipped where it is missing).
+
+    >>> register_backend(Backend("rtn", round_to_nearest, options=RtnOptions))  # doctest: +SKIP
     """
 
     name: str
+    """The registry key: what a sweep's ``backend:`` names, the prefix of its job ids and part of
+    what they hash (renaming a backend changes its jobs' ids)."""
+
     quantize: QuantizeFn
+    """``quantize(source, options, device) -> torch.nn.Module``: the quantized model on
+    ``device``, in eval mode. Called on the worker in the quantize phase of every attempt (its
+    time is ``quantize_s``; its peak memory counts in the job's).
+
+    ``source`` is the model's :class:`~quantdask.worker.model_source.ModelSource`:
+    ``source.build(device, quantization_config=None)`` makes a new model from the weights the
+    job holds (a transformers ``quantization_config`` quantizes as it loads);
+    ``source.tokenizer``, ``.config``, ``.dtype`` and ``.spec`` (the model spec) are there
+    too. Replace the built model's weights, never write into them: they are the originals
+    coverage and the per-layer errors compare against, shared with jobs packed beside it.
+    ``options`` is the completed option set (an ``options_type`` instance); ``device`` is
+    torch's (``cuda:0``, ``cpu``). The model returned is what every later phase measures: a
+    transformers causal LM (``model(input_ids=...).logits``; ``generate`` for speed, lm-eval's
+    ``HFLM`` for tasks). Raise :class:`UnsupportedHere` for a config this worker cannot run.
+
+    A ``calibrated`` backend's is called with ``calibration=`` too, a
+    :class:`~quantdask.worker.calibration.Calibration`: ``calibration.windows`` (samples x
+    seq_len token ids, cut once per model with its reference), and ``with
+    calibration.measure():`` to wrap the data-driven step in (``calibrate_s`` and its peaks).
+    """
+
     options: type[BackendOptions] | Mapping[str, Option] = BackendOptions
+    """The options a config may give: a frozen dataclass subclassing :class:`BackendOptions`,
+    a field per option made by ``option(...)`` (type, choices, check, default, help); or a
+    dict of name -> :class:`Option`, made into one. Once built, ``options`` is the name ->
+    :class:`Option` mapping and ``options_type`` the dataclass. ``normalize`` checks each
+    config against it at spec time: an unknown option or a bad value is a :class:`SpecError`
+    naming it (``backends[0].grid.bits``). A completed option set's ``as_dict()`` is hashed
+    into the job id and is the results' ``config``."""
+
     complete: Callable[[BackendOptions], BackendOptions] | None = None
+    """``complete(options) -> options``: reject impossible combinations, raising
+    :class:`SpecError` named as in the config (``SpecError("group_size", "...")``; ``normalize``
+    prefixes where it is), and fill defaults that depend on other options
+    (``options.with_defaults(...)``). Called at spec time, after each option is checked and the
+    declared defaults filled; what it returns is what every other hook receives and the job id
+    hashes, so it must be deterministic. One written against dicts may return a dict."""
+
     label: Callable[[BackendOptions], str] | None = None
+    """``label(options) -> str``: the config's short name for people (``nf4 dq``,
+    ``int8 t=6``): the results' ``config_label``, shown by tables, charts and logs and matched
+    by a sweep's ``faults`` and ``handle.logs``. Called at spec time; not in the job id.
+    Default: the set options as ``k=v``, else the backend's name."""
+
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    """``dequantize_layer(module) -> Tensor | None``: a layer's quantized weight dequantized to
+    float, (out_features, in_features); None for a module the backend left alone. Called on
+    the worker in the layer-weights phase, before the model's first forward pass (kernels may
+    repack weights then), for each module whose ``<name>.weight`` the unquantized model has,
+    when the sweep's ``layer_stats`` is on. A layer that replaced one the checkpoint stores
+    transposed (GPT-2's ``Conv1D``) keeps that class as ``source_cls``. An exception costs only
+    that layer (logged, counted in ``layers_unmeasured``), never the job. The layers it
+    measures are those whose output error the score phase takes too: without this hook a
+    backend's jobs have no per-layer rows."""
+
     check: Callable[[BackendOptions, ModelFacts], str | None] | None = None
+    """``check(options, facts) -> str | None``: why the config cannot run here (a missing
+    library: ``missing_library``; a layer shape it cannot take here), or None. Called on
+    the driver by ``quantdask plan`` (``driver.planning.plan_sweep``) for each job, with the
+    :class:`ModelFacts` read from the model's files (nothing loaded): a reason marks the job
+    ``unsupported`` in the plan. Cheap, and it should not raise. The worker still decides: a
+    sweep runs the job anyway, and ``quantize`` raises :class:`UnsupportedHere` there."""
+
     weight_bits: Callable[[BackendOptions, int], float] | None = None
+    """``weight_bits(options, loaded_bits) -> float``: the bits one weight takes on the device
+    at the job's peak, its scales and constants included, given the bits it is loaded at (a
+    backend that loads the whole model before quantizing it returns ``loaded_bits``). Called on
+    the driver by the device-memory estimate (``driver.placement``) that ``quantdask plan``
+    shows and each sweep places its jobs by, until the job has a measured peak of its own.
+    Default (None): the weights stay as loaded."""
+
     description: str = ""
-    quantizes: bool = True  # False for the baseline: a job that quantized nothing is fine there
+    """One line for people: what the backend does, and how to install its library."""
+
+    quantizes: bool = True
+    """False for a backend that is not a quantizer (the baseline). For one that is, an attempt
+    whose model holds no quantized weight is skipped as unsupported in the coverage phase ("no
+    layer was quantized"), and ``quantdask plan`` marks a config unsupported when ``selects``
+    picks nothing."""
+
     selects: Callable[[str, type, BackendOptions], bool] | None = None
+    """``selects(name, module_class, options) -> bool``: whether the backend quantizes the
+    module ``name`` of class ``module_class`` (``ModelFacts.weight_modules``: the model built
+    on the meta device). Called on the driver by ``quantdask plan`` for the predicted quantized
+    share (``predicted_share``); without it the share is unknown. It should agree with what
+    ``quantize`` replaces; the coverage phase measures the truth."""
+
     stored_bytes: Callable[[torch.Tensor], int] | None = None
-    calibrated: bool = False  # quantize(..., calibration=) gets the sweep's calibration data
-    saves: bool = True  # its models save with save_pretrained and reload with from_pretrained
+    """``stored_bytes(tensor) -> int``: what one tensor of the quantized model's
+    ``state_dict`` counts toward ``size_bytes`` and ``bits_per_weight``, for a layout that
+    stores more than the weight needs (padding). Called on the worker in the coverage phase,
+    once per tensor. Default (None): the bytes it stores (``tensor_nbytes``)."""
+
+    calibrated: bool = False
+    """True for a backend that fits its quantization to data (AutoRound, GPTQ, AWQ): a sweep
+    with it needs a ``calibration`` block (a :class:`SpecError` otherwise), the calibration
+    settings join its jobs' ids, and ``quantize`` is called with ``calibration=``."""
+
+    saves: bool = True
+    """Whether the quantized model saves with ``save_pretrained`` and reloads with
+    transformers' ``AutoModelForCausalLM.from_pretrained``. Read on the worker in the artifacts
+    phase, which runs only when the sweep keeps artifacts: False is recorded as the job's
+    ``artifact_error`` ("no save format"), as a failed save or reload is; the job keeps its
+    result unless ``artifacts.required``, which raises it (classified as above)."""
+
     prepare_save: Callable[[torch.nn.Module], None] | None = None
-    options_type: type[BackendOptions] | None = None  # set from ``options``
+    """``prepare_save(model) -> None``: put the quantized model, in place, in the state
+    ``save_pretrained`` must see (bitsandbytes: 4-bit weights repacked for the CPU, unpacked).
+    Called on the worker in the artifacts phase, just before the save, after every
+    measurement of the model. An exception is recorded as a failed save."""
+
+    options_type: type[BackendOptions] | None = None
+    """The options dataclass, set from ``options`` (not given)."""
 
     def __post_init__(self):
         declared = self.options
@@ -150,9 +256,10 @@ class Backend:
             raise SpecError(where, f"must be a mapping of option to value, got {options!r}")
         unknown = sorted(set(options) - set(self.options))
         if unknown:
-            allowed = ", ".join(self.options) or "none"
+            allowed = (f"allowed: {', '.join(self.options)}" if self.options
+                       else "it takes no options")
             raise SpecError(f"{where}.{unknown[0]}",
-                            f"unknown option for backend {self.name!r}; allowed: {allowed}")
+                            f"unknown option for backend {self.name!r}; {allowed}")
         resolved = {}
         for name, spec in self.options.items():
             if name in options:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from quantdask.backends.base import Backend, BackendOptions
-
-BASELINE = "none"
+from quantdask.words import BASELINE  # its name, re-exported here
 
 
 def load_unquantized(source, options: BackendOptions, device: str):

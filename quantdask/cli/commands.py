@@ -12,7 +12,7 @@ import sys
 from quantdask.cli.render import table
 from quantdask.errors import QuantdaskError, RunDirError, SpecError
 from quantdask.store.run_store import RunStore, default_run_dir
-from quantdask.worker.outcome import Status
+from quantdask.words import BASELINE, PlanState, Status
 
 EXIT_FAILED_JOBS = 1
 EXIT_BAD_INPUT = 2
@@ -55,7 +55,7 @@ def _check_run_dir(path: str) -> str:
 def cmd_plan(args) -> int:
     import json
 
-    from quantdask.driver.planning import PlanState, plan_sweep
+    from quantdask.driver.planning import plan_sweep
     from quantdask.spec.sweep_file import load_sweep
     from quantdask.util import format_bytes, format_duration
 
@@ -73,7 +73,7 @@ def cmd_plan(args) -> int:
         return 0
     rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
              "est_time": format_duration(row["est_duration_s"]),
-             "quantized": "-" if row["quantized_share"] is None or row["backend"] == "none"
+             "quantized": "-" if row["quantized_share"] is None or row["backend"] == BASELINE
              else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
     print(table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
                         "quantized", "est_memory", "memory_from", "est_time"]))
@@ -98,13 +98,8 @@ def _run(sweep, args) -> int:
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
-    artifacts = sweep.artifacts
-    if args.scheduler and artifacts is not None and artifacts.enabled \
-            and not artifacts.is_url and not artifacts.shared:
-        raise SpecError("artifacts.to", f"{artifacts.to} is a local path, and workers of "
-                        "--scheduler may be on other machines, each writing to its own disk: "
-                        "give a directory every worker shares and set artifacts.shared: "
-                        "true, or an fsspec URL (s3://bucket/prefix)")
+    # The same check run_sweep makes on its client, made here before connecting to it.
+    sweep.check_workers("--scheduler" if args.scheduler else None)
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),
@@ -120,7 +115,7 @@ def _run(sweep, args) -> int:
             results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
     rows = with_quality_text(results).sort(
-        pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
+        pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
     # Each quality figure with its standard error; a KL that is only a bound says so.
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from quantdask.driver.progress import SweepProgress, read_progress
 from quantdask.util import format_bytes, format_duration
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 
 QUEUE_SHOWN = 6
 

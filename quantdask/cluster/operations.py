@@ -27,6 +27,21 @@ def live_workers(client: Client) -> dict[str, str]:
     return {address: str(w["name"]) for address, w in info.items()}
 
 
+def workers_elsewhere(client: Client) -> str | None:
+    """What may put ``client``'s workers on other machines, in words (``the scheduler at
+    tcp://...``); None when ``client`` was made from a ``LocalCluster`` of this process
+    (``LocalCUDACluster`` is one), whose workers all run here.
+
+    A scheduler reached by address counts, even at a loopback address (a tunnel, or workers
+    that joined it from other machines), as ``quantdask run --scheduler`` always has; so does a
+    cluster object that starts its workers elsewhere (SLURM, Kubernetes)."""
+    from distributed import LocalCluster
+
+    if isinstance(client.cluster, LocalCluster):
+        return None
+    return f"the scheduler at {client.scheduler.address}"
+
+
 def cluster_capacity(client: Client, jobs_per_gpu: int = 1) -> tuple[int, int]:
     """(workers, job slots) of the cluster now: a worker runs as many jobs at once as its
     ``GPU`` resource allows (``jobs_per_gpu`` per unit) and its threads take."""

@@ -32,7 +32,7 @@ def prune_to_pareto(store: RunStore, settings: ArtifactSettings) -> list[str]:
     kept (``artifact_kept`` false, the location and digest stay as a record of what was
     made); return their job ids."""
     results = store.read_results()
-    pruned = dominated(results, store.read_windows())
+    pruned = dominated(results, store.read("windows"))
     for row in results.filter(results["job_id"].is_in(pruned)).iter_rows(named=True):
         location = settings.location(row["job_id"])
         if settings.is_url:

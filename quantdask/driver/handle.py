@@ -2,10 +2,11 @@
 
 The sweep's driver loop runs in a background thread of this process; the handle reads what it
 has recorded so far and what it is doing, waits for it (``wait``, or ``await handle``), stops it
-(``cancel``), and shows itself in JupyterLab as a progress widget that updates itself
-(``driver.widget``; plain text elsewhere). An interrupt while waiting stops only the waiting.
-A kernel restart ends the process and the sweep with it, as a killed driver: nothing recorded
-is lost, and the next run of the sweep resumes.
+(``cancel``), and shows itself in JupyterLab through the view it is given: the progress widget
+that updates itself (``driver.widget``, which ``submit_sweep`` passes; plain text elsewhere).
+An interrupt while waiting stops only the waiting. A kernel restart ends the process and the
+sweep with it, as a killed driver: nothing recorded is lost, and the next run of the sweep
+resumes.
 
 >>> handle = submit_sweep(sweep, "runs/demo", cluster.client)  # doctest: +SKIP
 >>> handle.results                      # what has finished so far  # doctest: +SKIP
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import polars as pl
 
@@ -30,10 +31,27 @@ from quantdask.store.summary import failures_table
 from quantdask.util import format_duration
 
 if TYPE_CHECKING:
+    from quantdask.driver.loop import SweepDriver
     from quantdask.driver.progress import SweepProgress
-    from quantdask.driver.sweep import SweepSession
+    from quantdask.spec.sweep import Job, Sweep
+    from quantdask.store.run_store import RunStore
 
 log = logging.getLogger(LOG_CHANNEL)
+
+
+class Session(Protocol):
+    """What a handle needs of its sweep's session (``driver.sweep.SweepSession`` is one,
+    made by ``start_session``): the sweep, its run directory, its jobs and its driver loop;
+    ``run`` runs it to its end (in the handle's thread), ``results`` reads what it recorded."""
+
+    sweep: Sweep
+    store: RunStore
+    jobs: list[Job]
+    driver: SweepDriver
+
+    def run(self) -> None: ...
+
+    def results(self) -> pl.DataFrame: ...
 
 
 @dataclass
@@ -69,11 +87,16 @@ def _quietly(listener: Callable, value: Any) -> None:
 class SweepHandle:
     """A sweep running in the background of this process (see the module)."""
 
-    def __init__(self, session: SweepSession, listeners: Listeners,
-                 reporter: Callable[..., Path] | None = None):
+    def __init__(self, session: Session, listeners: Listeners,
+                 reporter: Callable[..., Path] | None = None,
+                 view: Callable[[SweepHandle], object] | None = None):
         self._session = session
         self._listeners = listeners
         self._reporter = reporter  # qd.write_report (the report layer sits above this one)
+        # What shows the handle in a notebook: view(handle) is the object to display
+        # (submit_sweep passes driver.widget.progress_view; the widget knows the handle, not
+        # the other way round).
+        self._view = view
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"quantdask-sweep-{session.sweep.name}")
         self._error: BaseException | None = None
@@ -187,8 +210,9 @@ class SweepHandle:
         return f"<SweepHandle {self.summary()}>"
 
     def _ipython_display_(self) -> None:
+        if self._view is None:
+            print(repr(self))
+            return
         from IPython.display import display
 
-        from quantdask.driver.widget import ProgressWidget
-
-        display(ProgressWidget(self).view)
+        display(self._view(self))

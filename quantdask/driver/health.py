@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quantdask.worker.outcome import FailureClass
+from quantdask.words import FailureClass
 
 
 @dataclass

@@ -42,9 +42,10 @@ from quantdask.driver.retry import RetryQueue, after_failure
 from quantdask.spec.sweep import Job, Sweep
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
+from quantdask.words import AttemptEnd, FailureClass, Status
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.worker.job import run_job
-from quantdask.worker.outcome import ATTEMPT_CANCELLED, FailureClass, JobOutcome, Status
+from quantdask.worker.outcome import JobOutcome
 from quantdask.worker.runtime import JOB_START_TOPIC
 
 log = logging.getLogger(LOG_CHANNEL)
@@ -204,7 +205,7 @@ class SweepDriver:
                 continue
             self.cancelled.append(attempt.job.id)
             self.recorder.attempt(attempt, JobOutcome({
-                "status": ATTEMPT_CANCELLED, "worker": attempt.worker_name,
+                "status": AttemptEnd.CANCELLED, "worker": attempt.worker_name,
                 "finished_at": utcnow(), "error_class": "Cancelled",
                 "error_message": "cancelled by SweepHandle.cancel()"}, log=(
                     f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt="

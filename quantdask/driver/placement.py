@@ -26,8 +26,8 @@ from quantdask.backends.base import ModelFacts
 from quantdask.errors import PlacementError, SpecError
 from quantdask.spec.settings import EvalSettings
 from quantdask.spec.sweep import DEVICE_MEMORY, Job
+from quantdask.words import Status
 from quantdask.worker.logits import SLICE_BUDGET_BYTES
-from quantdask.worker.outcome import Status
 
 log = logging.getLogger("quantdask.placement")
 

@@ -2,20 +2,20 @@
 
 >>> plan_sweep(load_sweep("data/demo_sweep.yaml"), "runs/demo")  # doctest: +SKIP
 
-Jobs are listed in the order the scheduler starts them (higher priority first, then the sweep's
-own order). "Here" means this machine: whether it has a CUDA GPU decides the device-dependent
-checks, so plan on the machine (or kind of machine) the workers run on. Each job gets the
-device-memory estimate the scheduler places it by (``placement.estimate_device_memory``), a
-duration from earlier runs in the run directory (the same job, else the same model and backend,
-else the same model), and the reason it cannot run here when a backend's check, or an earlier
-run of the same job, says so.
+Jobs are listed in the order the scheduler starts them (``spec.sweep.start_order``: higher
+priority first, then the sweep's own order; the driver releases the jobs that waited for
+their model's reference in it too). "Here" means this machine: whether it has a CUDA GPU
+decides the device-dependent checks, so plan on the machine (or kind of machine) the workers
+run on. Each job gets the device-memory estimate the scheduler places it by
+(``placement.estimate_device_memory``), a duration from earlier runs in the run directory (the
+same job, else the same model and backend, else the same model), and the reason it cannot run
+here when a backend's check, or an earlier run of the same job, says so.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from enum import StrEnum
 from pathlib import Path
 from statistics import median
 
@@ -25,19 +25,12 @@ from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.driver.model_facts import model_facts
 from quantdask.driver.placement import estimate_device_memory
-from quantdask.spec.sweep import Job, Sweep, expand_grid
+from quantdask.spec.sweep import Job, Sweep, expand_grid, start_order
+from quantdask.words import PlanState, Status
 from quantdask.worker.coverage import Coverage, module_role
-from quantdask.worker.outcome import FailureClass, Status
 
 log = logging.getLogger("quantdask.planning")
 
-
-class PlanState(StrEnum):
-    """Where a planned job stands."""
-
-    TO_RUN = "to run"
-    FINISHED = "finished"  # done in the run directory: a rerun skips it
-    UNSUPPORTED = FailureClass.UNSUPPORTED.value  # a check says it cannot run here
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
@@ -94,8 +87,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
                if history.height else {})
     facts: dict[str, ModelFacts] = {}
     rows = []
-    # The scheduler's order: Dask starts higher priorities first, submission order among equals.
-    for order, job in enumerate(sorted(jobs, key=lambda j: -j.priority), start=1):
+    for order, job in enumerate(start_order(jobs), start=1):
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job)
         model = facts[job.model.label]

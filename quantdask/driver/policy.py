@@ -22,7 +22,8 @@ from distributed.scheduler import KilledWorker
 
 from quantdask.errors import UnsupportedHere
 from quantdask.spec.sweep import Job
-from quantdask.worker.outcome import FailureClass, JobOutcome, Status, failure_class_of
+from quantdask.words import FailureClass, Status
+from quantdask.worker.outcome import JobOutcome, failure_class_of
 
 
 def past_deadline(running: Mapping[str, tuple[float, float]], now: float) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from quantdask.store.figures import kl_text, perplexity_text
 from quantdask.util import atomic_write, utcnow
-from quantdask.worker.outcome import FailureClass, Status
+from quantdask.words import FailureClass, Status
 
 PROGRESS_FILE = "progress.json"
 WRITE_EVERY_S = 1.0

@@ -16,7 +16,8 @@ from quantdask.driver.attempts import Attempt
 from quantdask.spec.gates import Gate, gate_columns
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
-from quantdask.worker.outcome import JobOutcome, Status
+from quantdask.words import Status
+from quantdask.worker.outcome import JobOutcome
 
 log = logging.getLogger(LOG_CHANNEL)
 
@@ -52,7 +53,8 @@ class Recorder:
             f"{failure_class}: {reason}\n"))
 
     def result(self, attempt: Attempt, outcome: JobOutcome) -> dict[str, Any]:
-        """The job's final result (with its per-layer rows when done); returns its row."""
+        """The job's final result (with its rows of the per-job frames when done); returns its
+        row."""
         job = attempt.job
         record = dict(
             outcome.record, job_id=job.id, sweep=job.sweep, model=job.model.label,
@@ -61,13 +63,10 @@ class Recorder:
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
         )
         if record["status"] == Status.DONE:
-            record.update(gate_columns(self.gates, record, outcome.tasks, job.is_baseline))
-            self.store.write_layers(job.id, outcome.layers)
-            self.store.write_windows(job.id, outcome.windows)
-            if job.tasks is not None:
-                self.store.write_tasks(job.id, outcome.tasks)
-            if job.speed is not None:
-                self.store.write_speed(job.id, outcome.speed)
+            record.update(gate_columns(self.gates, record, outcome.rows.get("tasks", []),
+                                       job.is_baseline))
+            for frame, rows in outcome.rows.items():  # the frames of the phases that ran
+                self.store.write_job_rows(frame, job.id, rows)
         self.store.write_result(record)
         log.info("%s %s %s: %s", job.id, job.model.label, job.config_label, record["status"])
         return record
@@ -79,7 +78,7 @@ class Recorder:
         ``quantdask status`` judge by the gates of the last sweep run here. Returns how many
         were rewritten."""
         results = self.store.read_results()
-        tasks = self.store.read_tasks()
+        tasks = self.store.read("tasks")
         rewritten = 0
         for record in results.filter(pl.col("status") == Status.DONE).to_dicts():
             rows = tasks.filter(pl.col("job_id") == record["job_id"]).to_dicts()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from quantdask.spec.sweep import DEVICE_MEMORY
+from quantdask.spec.sweep import DEVICE_MEMORY, start_rank
 from quantdask.worker.reference import (
     combine_reference,
     compute_baseline_tasks,
@@ -134,8 +134,9 @@ class ModelReferences:
 
     def unpark_done(self, spread_to: Callable[[list[Job]], list[str]]
                     ) -> list[Parked]:
-        """The parked attempts whose reference is done, highest priority first, after copying
-        a finished reference to the workers ``spread_to(jobs)`` names.
+        """The parked attempts whose reference is done, in start order (``start_rank``: the
+        plan's order), after copying a finished reference to the workers ``spread_to(jobs)``
+        names.
 
         Dask starts a task where its dependencies are: submitted while the reference is on one
         worker, a model's jobs would all be queued there and spread only by work stealing.
@@ -155,7 +156,7 @@ class ModelReferences:
                                           workers=spread_to([e.job for e in entries]) or None)
                 except Exception as error:  # noqa: BLE001 - a worker left meanwhile: the jobs
                     log.info("reference %s not copied to every worker (%s)", key, error)
-            ready += sorted(entries, key=lambda e: -e.job.priority)
+            ready += sorted(entries, key=lambda e: start_rank(e.job))
         return ready
 
     def take_parked(self) -> list[Parked]:

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from quantdask.spec.sweep import Job
-from quantdask.worker.outcome import FailureClass
+from quantdask.words import FailureClass
 
 MAX_BACKOFF_S = 300.0
 

@@ -23,17 +23,18 @@ from typing import Any
 import polars as pl
 from distributed import Client
 
-from quantdask.cluster.operations import cluster_capacity, live_workers
+from quantdask.cluster.operations import cluster_capacity, live_workers, workers_elsewhere
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.artifacts import prune_to_pareto
 from quantdask.driver.handle import Listeners, SweepHandle
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
+from quantdask.driver.widget import progress_view
 from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
 from quantdask.util import utcnow
-from quantdask.worker.outcome import Status
+from quantdask.words import ArtifactKeep, Status
 
 log = logging.getLogger(LOG_CHANNEL)
 
@@ -62,7 +63,8 @@ class SweepSession:
         try:
             driver.run(self.todo)
             self.row["completed"] = not driver.stop.is_set()
-            if self.row["completed"] and artifacts is not None and artifacts.keep == "pareto":
+            if (self.row["completed"] and artifacts is not None
+                    and artifacts.keep == ArtifactKeep.PARETO):
                 prune_to_pareto(self.store, artifacts)
         finally:
             try:
@@ -82,8 +84,10 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
                   on_result: Callable[[dict[str, Any]], None] | None = None,
                   on_progress: Callable[[SweepProgress], None] | None = None) -> SweepSession:
     """Place ``sweep``'s jobs, lock ``run_dir`` and write the plan and the session's row;
-    nothing is submitted yet. Raises before anything is written when a job fits on no
-    worker, and when another driver holds the directory."""
+    nothing is submitted yet. Raises before anything is written when the sweep does not suit
+    where ``client``'s workers run (``Sweep.check_workers``), when a job fits on no worker, and
+    when another driver holds the directory."""
+    sweep.check_workers(workers_elsewhere(client))
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     placement = place_jobs(expand_grid(sweep), client, run_dir, finished=finished_before)
     jobs = placement.jobs
@@ -139,7 +143,7 @@ def submit_sweep(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     """
     listeners = Listeners(on_result, on_progress)
     session = start_session(sweep, run_dir, client, listeners.result, listeners.progress)
-    return SweepHandle(session, listeners, reporter).start()
+    return SweepHandle(session, listeners, reporter, view=progress_view).start()
 
 
 def run_sweep(sweep: Sweep, run_dir: str | os.PathLike, client: Client,

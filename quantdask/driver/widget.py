@@ -8,7 +8,7 @@ import html
 from typing import TYPE_CHECKING
 
 from quantdask.util import format_duration
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 
 if TYPE_CHECKING:
     from quantdask.driver.handle import SweepHandle
@@ -67,3 +67,9 @@ class ProgressWidget:
             f"<li>{html.escape(f.label)} attempt {f.attempt}: {html.escape(f.failure_class)}: "
             f"{html.escape(f.message)}{' (retrying)' if f.retrying else ''}</li>"
             for f in last) + "</ul>" if last else "")
+
+
+def progress_view(handle: SweepHandle) -> object:
+    """What shows ``handle`` in JupyterLab: a new :class:`ProgressWidget`'s box (the view
+    ``submit_sweep`` gives its handles)."""
+    return ProgressWidget(handle).view

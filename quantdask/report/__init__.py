@@ -19,7 +19,8 @@ _MODULES = {
     "quantdask.report.speed": ("speed_chart", "speedup_table"),
     "quantdask.report.live_charts": ("live",),
     "quantdask.report.tables": ("table",),
-    "quantdask.store.summary": ("device_summary", "failures_table", "sweep_summary"),
+    "quantdask.store.summary": ("device_summary", "failures_table", "phases_table",
+                                "sweep_summary"),
     "quantdask.store.frontier": ("kl_ties", "pareto_frontier"),
 }
 """Where each function of ``quantdask.report`` lives."""

@@ -15,7 +15,7 @@ import polars as pl
 from quantdask.store.figures import with_quality_text
 from quantdask.store.frontier import pareto_frontier
 from quantdask.store.summary import device_summary
-from quantdask.worker.outcome import Status
+from quantdask.words import BASELINE, Status
 
 MIB = 1024 * 1024
 UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the reader's zone
@@ -50,7 +50,7 @@ def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:
 def _job_order(results: pl.DataFrame) -> list[str]:
     """Job labels per model, from the largest config to the smallest (baseline first)."""
     ordered = with_job_label(results).sort(
-        pl.col("model"), pl.col("backend") != "none", pl.col("bits_per_weight"),
+        pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
     return list(dict.fromkeys(ordered["job"].to_list()))
 
@@ -103,7 +103,7 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
         # error over the windows (ties).
         ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
         data = pareto_frontier(data, loss=ranked_by, windows=windows).with_columns(
-            pl.when(pl.col("backend") == "none").then(pl.lit("baseline"))
+            pl.when(pl.col("backend") == BASELINE).then(pl.lit("baseline"))
             .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
             .otherwise(pl.lit("dominated")).alias("kind"))
         base = alt.Chart(data).encode(
@@ -123,7 +123,7 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
         frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
             color="black", strokeDash=[4, 2], opacity=0.5).encode(
             y=f"{metric}:Q", detail="model:N", order="bits_per_weight:Q")
-        baseline = alt.Chart(data.filter(pl.col("backend") == "none")).mark_rule(
+        baseline = alt.Chart(data.filter(pl.col("backend") == BASELINE)).mark_rule(
             color="gray", strokeDash=[6, 3]).encode(y=f"{metric}:Q", tooltip=tooltip)
         panels.append(metric)  # each panel zooms on its own: its selection has its own name
         zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{len(panels)}")
@@ -294,7 +294,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
     data), the rest of quantizing, eval, task accuracy, generation speed (and the rest). The
     baseline's eval and tasks ran with its model's reference: their time is shown there."""
     calibrate = pl.col("calibrate_s").fill_null(0.0)
-    tasks = pl.col("tasks_s").fill_null(0.0) * (pl.col("backend") != "none")
+    tasks = pl.col("tasks_s").fill_null(0.0) * (pl.col("backend") != BASELINE)
     speed = pl.col("speed_s").fill_null(0.0)
     data = with_job_label(results).filter(pl.col("status") == Status.DONE).with_columns(
         pl.col("load_s").alias("load"), calibrate.alias("calibrate"),

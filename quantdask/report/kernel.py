@@ -12,7 +12,8 @@ for. A notebook a user opens in JupyterLab runs in their own kernel, unchanged.
 import sys
 
 if __name__ == "__main__":
-    sys.modules.setdefault("rfc3987_syntax", None)  # None: `import` raises ImportError
+    # None: `import` raises ImportError (typeshed types sys.modules values as modules only).
+    sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]
     from ipykernel import kernelapp
 
     kernelapp.launch_new_instance()

@@ -11,7 +11,7 @@ import altair as alt
 import polars as pl
 
 from quantdask.report.charts import JOB_TOOLTIP, _empty, with_job_label
-from quantdask.worker.outcome import Status
+from quantdask.words import BASELINE, Status
 
 
 def _speed_frame(results: pl.DataFrame, speed: pl.DataFrame) -> pl.DataFrame:
@@ -46,7 +46,7 @@ def speed_chart(results: pl.DataFrame, speed: pl.DataFrame) -> alt.Chart:
             color="backend:N", tooltip=tooltip)
         labels = base.mark_text(dx=8, align="left", fontSize=10).encode(
             y="kl_divergence:Q", text="config_label:N")
-        rule = alt.Chart(part.filter(pl.col("backend") == "none")).mark_rule(
+        rule = alt.Chart(part.filter(pl.col("backend") == BASELINE)).mark_rule(
             color="gray", strokeDash=[6, 3]).encode(x="decode_tokens_per_s:Q", tooltip=tooltip)
         panels.append(alt.layer(rule, points, labels).properties(
             width=360, height=240, title=f"{model}: batch {batch} on {devices}"))

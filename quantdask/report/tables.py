@@ -16,7 +16,7 @@ import re
 
 import polars as pl
 
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 
 LONG_TEXT = 48
 """Characters of a cell shown before it is collapsed (the whole text on hover)."""
@@ -92,7 +92,7 @@ def table(frame: pl.DataFrame, title: str | None = None):
             gt = gt.fmt_number(columns=name, n_sigfig=4)
         elif dtype == pl.String:
             gt = gt.fmt(columns=name, fns=_collapsed)
-    gt = gt.cols_label(**{name: _label(name) for name in frame.columns}).sub_missing(
+    gt = gt.cols_label({name: _label(name) for name in frame.columns}).sub_missing(
         missing_text="–")
     if "status" in frame.columns:
         for status, color in STATUS_COLORS.items():

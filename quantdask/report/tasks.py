@@ -13,7 +13,7 @@ import altair as alt
 import polars as pl
 
 from quantdask.report.charts import JOB_TOOLTIP, _empty, with_job_label
-from quantdask.worker.outcome import Status
+from quantdask.words import BASELINE, NO_FILTER, Status
 
 
 def gates_banner(results: pl.DataFrame) -> str:
@@ -48,12 +48,13 @@ def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
     return tasks.join(jobs, on="job_id").with_columns(
         (pl.col("value") - stderr).alias("value_lo"), (pl.col("value") + stderr).alias("value_hi"),
         pl.concat_str("task", pl.lit(" · "), "metric",
-                      pl.when(pl.col("filter") != "none")
+                      pl.when(pl.col("filter") != NO_FILTER)
                       .then(pl.concat_str(pl.lit(" · "), "filter")).otherwise(pl.lit("")))
         .alias("panel"),
         pl.when(pl.col("truncated_samples") > 0)
         .then(pl.format("TRUNCATED: {} of {} samples cut", "truncated_samples", "samples"))
-        .otherwise(pl.lit("none")).alias("truncation"))
+        .otherwise(pl.format("{} of {} samples cut", "truncated_samples", "samples"))
+        .alias("truncation"))
 
 
 def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
@@ -84,7 +85,7 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
             y=alt.Y("value:Q", title=f"{panel} (score, ± 1 s.e.)",
                     scale=alt.Scale(zero=False, padding=12)),
             color="backend:N", tooltip=tooltip)
-        rule = alt.Chart(part.filter(pl.col("backend") == "none")).mark_rule(
+        rule = alt.Chart(part.filter(pl.col("backend") == BASELINE)).mark_rule(
             color="gray", strokeDash=[6, 3]).encode(y="value:Q", tooltip=tooltip)
         panels.append(alt.layer(rule, bars, points).properties(width=360, height=240,
                                                                title=title))

@@ -25,6 +25,7 @@ from typing import Any
 
 from quantdask.errors import SpecError
 from quantdask.spec.fields import keyed, require
+from quantdask.words import GateOperator
 
 GATE_METRICS = ("perplexity", "ln_ppl_ratio", "kl_divergence", "kl_median", "kl_p90", "kl_p99",
                 "kl_p999", "kl_max", "top1_agreement", "delta_p_mean", "delta_p_p01",
@@ -34,8 +35,11 @@ GATE_METRICS = ("perplexity", "ln_ppl_ratio", "kl_divergence", "kl_median", "kl_
 TASK_METRICS = ("recovery", "task_value")
 """Task figures a gate may test, per (task, metric) row of the tasks frame."""
 
-_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
-_EXPRESSION = re.compile(r"^\s*([A-Za-z_][\w]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
+_OPS = {GateOperator.LE: operator.le, GateOperator.GE: operator.ge,
+        GateOperator.LT: operator.lt, GateOperator.GT: operator.gt}
+# The operators longest first (as GateOperator lists them), so that "<=" is not read as "<".
+_EXPRESSION = re.compile(r"^\s*([A-Za-z_][\w]*)\s*(" + "|".join(map(re.escape, GateOperator))
+                         + r")\s*(\S+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Gate:
     task metric, ``task`` and ``task_metric`` (None: every one)."""
 
     metric: str
-    op: str
+    op: GateOperator
     threshold: float
     model: str | None = None
     task: str | None = None
@@ -111,8 +115,8 @@ def _gate(where: str, fields: dict, models: set[str], tasks: tuple[str, ...] | N
     expression = fields.get("gate")
     found = _EXPRESSION.match(expression) if isinstance(expression, str) else None
     if found is None:
-        raise SpecError(where, f"must read 'METRIC OP VALUE' (OP one of <=, >=, <, >), such as "
-            f"'kl_divergence <= 0.05', got {expression!r}")
+        raise SpecError(where, f"must read 'METRIC OP VALUE' (OP one of "
+            f"{', '.join(GateOperator)}), such as 'kl_divergence <= 0.05', got {expression!r}")
     metric, op, text = found.groups()
     if metric not in GATE_METRICS + TASK_METRICS:
         raise SpecError(where, f"unknown gate metric {metric!r}; allowed: "
@@ -139,7 +143,7 @@ def _gate(where: str, fields: dict, models: set[str], tasks: tuple[str, ...] | N
     task_metric = fields.get("task_metric")
     if task_metric is not None:
         require(f"{scope}.task_metric", task_metric, str, "a task metric name such as acc")
-    return Gate(metric, op, threshold, model, task, task_metric)
+    return Gate(metric, GateOperator(op), threshold, model, task, task_metric)
 
 
 def gate_columns(gates: tuple[Gate, ...], record: dict[str, Any],

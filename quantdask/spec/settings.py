@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from quantdask.errors import SpecError
 from quantdask.spec.fields import positive_int, require, resolve_root
 from quantdask.spec.text_source import DatasetSource, TextSource
+from quantdask.words import ArtifactKeep
 
 DEFAULT_KL_TOP_K = 64
 """The reference's tokens per position for KL (eval.kl_top_k), chosen by measurement: see
@@ -61,7 +62,8 @@ class EvalSettings(TextSource):
     @property
     def top_k(self) -> int | None:
         """The reference's tokens per position (None: every token, exact KL)."""
-        return None if self.kl_top_k == "all" else self.kl_top_k
+        # __post_init__ allows only "all" or a positive int.
+        return None if isinstance(self.kl_top_k, str) else self.kl_top_k
 
     def identity(self) -> dict:
         # batch_size only changes how the same tokens are grouped, not what is measured. The
@@ -112,16 +114,14 @@ class CalibrationSettings(TextSource):
                 "seq_len": self.seq_len, "seed": self.seed}
 
 
-KEEP = ("none", "done", "pareto")
-
-
 @dataclass(frozen=True)
 class ArtifactSettings:
     """Whether and where done jobs' quantized models are kept (see the module). ``shared``:
-    the user's word that a local ``to`` is on storage every worker machine sees (needed with
-    ``--scheduler``)."""
+    the user's word that a local ``to`` is on storage every worker machine sees (needed when
+    the workers may be on other machines: ``--scheduler``, a client of a scheduler reached by
+    address; see ``Sweep.check_workers``)."""
 
-    keep: str = "none"
+    keep: ArtifactKeep = ArtifactKeep.NONE
     to: str | None = None
     verify: bool = False
     required: bool = False
@@ -129,21 +129,22 @@ class ArtifactSettings:
     root: str = field(default="", compare=False)
 
     def __post_init__(self):
-        if self.keep not in KEEP:
-            raise SpecError("keep", f"must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        if self.keep not in tuple(ArtifactKeep):
+            raise SpecError("keep", f"must be one of {', '.join(ArtifactKeep)}, got {self.keep!r}")
+        object.__setattr__(self, "keep", ArtifactKeep(self.keep))
         for name in ("verify", "required", "shared"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
-        if self.keep != "none" and not (isinstance(self.to, str) and self.to):
+        if self.keep != ArtifactKeep.NONE and not (isinstance(self.to, str) and self.to):
             raise SpecError("to", f"is required with keep: {self.keep}: a directory, or an "
                                   "fsspec URL such as s3://bucket/prefix")
         object.__setattr__(self, "root", os.path.abspath(self.root or "."))
-        if self.enabled and self.is_url:
+        if self.enabled and self.to is not None and self.is_url:
             _check_filesystem(self.to)
 
     @property
     def enabled(self) -> bool:
-        return self.keep != "none"
+        return self.keep != ArtifactKeep.NONE
 
     @property
     def is_url(self) -> bool:
@@ -151,6 +152,8 @@ class ArtifactSettings:
 
     def location(self, job_id: str) -> str:
         """Where ``job_id``'s artifact goes: a local path or a URL."""
+        if self.to is None:
+            raise SpecError("to", f"is not set (keep: {self.keep}): artifacts have no location")
         if self.is_url:
             return f"{self.to.rstrip('/')}/{job_id}"
         return os.path.join(self.root, self.to, job_id)

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -29,12 +30,9 @@ from quantdask.spec.model import ModelSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.tasks import TaskSettings
+from quantdask.words import FaultKind
 
 log = logging.getLogger("quantdask.spec")
-
-FAULT_KINDS = ("raise", "oom", "kill", "hang", "slow")
-"""Faults a sweep can inject for tests and demos: an exception in the job, CUDA out of memory,
-the worker process killed (SIGKILL), or a hang past any deadline."""
 
 DEVICE_MEMORY = "DEVICE_MEMORY"
 """The Dask resource a worker advertises for its device's memory in bytes (``dask worker
@@ -152,6 +150,25 @@ class Sweep:
         self._check_blocks(labels)
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
+    def check_workers(self, elsewhere: str | None) -> None:
+        """The checks that depend on where the workers run, made before anything runs: by
+        ``driver.sweep.start_session`` (every ``submit_sweep`` and ``run_sweep``) and by
+        ``quantdask run`` before it connects. ``elsewhere`` names what may put the workers on
+        other machines (``--scheduler``, ``the scheduler at tcp://...``); None when they all
+        run on this one.
+
+        >>> sweep.check_workers("--scheduler")  # doctest: +SKIP
+        Traceback (most recent call last):
+        quantdask.errors.SpecError: artifacts.to: models is a local path, and workers of ...
+        """
+        artifacts = self.artifacts
+        if elsewhere and artifacts is not None and artifacts.enabled \
+                and not artifacts.is_url and not artifacts.shared:
+            raise SpecError("artifacts.to", f"{artifacts.to} is a local path, and workers of "
+                            f"{elsewhere} may be on other machines, each writing to its own "
+                            "disk: give a directory every worker shares and set "
+                            "artifacts.shared: true, or an fsspec URL (s3://bucket/prefix)")
+
     def _check_blocks(self, labels: list[str]) -> None:
         """The optional blocks: calibration (with the backends that need it), artifacts,
         tasks, speed and the gates."""
@@ -185,14 +202,14 @@ class Sweep:
             if fault.get("config") not in labels:
                 raise SpecError(f"{where}.config", f"no job has config label "
                                 f"{fault.get('config')!r}; labels: {', '.join(sorted(labels))}")
-            if fault.get("kind") not in FAULT_KINDS:
-                raise SpecError(f"{where}.kind", f"must be one of {', '.join(FAULT_KINDS)}, "
+            if fault.get("kind") not in tuple(FaultKind):
+                raise SpecError(f"{where}.kind", f"must be one of {', '.join(FaultKind)}, "
                                                  f"got {fault.get('kind')!r}")
             if "model" in fault and fault["model"] not in models:
                 raise SpecError(f"{where}.model", f"no model is named {fault['model']!r}; "
                                                   f"models: {', '.join(sorted(models))}")
             positive_int(f"{where}.attempt", fault.get("attempt", 1))
-            yield {"attempt": 1, **fault}
+            yield {"attempt": 1, **fault, "kind": FaultKind(fault["kind"])}
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,7 @@ class Job:
     retries: int
     timeout_s: float
     gpu_share: float
-    faults: tuple[tuple[int, str], ...] = ()  # (attempt, kind) to inject; not part of the id
+    faults: tuple[tuple[int, FaultKind], ...] = ()  # (attempt, kind) to inject; not in the id
     # Estimated device memory it needs (0: unknown, or placement by memory is off); set by
     # ``placement.place_jobs`` for the cluster at hand, not part of the id.
     device_memory_bytes: int = 0
@@ -301,11 +318,28 @@ def field_names(cls) -> list[str]:
     return [f.name for f in fields(cls) if f.init and f.name != "root"]
 
 
+def start_rank(job: Job) -> int:
+    """The sort key of the order jobs start in, as Dask's scheduler starts them: the higher
+    ``priority`` first; a stable sort keeps the given order (``expand_grid``'s, the order
+    they are submitted in) among equals. ``start_order`` sorts by it; so does the driver when
+    it submits the jobs that waited for their model's reference."""
+    return -job.priority
+
+
+def start_order(jobs: Iterable[Job]) -> list[Job]:
+    """``jobs`` in the order they start (``start_rank``): the plan's order.
+
+    >>> [job.config_label for job in start_order(expand_grid(sweep))]  # doctest: +SKIP
+    ['baseline', 'nf4', 'fp4']
+    """
+    return sorted(jobs, key=start_rank)
+
+
 def plan_rows(jobs: list[Job]) -> list[dict[str, Any]]:
     """Plain rows describing planned jobs (what ``quantdask plan`` prints and jobs.json holds)."""
     return [
         {"job_id": j.id, "model": j.model.label, "backend": j.backend,
          "config_label": j.config_label, "config": json.dumps(j.options.as_dict(), sort_keys=True),
          "priority": j.priority, "gpu_share": j.gpu_share}
-        for j in sorted(jobs, key=lambda j: -j.priority)
+        for j in start_order(jobs)
     ]

@@ -122,12 +122,15 @@ class TextSource:
     @property
     def source(self) -> str:
         """Where the text comes from, for messages."""
-        return self.text_path if self.dataset is None else self.dataset.describe()
+        if self.dataset is None:
+            return self.text_path
+        # Already a DatasetSource once _read_source ran; this only narrows the type.
+        return _dataset_source(self.dataset, self.root).describe()
 
     def read_text(self) -> str:
         """The text: the file's content, or the dataset's rows joined."""
         if self.dataset is not None:
-            return dataset_text(self.dataset)
+            return dataset_text(_dataset_source(self.dataset, self.root))
         try:
             with open(self.text_path, "rb") as f:
                 return f.read().decode("utf-8")
@@ -137,6 +140,8 @@ class TextSource:
 
     @property
     def text_path(self) -> str:
+        if self.text is None:
+            raise SpecError("text", "no text file given (the text comes from a dataset)")
         return os.path.join(self.root, self.text)
 
 

@@ -12,7 +12,7 @@ import math
 
 import polars as pl
 
-from quantdask.worker.metrics import KLKind
+from quantdask.words import KLKind
 
 
 def with_error(value: float | None, se: float | None) -> str | None:

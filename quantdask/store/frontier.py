@@ -12,7 +12,7 @@ import math
 
 import polars as pl
 
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 from quantdask.worker.statistics import mean_and_window_se
 
 TIE_SIGMAS = 2.0

@@ -40,9 +40,9 @@ from urllib.parse import urlparse
 import polars as pl
 
 from quantdask.errors import RunDirError, SpecError
-from quantdask.store.run_store import RunStore
-from quantdask.store.speed import read_speed
-from quantdask.worker.outcome import Status
+from quantdask.store.run_store import RunStore, read_speed
+from quantdask.store.schema import FRAMES
+from quantdask.words import NO_FILTER, Status
 
 JOB_TAG = "quantdask.job_id"
 RUN_DIR_TAG = "quantdask.run_dir"
@@ -52,7 +52,7 @@ SUPERSEDED_TAG = "quantdask.superseded"
 PARENT_RUN_TAG = "mlflow.parentRunId"
 JOB_TAGS = ("model", "backend", "config_label", "status", "sweep", "failure_class")
 JOB_PARAMS = ("model", "backend", "config_label")
-ARTIFACT_DIRS = ("results", "layers", "windows", "tasks", "speed", "attempts", "sessions")
+ARTIFACT_DIRS = tuple(frame.name for frame in FRAMES if frame.exported)
 SPEED_METRICS = ("decode_tokens_per_s", "ttft_s", "decode_speedup")
 INSTALL = "pip install 'quantdask[mlflow]'"
 ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
@@ -308,9 +308,9 @@ def job_metrics(row: dict[str, Any], numeric: list[str]) -> dict[str, float]:
 def _task_and_speed_metrics(store: RunStore) -> dict[str, dict[str, float]]:
     """Each done job's task scores and speed as metrics, by job id."""
     extra: dict[str, dict[str, float]] = {}
-    for row in store.read_tasks().to_dicts():
+    for row in store.read("tasks").to_dicts():
         name = f"task.{row['task']}.{row['metric']}"
-        name += "" if row["filter"] in (None, "none") else f".{row['filter']}"
+        name += "" if row["filter"] in (None, NO_FILTER) else f".{row['filter']}"
         mine = extra.setdefault(row["job_id"], {})
         for key, value in ((name, row["value"]), (f"{name}.recovery", row["recovery"])):
             if value is not None:

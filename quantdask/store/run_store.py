@@ -8,6 +8,7 @@ Layout::
     RUN_DIR/windows/<job_id>.parquet  per-window quality of a done job, written before its result
     RUN_DIR/tasks/<job_id>.parquet    task scores of a done job (a sweep with tasks), likewise
     RUN_DIR/speed/<job_id>.parquet    generation speed of a done job (a sweep with speed)
+    RUN_DIR/phases/<job_id>.parquet   each phase's time and peaks of a done job
     RUN_DIR/samples/<worker>-<ns>.parquet  device samples (utilization, memory over time)
     RUN_DIR/attempts/<job_id>-<run>-<n>.parquet  one row per try of a job
     RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
@@ -19,7 +20,9 @@ Layout::
     RUN_DIR/scaling/                the demo's scaling runs, one run directory per worker count
 
 A sweep's run directory is ``runs/<sweep name>`` unless the caller says otherwise
-(:func:`default_run_dir`); every path inside one comes from :class:`RunStore`.
+(:func:`default_run_dir`); every path inside one comes from :class:`RunStore`. The frames'
+folders are those of ``store.schema.FRAMES``, and every frame reads back with
+:func:`read_frame`.
 """
 
 from __future__ import annotations
@@ -39,23 +42,17 @@ import polars as pl
 
 from quantdask.errors import RunDirError, SchemaError
 from quantdask.store.schema import (
-    ATTEMPT_SCHEMA,
-    LAYER_SCHEMA,
-    RESULT_SCHEMA,
-    SAMPLE_SCHEMA,
-    SESSION_SCHEMA,
-    SPEED_OPTIONAL,
-    SPEED_SCHEMA,
-    TASK_OPTIONAL,
-    TASK_SCHEMA,
-    WINDOW_SCHEMA,
+    FRAME,
+    FRAMES,
+    PER_DONE_JOB,
+    Frame,
     empty_frame,
     records_to_frame,
     rows_to_frame,
     validate_record,
 )
 from quantdask.util import atomic_write
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 
 FINAL_STATUSES = (Status.DONE,)
 """Statuses a rerun keeps. Failed jobs are tried again by the next run of their sweep, and so
@@ -88,19 +85,16 @@ class RunStore:
         self.root = Path(run_dir)
         if self.root.exists() and not self.root.is_dir():
             raise RunDirError(f"run directory {self.root} exists and is not a directory")
-        self.results_dir = self.root / "results"
-        self.layers_dir = self.root / "layers"
-        self.windows_dir = self.root / "windows"
-        self.tasks_dir = self.root / "tasks"
-        self.speed_dir = self.root / "speed"
-        self.samples_dir = self.root / "samples"
-        self.attempts_dir = self.root / "attempts"
-        self.sessions_dir = self.root / "sessions"
+        self.results_dir = self.frame_dir("results")
         self.logs_dir = self.root / "logs"
         self.job_logs_dir = self.logs_dir / "jobs"
         self.worker_logs_dir = self.logs_dir / "workers"
         self.report_path = self.root / "report.html"
         self.scaling_dir = self.root / "scaling"
+
+    def frame_dir(self, name: str) -> Path:
+        """The folder of the frame ``name`` (one of ``store.schema.FRAMES``)."""
+        return self.root / FRAME[name].name
 
     def is_run_dir(self) -> bool:
         """Whether a sweep has recorded results here."""
@@ -111,9 +105,8 @@ class RunStore:
         return self.job_logs_dir / f"{job_id}.log"
 
     def create(self) -> RunStore:
-        for d in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
-                  self.speed_dir, self.samples_dir, self.attempts_dir, self.sessions_dir,
-                  self.job_logs_dir, self.worker_logs_dir):
+        for d in (*(self.frame_dir(f.name) for f in FRAMES), self.job_logs_dir,
+                  self.worker_logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -127,68 +120,42 @@ class RunStore:
         write_parquet(path, frame)
         return path
 
-    def write_layers(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
-        """Persist a job's per-layer rows (``job_id`` and ``position`` added), atomically."""
-        frame = rows_to_frame([{**row, "job_id": job_id, "position": i}
-                               for i, row in enumerate(rows)], LAYER_SCHEMA, "layer",
-                              optional=("output_rel_error",))
-        path = self.layers_dir / f"{job_id}.parquet"
-        write_parquet(path, frame)
-        return path
-
-    def write_windows(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
-        """Persist a job's per-window rows (``job_id`` added), atomically."""
-        return self._write_rows(self.windows_dir, job_id, rows, WINDOW_SCHEMA, "window")
-
-    def write_tasks(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
-        """Persist a job's task rows (``job_id`` added), atomically."""
-        return self._write_rows(self.tasks_dir, job_id, rows, TASK_SCHEMA, "task",
-                                TASK_OPTIONAL)
-
-    def write_speed(self, job_id: str, rows: list[dict[str, Any]]) -> Path:
-        """Persist a job's speed rows (``job_id`` added), atomically."""
-        return self._write_rows(self.speed_dir, job_id, rows, SPEED_SCHEMA, "speed",
-                                SPEED_OPTIONAL)
-
-    @staticmethod
-    def _write_rows(directory: Path, job_id: str, rows: list[dict[str, Any]], schema: dict,
-                    what: str, optional: tuple[str, ...] = ()) -> Path:
-        frame = rows_to_frame([{**row, "job_id": job_id} for row in rows], schema, what,
-                              optional)
-        path = directory / f"{job_id}.parquet"
-        write_parquet(path, frame)
+    def write_job_rows(self, name: str, job_id: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist a done job's rows of the per-job frame ``name`` (``job_id`` added),
+        atomically; the recorder writes them before the job's result."""
+        frame = FRAME[name]
+        if not frame.per_done_job:
+            raise SchemaError(f"{name} is not a frame of one file per done job")
+        table = rows_to_frame([{**row, "job_id": job_id} for row in rows], frame.stored, name,
+                              frame.optional)
+        path = self.frame_dir(name) / f"{job_id}.parquet"
+        write_parquet(path, table)
         return path
 
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
         """Persist a batch of device samples (one worker's drain) as a new file."""
         if not samples:
             return None
-        frame = rows_to_frame(samples, SAMPLE_SCHEMA, "device sample", optional=("job_id",))
+        frame = _checked_rows(FRAME["samples"], samples)
         name = _SAFE_NAME.sub("_", samples[0]["worker"])
-        path = self.samples_dir / f"{name}-{time.time_ns()}.parquet"
+        path = self.frame_dir("samples") / f"{name}-{time.time_ns()}.parquet"
         write_parquet(path, frame)
         return path
 
     def write_attempt(self, row: dict[str, Any]) -> Path:
         """Persist one try of a job (the attempts schema), atomically."""
-        frame = rows_to_frame([row], ATTEMPT_SCHEMA, "attempt",
-                              optional=("worker", "device", "started_at", "failure_class",
-                                        "error_class", "error_message",
-                                        "device_memory_request_bytes"))
+        frame = _checked_rows(FRAME["attempts"], [row])
         name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
-        path = self.attempts_dir / name
+        path = self.frame_dir("attempts") / name
         write_parquet(path, frame)
         return path
 
     def write_session(self, row: dict[str, Any]) -> Path:
         """Persist (or update) one driver session's row (the sessions schema), atomically."""
-        frame = rows_to_frame([row], SESSION_SCHEMA, "session", optional=("finished_at",))
-        path = self.sessions_dir / f"{row['run_id']}.parquet"
+        frame = _checked_rows(FRAME["sessions"], [row])
+        path = self.frame_dir("sessions") / f"{row['run_id']}.parquet"
         write_parquet(path, frame)
         return path
-
-    def read_sessions(self) -> pl.DataFrame:
-        return _read_dir(self.sessions_dir, SESSION_SCHEMA).sort("started_at")
 
     def record_excluded_worker(self, worker: str, reason: str) -> None:
         """Note that ``worker`` was taken out of rotation, and why (``excluded_workers.json``)."""
@@ -201,9 +168,6 @@ class RunStore:
     def read_excluded_workers(self) -> list[dict[str, str]]:
         path = self.root / "excluded_workers.json"
         return json.loads(path.read_text()) if path.exists() else []
-
-    def read_attempts(self) -> pl.DataFrame:
-        return _read_dir(self.attempts_dir, ATTEMPT_SCHEMA).sort("finished_at")
 
     @contextlib.contextmanager
     def lock(self):
@@ -252,14 +216,13 @@ class RunStore:
         """Move result files that cannot be read (or do not fit the schema) aside, and delete
         temporary files a crash left, so that those jobs run again. Call under :meth:`lock`."""
         moved = []
-        for directory in (self.results_dir, self.layers_dir, self.windows_dir, self.tasks_dir,
-                          self.speed_dir, self.attempts_dir, self.samples_dir,
-                          self.sessions_dir):
+        for frame in FRAMES:
+            directory = self.frame_dir(frame.name)
             if not directory.is_dir():
                 continue
             for tmp in directory.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
-            for path in _unreadable(directory, _SCHEMAS[directory.name]):
+            for path in _unreadable(directory, frame.stored):
                 target = path.with_name(f"{path.name}.unreadable-{time.time_ns()}")
                 path.rename(target)
                 log.warning("set aside unreadable %s as %s; its job will run again",
@@ -267,34 +230,25 @@ class RunStore:
                 moved.append(target)
         return moved
 
-    def read_samples(self) -> pl.DataFrame:
-        return _read_dir(self.samples_dir, SAMPLE_SCHEMA).sort("worker", "time")
+    def read(self, name: str) -> pl.DataFrame:
+        """The frame ``name`` (one of ``store.schema.FRAMES``) in its schema, sorted. A per-job
+        frame holds the rows of the jobs recorded done only (a crash between a job's two writes
+        leaves rows without a result: they are not shown, and the rerun replaces them)."""
+        frame = FRAME[name]
+        rows = _read_dir(self.frame_dir(name), frame.stored)
+        if frame.per_done_job or frame.complete is not None:
+            results = self.read_results()
+            if frame.per_done_job:
+                done = results.filter(pl.col("status") == Status.DONE)["job_id"]
+                rows = rows.filter(pl.col("job_id").is_in(done.to_list()))
+            rows = rows.with_columns([pl.lit(None, frame.schema[c]).alias(c)
+                                      for c in frame.derived]).select(list(frame.schema))
+            if frame.complete is not None:
+                rows = frame.complete(rows, results)
+        return rows.sort(*frame.order)
 
     def read_results(self) -> pl.DataFrame:
-        return _read_dir(self.results_dir, RESULT_SCHEMA).sort("finished_at")
-
-    def read_layers(self) -> pl.DataFrame:
-        """Per-layer rows of the jobs recorded done (a crash between the two writes leaves
-        layers without a result: they are not shown, and the rerun replaces them)."""
-        return self._done_rows(self.layers_dir, LAYER_SCHEMA).sort("job_id", "position")
-
-    def read_windows(self) -> pl.DataFrame:
-        """Per-window rows of the jobs recorded done (as for ``read_layers``)."""
-        return self._done_rows(self.windows_dir, WINDOW_SCHEMA).sort("job_id", "window")
-
-    def read_tasks(self) -> pl.DataFrame:
-        """Task rows of the jobs recorded done (as for ``read_layers``)."""
-        return self._done_rows(self.tasks_dir, TASK_SCHEMA).sort("job_id", "task", "metric",
-                                                                 "filter")
-
-    def read_speed_rows(self) -> pl.DataFrame:
-        """Speed rows of the jobs recorded done, as measured (``store.speed.read_speed`` adds
-        the baseline's figures)."""
-        return self._done_rows(self.speed_dir, SPEED_SCHEMA).sort("job_id", "batch_size")
-
-    def _done_rows(self, directory: Path, schema: dict) -> pl.DataFrame:
-        recorded = self.read_results().filter(pl.col("status") == Status.DONE)["job_id"]
-        return _read_dir(directory, schema).filter(pl.col("job_id").is_in(recorded.to_list()))
+        return self.read("results")
 
     def finished_job_ids(self) -> set[str]:
         """Jobs whose recorded result is final: done, with every metric this version requires
@@ -305,13 +259,12 @@ class RunStore:
                 validate_record({k: v for k, v in row.items() if v is not None})
             except SchemaError:
                 continue
-            # Its per-layer and per-window rows are part of a done job: one set aside (or one
-            # from a version that wrote none) means run it again.
+            # Its rows of the per-job frames are part of a done job: one set aside (or one from
+            # a version that wrote none) means run it again.
             name = f"{row['job_id']}.parquet"
-            kept = [self.layers_dir, self.windows_dir]
-            kept += [self.tasks_dir] if row["tasks_s"] is not None else []
-            kept += [self.speed_dir] if row["speed_s"] is not None else []
-            if all((directory / name).exists() for directory in kept):
+            if all((self.frame_dir(frame.name) / name).exists() for frame in PER_DONE_JOB
+                   if frame.required and (frame.present_with is None
+                                          or row[frame.present_with] is not None)):
                 finished.add(row["job_id"])
         return finished
 
@@ -346,9 +299,8 @@ class RunStore:
             f.write(text if text.endswith("\n") else text + "\n")
 
 
-_SCHEMAS = {"results": RESULT_SCHEMA, "layers": LAYER_SCHEMA, "windows": WINDOW_SCHEMA,
-            "tasks": TASK_SCHEMA, "speed": SPEED_SCHEMA, "samples": SAMPLE_SCHEMA,
-            "attempts": ATTEMPT_SCHEMA, "sessions": SESSION_SCHEMA}
+def _checked_rows(frame: Frame, rows: list[dict[str, Any]]) -> pl.DataFrame:
+    return rows_to_frame(rows, frame.stored, frame.name, frame.optional)
 
 
 def _read_file(path: Path, schema: dict) -> pl.DataFrame | None:
@@ -381,35 +333,20 @@ def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
     return pl.concat(frames, how="vertical") if frames else empty_frame(schema)
 
 
-def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Every try of every job of ``run_dir``: one row per attempt."""
-    return RunStore(run_dir).read_attempts()
+def read_frame(run_dir: str | os.PathLike, name: str) -> pl.DataFrame:
+    """The frame ``name`` of ``run_dir`` (``store.schema.FRAMES`` lists them: results, layers,
+    windows, tasks, speed, phases, attempts, sessions, samples), in its schema.
+
+    >>> read_frame("runs/demo", "phases").group_by("phase").agg(pl.sum("seconds"))  # doctest: +SKIP
+    """
+    if name not in FRAME:
+        raise SchemaError(f"no frame {name!r}: the frames are {', '.join(FRAME)}")
+    return RunStore(run_dir).read(name)
 
 
-def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Every driver session of ``run_dir``: when it ran, on how many workers and slots."""
-    return RunStore(run_dir).read_sessions()
-
-
-def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Utilization and memory of every worker's device over time (one row per sample)."""
-    return RunStore(run_dir).read_samples()
-
-
-def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Per-window quality of every done job of ``run_dir``: one row per (job, eval window)."""
-    return RunStore(run_dir).read_windows()
-
-
-def read_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Task scores of every done job of ``run_dir``: one row per (job, task, metric, filter),
-    with the baseline's value and the recovery (empty for a sweep without tasks)."""
-    return RunStore(run_dir).read_tasks()
-
-
-def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Per-layer error of every recorded job of ``run_dir``: one row per (job, quantized layer)."""
-    return RunStore(run_dir).read_layers()
+def read_frames(run_dir: str | os.PathLike) -> dict[str, pl.DataFrame]:
+    """Every frame of ``run_dir`` by name (as :func:`read_frame` reads each)."""
+    return {frame.name: read_frame(run_dir, frame.name) for frame in FRAMES}
 
 
 def read_results(run_dir: str | os.PathLike) -> pl.DataFrame:
@@ -417,4 +354,42 @@ def read_results(run_dir: str | os.PathLike) -> pl.DataFrame:
 
     >>> read_results("runs/demo").select("config_label", "perplexity")  # doctest: +SKIP
     """
-    return RunStore(run_dir).read_results()
+    return read_frame(run_dir, "results")
+
+
+def read_layers(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Per-layer error of every done job of ``run_dir``: one row per (job, quantized layer)."""
+    return read_frame(run_dir, "layers")
+
+
+def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Per-window quality of every done job of ``run_dir``: one row per (job, eval window)."""
+    return read_frame(run_dir, "windows")
+
+
+def read_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Task scores of every done job of ``run_dir``: one row per (job, task, metric, filter),
+    with the baseline's value and the recovery (empty for a sweep without tasks)."""
+    return read_frame(run_dir, "tasks")
+
+
+def read_speed(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Generation speed of every done job of ``run_dir``: one row per (job, batch size), with
+    the baseline's decode tokens/s for the same model and batch and the speed-ups (null where
+    the baseline has no row). Empty for a sweep without a speed block."""
+    return read_frame(run_dir, "speed")
+
+
+def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every try of every job of ``run_dir``: one row per attempt."""
+    return read_frame(run_dir, "attempts")
+
+
+def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every driver session of ``run_dir``: when it ran, on how many workers and slots."""
+    return read_frame(run_dir, "sessions")
+
+
+def read_device_samples(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Utilization and memory of every worker's device over time (one row per sample)."""
+    return read_frame(run_dir, "samples")

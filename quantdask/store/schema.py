@@ -1,14 +1,25 @@
-"""The results schema: one row per job. A record that does not fit is an error, never a null."""
+"""The run directory's frames, each declared once: the results frame (one row per job) and the
+secondary frames beside it. A record that does not fit is an error, never a null.
+
+Each frame is one :class:`Frame` in ``FRAMES``: its name (its folder in the run directory and
+``qd.read_frame``'s word for it), its schema, how it is sorted when read, which columns may be
+null, whether it holds one file per done job (written with the job's result by the recorder) and
+whether it goes to MLflow. The run store, the recorder, the readers, the MLflow export and the
+docs test iterate over ``FRAMES``: adding a frame is one entry here and the phase that fills it.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
 from quantdask.errors import SchemaError
-from quantdask.worker.outcome import FailureClass, Status
+from quantdask.store.speed import DERIVED, with_baseline_speed
+from quantdask.words import FailureClass, Status
 
 STATUSES = tuple(Status)
 
@@ -173,7 +184,7 @@ TASK_SCHEMA: dict[str, pl.DataType] = {
     "task": pl.String(),  # the lm-eval task (or group) name
     "is_group": pl.Boolean(),  # a group's row aggregates its tasks' (which have rows too)
     "metric": pl.String(),  # e.g. acc, acc_norm, exact_match
-    "filter": pl.String(),  # lm-eval's filter of the answers ("none" for most tasks)
+    "filter": pl.String(),  # lm-eval's filter of the answers (words.NO_FILTER for most tasks)
     "value": pl.Float64(),
     "stderr": pl.Float64(),  # lm-eval's standard error (null when it has none)
     "samples": pl.Int64(),  # samples scored (a group: its tasks' sum)
@@ -214,8 +225,7 @@ SPEED_SCHEMA: dict[str, pl.DataType] = {
     "prefill_speedup": pl.Float64(),
 }
 """One row per (done job, batch size) of a sweep with a speed block."""
-SPEED_MEASURED = tuple(c for c in SPEED_SCHEMA if c not in (
-    "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup"))
+SPEED_DERIVED = DERIVED
 SPEED_OPTIONAL = ("other_slots_busy", "decode_s_p50", "decode_s_p90", "decode_tokens_per_s",
                   "baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup")
 
@@ -231,7 +241,7 @@ ATTEMPT_SCHEMA: dict[str, pl.DataType] = {
     "device": pl.String(),
     "started_at": _UTC,
     "finished_at": _UTC,
-    "status": pl.String(),  # done, failed or skipped; cancelled (SweepHandle.cancel())
+    "status": pl.String(),  # words.AttemptEnd: a job's status, or cancelled (SweepHandle.cancel())
     "failure_class": pl.String(),
     "error_class": pl.String(),
     "error_message": pl.String(),
@@ -262,6 +272,73 @@ SAMPLE_SCHEMA: dict[str, pl.DataType] = {
     "memory_used_bytes": pl.Int64(),  # device memory in use (NVML) or the process's RSS
     "memory_total_bytes": pl.Int64(),
 }
+
+PHASE_SCHEMA: dict[str, pl.DataType] = {
+    "job_id": pl.String(),
+    "position": pl.Int64(),  # the phase's order in the job
+    "phase": pl.String(),  # load, quantize, coverage, layer_weights, score, tasks, speed, ...
+    "seconds": pl.Float64(),  # the phase's wall time, all of it (eval_s and the like are parts)
+    # The phase's own peaks (a CPU slot's device is host memory: both are the process's RSS);
+    # the job's peaks are the largest of its phases'.
+    "peak_device_mem_bytes": pl.Int64(),
+    "peak_host_rss_bytes": pl.Int64(),
+    "peak_shared": pl.Boolean(),  # other jobs packed on the worker ran meanwhile (upper bound)
+}
+"""One row per (done job, phase): where a job spends its time and which phase sets its peak."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of the run directory, declared once (see the module)."""
+
+    name: str  # its folder in the run directory, and its name for qd.read_frame
+    schema: dict[str, pl.DataType]
+    heading: str  # where docs/results.md documents its columns
+    order: tuple[str, ...]  # how it is sorted when read
+    optional: tuple[str, ...] = ()  # columns a row may leave null (secondary frames)
+    # One file per done job, written by the recorder before the job's result (from the
+    # outcome's rows of this frame); read back for the jobs recorded done only.
+    per_done_job: bool = False
+    # A done job has this frame's file only when this results column is set (its phase ran);
+    # None: every done job has one. A done job missing its file is run again, unless the frame
+    # is telemetry (not ``required``: results from before it existed stand).
+    present_with: str | None = None
+    required: bool = True
+    # Columns computed when read, from the frame and the results frame (not stored).
+    derived: tuple[str, ...] = ()
+    complete: Callable[[pl.DataFrame, pl.DataFrame], pl.DataFrame] | None = None
+    exported: bool = True  # into the MLflow export's parent run
+
+    @property
+    def stored(self) -> dict[str, pl.DataType]:
+        """The columns its files hold."""
+        return {c: t for c, t in self.schema.items() if c not in self.derived}
+
+
+FRAMES: tuple[Frame, ...] = (
+    Frame("results", RESULT_SCHEMA, "Results frame", ("finished_at",)),
+    Frame("layers", LAYER_SCHEMA, "Per-layer frame", ("job_id", "position"),
+          ("output_rel_error",), per_done_job=True),
+    Frame("windows", WINDOW_SCHEMA, "Per-window frame", ("job_id", "window"), per_done_job=True),
+    Frame("tasks", TASK_SCHEMA, "Tasks frame", ("job_id", "task", "metric", "filter"),
+          TASK_OPTIONAL, per_done_job=True, present_with="tasks_s"),
+    Frame("speed", SPEED_SCHEMA, "Speed frame", ("job_id", "batch_size"), SPEED_OPTIONAL,
+          per_done_job=True, present_with="speed_s", derived=SPEED_DERIVED,
+          complete=with_baseline_speed),
+    Frame("phases", PHASE_SCHEMA, "Phases frame", ("job_id", "position"),
+          ("peak_device_mem_bytes", "peak_host_rss_bytes"), per_done_job=True,
+          required=False),
+    Frame("attempts", ATTEMPT_SCHEMA, "Attempts frame", ("finished_at",),
+          ("worker", "device", "started_at", "failure_class", "error_class", "error_message",
+           "device_memory_request_bytes")),
+    Frame("sessions", SESSION_SCHEMA, "Sessions frame", ("started_at",), ("finished_at",)),
+    Frame("samples", SAMPLE_SCHEMA, "Device samples frame", ("worker", "time"), ("job_id",),
+          exported=False),
+)
+"""Every frame of a run directory."""
+FRAME = {frame.name: frame for frame in FRAMES}
+PER_DONE_JOB = tuple(frame for frame in FRAMES if frame.per_done_job)
+
 
 _PYTHON_TYPES: dict[type, tuple[type, ...]] = {
     pl.String: (str,),

@@ -11,7 +11,7 @@ import os
 import polars as pl
 
 from quantdask.store.run_store import RunStore
-from quantdask.worker.outcome import Status
+from quantdask.words import Status
 
 DEVICE_SUMMARY_SCHEMA = {
     "worker": pl.String, "device": pl.String, "jobs": pl.UInt32, "attempts": pl.UInt32,
@@ -171,3 +171,24 @@ def failures_table(results: pl.DataFrame) -> pl.DataFrame:
                     "error_class",
                     pl.col("error_message").str.split("\n").list.first().alias("reason"))
             .sort("status", "model", "config_label"))
+
+
+def phases_table(results: pl.DataFrame, phases: pl.DataFrame) -> pl.DataFrame:
+    """Where each done job spent its time, from the phases frame: one row per job, the seconds
+    of each phase in a column of its own (in the jobs' order; null where a job did not run
+    it), and the phase that set the job's peak device memory with that peak.
+
+    >>> phases_table(read_results("runs/demo"), read_frame("runs/demo", "phases"))  # doctest: +SKIP
+    """
+    if phases.is_empty():
+        return pl.DataFrame(schema={"model": pl.String, "config_label": pl.String})
+    order = phases.group_by("phase").agg(pl.col("position").min()).sort("position")["phase"]
+    seconds = phases.pivot(on="phase", index="job_id", values="seconds")
+    peak = (phases.sort("peak_device_mem_bytes", descending=True, nulls_last=True)
+            .group_by("job_id", maintain_order=True).first()
+            .select("job_id", pl.col("phase").alias("peak_phase"), "peak_device_mem_bytes"))
+    jobs = results.select("job_id", "model", "config_label", "wall_s")
+    return (jobs.join(seconds, on="job_id").join(peak, on="job_id")
+            .select("model", "config_label", "wall_s", *order, "peak_phase",
+                    "peak_device_mem_bytes")
+            .sort("model", "config_label"))

@@ -23,7 +23,9 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from quantdask.worker.records import Artifact
 
 if TYPE_CHECKING:
 
@@ -53,7 +55,7 @@ def directory_digest(directory: str) -> tuple[str, int]:
     return hashlib.sha256(manifest).hexdigest(), total
 
 
-def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> dict[str, Any]:
+def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> Artifact:
     """Save ``model`` as ``job``'s artifact (and reload-check it when asked); the result's
     artifact columns. A failure is the ``artifact_error`` column, raised again only when the
     sweep requires artifacts."""
@@ -76,22 +78,20 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> dic
             tokenizer.save_pretrained(local)
             digest, size = directory_digest(local)
             saved = _publish(local, settings, job.id)
-            figures = {"artifact_uri": settings.location(job.id), "artifact_bytes": size,
-                       "artifact_sha256": digest, "artifact_kept": True}
-            if before is not None:
-                # The saved directory itself where it is local; a URL's from the same bytes.
-                figures["reload_kl_delta"] = reload_kl_delta(
-                    before, saved or local, reference, job.eval.batch_size, device)
-        log.info("artifact saved to %s: %d bytes, sha256 %s%s", figures["artifact_uri"], size,
-                 digest, f", reload KL delta {figures['reload_kl_delta']:.3g}"
-                 if "reload_kl_delta" in figures else "")
-        return figures
+            # The saved directory itself where it is local; a URL's from the same bytes.
+            delta = None if before is None else reload_kl_delta(
+                before, saved or local, reference, job.eval.batch_size, device)
+            kept = Artifact(artifact_uri=settings.location(job.id), artifact_bytes=size,
+                            artifact_sha256=digest, artifact_kept=True, reload_kl_delta=delta)
+        log.info("artifact saved to %s: %d bytes, sha256 %s%s", kept.artifact_uri, size,
+                 digest, "" if delta is None else f", reload KL delta {delta:.3g}")
+        return kept
     except Exception as error:
         message = f"{type(error).__name__}: {error}"
         log.error("artifact not kept: %s", message)
         if settings.required:
             raise
-        return {"artifact_error": message}
+        return Artifact(artifact_error=message)
 
 
 def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
@@ -121,7 +121,7 @@ def verify_kl(model, reference, batch_size: int, device: str) -> float:
 
     windows = reference.windows[:VERIFY_WINDOWS]
     distribution = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
-    return quality(model, windows, distribution, batch_size, device)["kl_divergence"]
+    return quality(model, windows, distribution, batch_size, device).kl_divergence
 
 
 def reload_kl_delta(before: float, directory: str, reference, batch_size: int,

@@ -18,6 +18,7 @@ from typing import Any
 
 from quantdask.util import utcnow
 from quantdask.worker.devices import this_workers_sampler
+from quantdask.worker.records import Row
 from quantdask.worker.runtime import announce_start, quiet_libraries
 
 
@@ -31,7 +32,7 @@ class AttemptScope:
     host: str
     began: float  # time.monotonic() at the start announcement
     started_at: Any  # the same moment, UTC
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[Row] = field(default_factory=list)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.began

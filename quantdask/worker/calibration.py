@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from quantdask.worker.measure import PeakMemory
+from quantdask.worker.records import Calibrated
 
 if TYPE_CHECKING:
     import torch
@@ -66,8 +67,6 @@ class Calibration:
             self.peak_device_bytes = max(self.peak_device_bytes, peak.peak_device_bytes)
             self.peak_rss_bytes = max(self.peak_rss_bytes, peak.peak_rss_bytes)
 
-    def figures(self) -> dict:
+    def figures(self) -> Calibrated:
         """The result's calibration columns."""
-        return {"calibrate_s": self.seconds,
-                "calibrate_peak_device_mem_bytes": self.peak_device_bytes,
-                "calibrate_peak_host_rss_bytes": self.peak_rss_bytes}
+        return Calibrated(self.seconds, self.peak_device_bytes, self.peak_rss_bytes)

@@ -142,10 +142,11 @@ def packed_linear_weights(module: torch.nn.Module) -> int:
     import torch
 
     qweight = getattr(module, "qweight", None)
-    sizes = [getattr(module, a, None) for a in ("infeatures", "outfeatures")]
-    if not isinstance(qweight, torch.Tensor) or not all(isinstance(n, int) for n in sizes):
+    rows, columns = (getattr(module, a, None) for a in ("infeatures", "outfeatures"))
+    if not isinstance(qweight, torch.Tensor) or not isinstance(rows, int) \
+            or not isinstance(columns, int):
         return 0
-    return sizes[0] * sizes[1]
+    return rows * columns
 
 
 def _plain_bias(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

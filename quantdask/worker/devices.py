@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from quantdask.worker.records import Row
+
 log = logging.getLogger("quantdask.devices")
 
 SAMPLER_NAME = "quantdask-device-sampler"
@@ -47,7 +49,9 @@ class NvmlProbe:
     def __init__(self, gpu: int | str, nvml: Any = None, device: str | None = None):
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             except ImportError as err:
                 raise ImportError("GPU sampling needs NVML: pip install nvidia-ml-py "
                                   "(or quantdask[gpu])") from err
@@ -135,7 +139,7 @@ class DeviceSampler(WorkerPlugin):
         # the jobs running when it was taken.
         self._running: set[str] = set()
         self._lock = threading.Lock()
-        self._samples: deque[dict[str, Any]] = deque(maxlen=MAX_BUFFERED)
+        self._samples: deque[Row] = deque(maxlen=MAX_BUFFERED)
         self._stop = threading.Event()
         try:
             self.probe = self.probe_factory()
@@ -157,7 +161,7 @@ class DeviceSampler(WorkerPlugin):
             self._running.add(job_id)
         self.sample_now()
 
-    def job_finished(self, job_id: str, take: bool = True) -> list[dict[str, Any]]:
+    def job_finished(self, job_id: str, take: bool = True) -> list[Row]:
         """``job_id`` ended: take a last sample, and (with ``take``) return the samples no job
         still running here shares, for the finished job's record. Samples taken while a packed
         neighbour runs stay for the neighbour's record; none is dropped or given twice."""
@@ -190,7 +194,7 @@ class DeviceSampler(WorkerPlugin):
             self._samples.append(sample)
         self._publish(_public(sample))
 
-    def _publish(self, sample: dict[str, Any]) -> None:
+    def _publish(self, sample: Row) -> None:
         """Send the latest reading to whoever watches the sweep (``log_event`` is thread-safe;
         the driver subscribes to :data:`TELEMETRY_TOPIC`)."""
         now = time.monotonic()
@@ -206,7 +210,7 @@ class DeviceSampler(WorkerPlugin):
         except Exception as error:  # noqa: BLE001 - a closing worker; telemetry is optional
             log.debug("telemetry not sent: %s", error)
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Row]:
         """Every sample taken since the last drain (and forget them)."""
         with self._lock:
             taken = [_public(s) for s in self._samples]
@@ -218,7 +222,7 @@ class DeviceSampler(WorkerPlugin):
         self._thread.join(timeout=5)
 
 
-def _public(sample: dict[str, Any]) -> dict[str, Any]:
+def _public(sample: Row) -> Row:
     """A sample as it leaves the sampler: its running jobs are in ``job_id`` (comma-joined)."""
     return {k: v for k, v in sample.items() if k != "_jobs"}
 
@@ -228,12 +232,13 @@ def this_workers_sampler() -> DeviceSampler | None:
     try:
         from distributed import get_worker
 
-        return get_worker().plugins.get(SAMPLER_NAME)
+        plugin = get_worker().plugins.get(SAMPLER_NAME)
     except ValueError:
         return None
+    return plugin if isinstance(plugin, DeviceSampler) else None
 
 
-def drain_this_worker(dask_worker) -> list[dict[str, Any]]:
+def drain_this_worker(dask_worker) -> list[Row]:
     """For ``client.run``, which passes the worker as ``dask_worker`` (``get_worker`` finds
     none there, outside a task): that worker's undrained samples."""
     sampler = dask_worker.plugins.get(SAMPLER_NAME)

@@ -9,6 +9,8 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from quantdask.words import FaultKind
+
 if TYPE_CHECKING:
     from quantdask.spec.sweep import Job
 
@@ -25,24 +27,24 @@ def inject_faults(job: Job, attempt: int) -> None:
             inject_fault(kind, attempt)
 
 
-def inject_fault(kind: str, attempt: int) -> None:
-    """Make this attempt fail the way ``kind`` says (see ``spec.FAULT_KINDS``); ``slow`` only
+def inject_fault(kind: FaultKind, attempt: int) -> None:
+    """Make this attempt fail the way ``kind`` says (see ``words.FaultKind``); ``slow`` only
     delays it: a job that is surely still running a second after it began (to rehearse a
     worker lost mid-job or to watch one run), at no cost in CPU."""
     import torch
 
-    log.warning("injecting fault %r on attempt %d", kind, attempt)
-    if kind == "slow":
+    log.warning("injecting fault %r on attempt %d", str(kind), attempt)
+    if kind == FaultKind.SLOW:
         time.sleep(SLOW_FAULT_S)
-    if kind == "raise":
+    if kind == FaultKind.RAISE:
         raise RuntimeError(f"injected fault on attempt {attempt}")
-    if kind == "oom":
+    if kind == FaultKind.OOM:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected on attempt {attempt})")
-    if kind == "kill":
+    if kind == FaultKind.KILL:
         # A crash in mid-job: the worker's start announcement has left before it dies (one
         # lost at once would make the job look never started, and it would be requeued).
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang":
+    if kind == FaultKind.HANG:
         while True:  # only the scheduler's deadline (a worker restart) ends this
             time.sleep(60)

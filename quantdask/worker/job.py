@@ -2,9 +2,11 @@
 
 ``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
 ``JobRun``, the state an attempt carries from phase to phase: load, quantize, coverage, layer
-weights, score (with the layers' output errors), task accuracy, generation speed, artifacts. A
-new measurement is one more phase function here (with its own section of the stopwatch) and one
-more entry in ``PHASES``; the record is made from the ``JobRun`` at the end.
+weights, score (with the layers' output errors), task accuracy, generation speed, artifacts.
+Each phase returns a typed record (``worker.records``) of the results columns and frame rows it
+produces, or None when it had nothing to do; the results row is assembled from those records
+at the end, and each phase's own time and peaks are the phases frame. A new measurement is one
+more phase function here, its record type, and one more entry in ``PHASES``.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -15,16 +17,19 @@ configs pays the cold start once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import cloudpickle
 
 from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.util import utcnow
+from quantdask.words import FailureClass, Status
 from quantdask.worker import cpu_share
 from quantdask.worker.artifacts import keep_artifact
 from quantdask.worker.attempt import AttemptScope, attempt_scope, captured_log
@@ -33,17 +38,28 @@ from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.faults import inject_faults
 from quantdask.worker.layers import OutputErrors, weight_errors
 from quantdask.worker.measure import PeakMemory, Stopwatch
-from quantdask.worker.metrics import SCORES, measure_quality
+from quantdask.worker.metrics import measure_quality
 from quantdask.worker.model_source import cached_model_source
-from quantdask.worker.outcome import (
-    FailureClass,
-    JobOutcome,
-    Status,
-    failure_class_of,
-    peak_columns,
+from quantdask.worker.outcome import JobOutcome, failure_class_of
+from quantdask.worker.records import (
+    Artifact,
+    Covered,
+    LayerWeights,
+    Loaded,
+    NotDone,
+    Peaks,
+    PhaseRecord,
+    Quantized,
+    ResultRow,
+    Row,
+    Scored,
+    Span,
+    Speed,
+    TaskScores,
+    Where,
 )
 from quantdask.worker.runtime import held_resources, torch_device
-from quantdask.worker.tasks import TASK_COLUMNS, truncated_total, with_baseline
+from quantdask.worker.tasks import truncated_total, with_baseline
 
 if TYPE_CHECKING:
     import torch
@@ -58,13 +74,15 @@ log = logging.getLogger("quantdask.job")
 PROBE_WINDOWS = 4
 """The first eval windows, per-layer output error is measured on (during the eval's passes)."""
 
-WHERE_COLUMNS = ("worker", "host", "started_at", "device")
+WHERE_COLUMNS = Where.column_names()
 """What a record keeps of an attempt whatever became of it."""
 
 
 @dataclass
 class JobRun:
-    """One attempt's state, handed from phase to phase."""
+    """One attempt's state, handed from phase to phase. The fields without a default are set
+    by the phase that makes them (``load``: source and originals; ``quantize``: model;
+    ``check_coverage``: covered): a phase that reads one before is an AttributeError."""
 
     job: Job
     backend: Backend
@@ -73,22 +91,17 @@ class JobRun:
     cuda: bool
     device_label: str = ""  # what the records call it: cuda:<physical id> or cpu
     watch: Stopwatch = field(default_factory=Stopwatch)
-    peak: PeakMemory | None = None
-    holding: contextlib.ExitStack | None = None  # what the attempt holds until it is measured
-    source: ModelSource | None = None
-    source_cached: bool = False
-    originals: dict[str, torch.Tensor] | None = None  # the unquantized weights, mapped
-    model: torch.nn.Module | None = None  # the quantized model
+    peak: PeakMemory = field(init=False)
+    holding: contextlib.ExitStack = field(init=False)  # held until the attempt is measured
+    source: ModelSource = field(init=False)
+    originals: dict[str, torch.Tensor] = field(init=False)  # the unquantized weights, mapped
+    model: torch.nn.Module = field(init=False)  # the quantized model
     calibration: Calibration | None = None
-    covered: Coverage | None = None
-    size_bytes: int = 0
-    layers: list[dict[str, Any]] = field(default_factory=list)
+    covered: Coverage = field(init=False)
+    layers: list[Row] = field(default_factory=list)  # weight errors of the measured layers
     unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
-    scores: dict[str, Any] = field(default_factory=dict)
-    windows: list[dict[str, Any]] = field(default_factory=list)  # per-window quality
-    tasks: list[dict[str, Any]] = field(default_factory=list)  # the tasks frame's rows
-    speed: list[dict[str, Any]] = field(default_factory=list)  # the speed frame's rows
-    extra: dict[str, Any] = field(default_factory=dict)  # more record columns from phases
+    records: list[PhaseRecord] = field(default_factory=list)  # what the phases produced
+    phase_rows: list[Row] = field(default_factory=list)  # the phases frame's rows
 
     @contextlib.contextmanager
     def measured(self) -> Iterator[None]:
@@ -100,37 +113,46 @@ class JobRun:
             try:
                 yield
             finally:
-                self.model = self.originals = None
+                for name in ("model", "originals"):
+                    vars(self).pop(name, None)
 
 
-def load(run: JobRun) -> None:
+def load(run: JobRun) -> Loaded:
     """The model's source (config, tokenizer; cached per worker) and its weights, mapped from
     the checkpoint for this job only."""
     with run.watch("load"):
-        run.source, run.source_cached = cached_model_source(run.job.model)
+        run.source, cached = cached_model_source(run.job.model)
         run.originals = run.holding.enter_context(run.source.weights())
+    return Loaded(run.watch.seconds["load"], cached, run.source.param_count)
 
 
-def quantize(run: JobRun) -> None:
+def quantize(run: JobRun) -> Quantized:
     """The backend's quantized model on the device (a calibrated backend's with its data)."""
     backend, job = run.backend, run.job
     with run.watch("quantize"):
         if not backend.calibrated:
             run.model = backend.quantize(run.source, job.options, run.device)
-            return
-        if run.reference.calibration is None:
-            error = run.reference.calibration_error
-            raise ValueError(
-                f"{backend.name} calibrates on data and this job's reference carries none: "
-                + (f"the calibration windows could not be cut ({error})" if error
-                   else "give the sweep a calibration block"))
-        run.calibration = Calibration(run.reference.calibration, run.cuda)
-        run.model = backend.quantize(run.source, job.options, run.device,
-                                     calibration=run.calibration)
-        run.extra.update(run.calibration.figures())
+        else:
+            run.model = _calibrated_model(run)
+    return Quantized(run.watch.seconds["quantize"],
+                     run.calibration.figures() if run.calibration is not None else None)
 
 
-def check_coverage(run: JobRun) -> None:
+def _calibrated_model(run: JobRun) -> torch.nn.Module:
+    """The quantized model of a backend that calibrates on the reference's windows."""
+    backend = run.backend
+    if run.reference.calibration is None:
+        error = run.reference.calibration_error
+        raise ValueError(
+            f"{backend.name} calibrates on data and this job's reference carries none: "
+            + (f"the calibration windows could not be cut ({error})" if error
+               else "give the sweep a calibration block"))
+    run.calibration = Calibration(run.reference.calibration, run.cuda)
+    return backend.quantize(run.source, run.job.options, run.device,
+                            calibration=run.calibration)
+
+
+def check_coverage(run: JobRun) -> Covered:
     """What the backend quantized, and the model's stored size, split into the quantized part
     and the rest; a quantizing backend that replaced no weight is unsupported here, never a
     clean result."""
@@ -139,10 +161,18 @@ def check_coverage(run: JobRun) -> None:
         raise UnsupportedHere(
             f"no layer was quantized: {run.backend.name} replaced none of this model's "
             f"weights, which stay in {run.covered.by_class()}")
-    run.size_bytes = run.covered.size_bytes
+    covered, params = run.covered, run.source.param_count
+    return Covered(
+        size_bytes=covered.size_bytes, bits_per_weight=8.0 * covered.size_bytes / params,
+        quantized_bytes=covered.quantized_bytes,
+        bits_per_quantized_weight=covered.bits_per_quantized_weight,
+        unquantized_bytes=covered.unquantized_bytes,
+        unquantized_dtypes=covered.unquantized_dtypes(),
+        quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
+        full_precision=covered.summary() if run.backend.quantizes else None)
 
 
-def layer_weights(run: JobRun) -> None:
+def layer_weights(run: JobRun) -> LayerWeights:
     """Each quantized layer's weight error; before any forward pass (kernels may repack
     weights then: see ``layers``)."""
     if run.job.layer_stats and run.backend.dequantize_layer is not None:
@@ -150,146 +180,159 @@ def layer_weights(run: JobRun) -> None:
                                                    run.originals)
     for name, reason in run.unmeasured.items():
         log.warning("per-layer stats skip %s: %s", name, reason)
+    return LayerWeights(len(run.unmeasured))
 
 
-def score(run: JobRun) -> None:
+def score(run: JobRun) -> Scored:
     """Perplexity, KL and top-1 agreement against the reference on the eval windows, and the
     measured layers' output errors on the first ``PROBE_WINDOWS`` of them, taken by forward
     hooks during the same passes (``layers.OutputErrors``)."""
+    reference = run.reference
     if run.job.is_baseline:
         # The reference evaluated this very model on these windows: its scores are the
         # baseline's (the unquantized model is not evaluated twice; the time it took is the
         # reference task's, not this job's).
-        run.scores = {k: run.reference.baseline[k] for k in SCORES}
-        run.windows = list(run.reference.baseline_windows)
-        run.watch.seconds["eval"] = 0.0
-        return
+        if reference.baseline is None:
+            raise ValueError("this job's reference carries no baseline scores")
+        return Scored(0.0, reference.baseline, reference.kl_kind, reference.kl_tail_mass,
+                      windows=list(reference.baseline_windows), layers=_positioned(run.layers))
     outputs = OutputErrors(run.model, run.layers, run.originals, PROBE_WINDOWS)
     with run.watch("eval"), outputs:
-        meter = measure_quality(run.model, run.reference.windows, run.reference.distribution,
+        meter = measure_quality(run.model, reference.windows, reference.distribution,
                                 run.job.eval.batch_size, run.device, on_batch=outputs.batch)
-    run.scores, run.windows, run.layers = meter.scores(), meter.window_rows(), outputs.rows()
     for name, reason in outputs.failed.items():
         log.warning("per-layer output error skips %s: %s", name, reason)
+    return Scored(run.watch.seconds["eval"], meter.scores(), reference.kl_kind,
+                  reference.kl_tail_mass, windows=meter.window_rows(),
+                  layers=_positioned(outputs.rows()))
 
 
-def score_tasks(run: JobRun) -> None:
+def _positioned(layers: list[Row]) -> list[Row]:
+    """The layers frame's rows: each layer with its order in the network."""
+    return [{**row, "position": i} for i, row in enumerate(layers)]
+
+
+def score_tasks(run: JobRun) -> TaskScores | None:
     """The sweep's lm-eval tasks on the quantized model in memory, with the baseline's scores
     of its model beside each (the baseline job reuses those: its model is the one they were
     scored on, once per model with the reference)."""
-    tasks = run.job.tasks
+    tasks, baseline = run.job.tasks, run.reference.tasks
     if tasks is None:
-        return
-    baseline = run.reference.baseline
+        return None
     if run.job.is_baseline:
-        rows = run.reference.baseline_tasks
-        run.extra.update({k: baseline[k] for k in TASK_COLUMNS})
+        if baseline is None:
+            raise ValueError("this job's reference carries no baseline task scores")
+        rows, seconds = baseline.rows, baseline.seconds
+        device_peak, rss_peak = baseline.peak_device_mem_bytes, baseline.peak_host_rss_bytes
     else:
         from quantdask.worker.tasks import evaluate_tasks
 
         with run.watch("tasks"), PeakMemory(run.cuda) as peak:
             rows = evaluate_tasks(run.model, run.source.tokenizer, tasks)
-        run.extra.update(tasks_s=run.watch.seconds["tasks"],
-                         tasks_peak_device_mem_bytes=peak.peak_device_bytes,
-                         tasks_peak_host_rss_bytes=peak.peak_rss_bytes)
-    run.tasks = with_baseline(rows, run.reference.baseline_tasks)
-    run.extra["tasks_truncated_samples"] = truncated_total(run.tasks)
+        seconds, device_peak, rss_peak = (run.watch.seconds["tasks"], peak.peak_device_bytes,
+                                          peak.peak_rss_bytes)
+    scored = with_baseline(rows, run.reference.baseline_tasks)
+    return TaskScores(seconds, device_peak, rss_peak, truncated_total(scored), tasks=scored)
 
 
-def time_generation(run: JobRun) -> None:
+def time_generation(run: JobRun) -> Speed | None:
     """Greedy generation timed per batch size (``worker.speed``), on the model the quality
     phases measured; its own section of the stopwatch (``speed_s``), never part of the eval's.
     On a CPU slot, whose device is the machine's cores, the rows also say whether another
     slot's job computed meanwhile."""
     settings = run.job.speed
     if settings is None:
-        return
+        return None
     from quantdask.worker.speed import measure_speed
 
     whole = held_resources().get("GPU", 1.0) >= 1.0  # outside Dask: nothing else scheduled
     with run.watch("speed"):
-        run.speed = measure_speed(run.model, run.reference.windows, settings, run.cuda,
-                                  run.source.tokenizer.pad_token_id, run.device_label, whole,
-                                  None if run.cuda else cpu_share.others_busy)
-    run.extra["speed_s"] = run.watch.seconds["speed"]
+        rows = measure_speed(run.model, run.reference.windows, settings, run.cuda,
+                             run.source.tokenizer.pad_token_id, run.device_label, whole,
+                             None if run.cuda else cpu_share.others_busy)
+    return Speed(run.watch.seconds["speed"], speed=rows)
 
 
-def keep_artifacts(run: JobRun) -> None:
+def keep_artifacts(run: JobRun) -> Artifact | None:
     """Save (and verify) the quantized model, when the sweep keeps artifacts."""
     artifacts = run.job.artifacts
-    if artifacts is not None and artifacts.enabled:
-        run.extra.update(keep_artifact(run.model, run.source.tokenizer, run.backend, run.job,
-                                       run.reference, run.device))
+    if artifacts is None or not artifacts.enabled:
+        return None
+    return keep_artifact(run.model, run.source.tokenizer, run.backend, run.job, run.reference,
+                         run.device)
 
 
-Phase = Callable[[JobRun], None]
+Phase = Callable[[JobRun], PhaseRecord | None]
 PHASES: tuple[Phase, ...] = (load, quantize, check_coverage, layer_weights, score,
                              score_tasks, time_generation, keep_artifacts)
 """What an attempt does, in order."""
 
 
-def done_record(run: JobRun) -> dict[str, Any]:
-    """The measured columns of a done attempt."""
-    seconds, covered, source = run.watch.seconds, run.covered, run.source
-    peaks = peak_columns(run.peak)
-    if run.job.is_baseline:  # the reference's peak is this model's too
-        peaks = {k: max(v, run.reference.baseline[k]) for k, v in peaks.items()}
-    return {
-        "status": Status.DONE, "wall_s": seconds["wall"], **peaks, "load_s": seconds["load"],
-        "quantize_s": seconds["quantize"], "eval_s": seconds["eval"],
-        "source_cached": run.source_cached, "param_count": source.param_count,
-        "size_bytes": run.size_bytes, "bits_per_weight": 8.0 * run.size_bytes / source.param_count,
-        "quantized_bytes": covered.quantized_bytes,
-        "bits_per_quantized_weight": covered.bits_per_quantized_weight,
-        "unquantized_bytes": covered.unquantized_bytes,
-        "unquantized_dtypes": covered.unquantized_dtypes(),
-        "quantized_params": covered.quantized_params, "quantized_share": covered.quantized_share,
-        "full_precision": covered.summary() if run.backend.quantizes else None,
-        "layers_unmeasured": len(run.unmeasured),
-        "kl_tail_mass": run.reference.baseline["kl_tail_mass"],
-        "kl_kind": run.reference.baseline["kl_kind"], **run.scores, **run.extra,
-    }
+def run_phases(run: JobRun) -> None:
+    """Each phase in order, with its own time and peaks (a row of the phases frame)."""
+    for position, phase in enumerate(PHASES):
+        began = time.perf_counter()
+        with PeakMemory(run.cuda) as peak:
+            produced = phase(run)
+        if produced is None:
+            continue
+        run.records.append(produced)
+        run.phase_rows.append({
+            "position": position, "phase": phase.__name__,
+            "seconds": time.perf_counter() - began,
+            "peak_device_mem_bytes": peak.peak_device_bytes,
+            "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared})
 
 
-def _log_done(record: dict[str, Any], layers: int) -> None:
+def done_record(run: JobRun) -> tuple[ResultRow, dict[str, list[Row]]]:
+    """The measured columns of a done attempt, and its rows of the per-job frames, from the
+    records its phases produced."""
+    peaks = Peaks.of(run.peak)
+    if run.job.is_baseline and run.reference.baseline_peaks is not None:
+        peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
+    span = Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows)
+    record: ResultRow = {"status": Status.DONE}
+    rows: dict[str, list[Row]] = {}
+    for produced in (span, *run.records):
+        record.update(produced.columns())
+        rows.update(produced.rows())
+    return record, rows
+
+
+def _log_done(record: ResultRow, layers: int) -> None:
     log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
              "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
              record["size_bytes"], record["bits_per_weight"], 100 * record["quantized_share"],
              record["perplexity"], record["kl_divergence"], record["top1_agreement"], layers)
 
 
-def not_done_record(error: Exception, backend: str) -> dict[str, Any]:
+def not_done_record(error: Exception, backend: str) -> ResultRow:
     """A skipped record for what cannot run here (a retry would repeat it), else a failed one
     classified by ``failure_class_of``; logged either way."""
     if isinstance(error, (UnsupportedHere, NotImplementedError)):
         # NotImplementedError: the library has no kernel or op for this layer type or tensor
         # (torchao on Falcon's layers, say), a limit of this combination.
-        record = {"status": Status.SKIPPED, "failure_class": FailureClass.UNSUPPORTED,
-                  "error_class": type(error).__name__,
-                  "error_message": str(error) or f"{type(error).__name__} in {backend}"}
+        skipped = NotDone(Status.SKIPPED, FailureClass.UNSUPPORTED, type(error).__name__,
+                          str(error) or f"{type(error).__name__} in {backend}")
         if isinstance(error, NotImplementedError):
-            record["traceback"] = traceback.format_exc()
-            log.warning("skipped (not implemented by the library): %s\n%s", error,
-                        record["traceback"])
-        else:
-            log.warning("skipped: %s", error)
-        return record
-    record = {"status": Status.FAILED, "failure_class": failure_class_of(error),
-              "error_class": type(error).__name__,
-              "error_message": str(error) or type(error).__name__,
-              "traceback": traceback.format_exc()}
-    log.error("failed (%s): %s: %s\n%s", record["failure_class"], type(error).__name__, error,
-              record["traceback"])
-    return record
+            tb = traceback.format_exc()
+            log.warning("skipped (not implemented by the library): %s\n%s", error, tb)
+            return dataclasses.replace(skipped, traceback=tb).columns()
+        log.warning("skipped: %s", error)
+        return skipped.columns()
+    failed = NotDone(Status.FAILED, failure_class_of(error), type(error).__name__,
+                     str(error) or type(error).__name__, traceback.format_exc())
+    log.error("failed (%s): %s: %s\n%s", failed.failure_class, type(error).__name__, error,
+              failed.traceback)
+    return failed.columns()
 
 
-def start(job: Job, backend: Backend | bytes, attempt: int, reference: Reference | None,
-          scope: AttemptScope, record: dict[str, Any]) -> JobRun:
+def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference | None,
+          scope: AttemptScope, record: ResultRow) -> JobRun:
     """The attempt's device and backend, its faults, and its model's reference."""
     import torch
 
-    if isinstance(backend, bytes):
-        backend = cloudpickle.loads(backend)
+    backend: Backend = cloudpickle.loads(pickled) if isinstance(pickled, bytes) else pickled
     device, device_label, cuda = torch_device()
     record["device"] = device_label
     # What this attempt really runs with (a retry after out-of-memory asks for more).
@@ -322,17 +365,14 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     outcome = JobOutcome({})
     with captured_log(log, f"{job.id} attempt={attempt}") as buffer, \
             attempt_scope(job.id) as scope:
-        record = outcome.record = {"worker": scope.worker, "host": scope.host,
-                                   "started_at": scope.started_at}
+        record = outcome.record = Where(scope.worker, scope.host, scope.started_at).columns()
         try:
             run = start(job, backend, attempt, reference, scope, record)
             with run.measured():
-                for phase in PHASES:
-                    phase(run)
-            record.update(done_record(run))
-            outcome.layers, outcome.windows, outcome.tasks = run.layers, run.windows, run.tasks
-            outcome.speed = run.speed
-            _log_done(record, len(run.layers))
+                run_phases(run)
+            measured, outcome.rows = done_record(run)
+            record.update(measured)
+            _log_done(record, len(outcome.rows["layers"]))
         except Exception as error:
             record.update(not_done_record(error, job.backend))
     outcome.device_samples = scope.samples
@@ -355,4 +395,4 @@ def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: Attempt
     outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
     outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
                           error_class="JobTimeout", error_message=str(late))
-    outcome.layers, outcome.windows, outcome.tasks, outcome.speed = [], [], [], []
+    outcome.rows = {}

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
+
+from quantdask.worker.records import Row
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 
 def _sqnr_db(signal: float, noise: float) -> float:
@@ -49,7 +52,7 @@ def weight_errors(
     model: torch.nn.Module,
     dequantize_layer: Callable[[torch.nn.Module], torch.Tensor | None],
     originals: dict[str, torch.Tensor],
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
+) -> tuple[list[Row], dict[str, str]]:
     """One row per layer ``dequantize_layer`` recognizes, in network order, with weight errors;
     and the layers it recognized but could not measure, with the reason (never an exception:
     the stats must not cost the job its measurements).
@@ -96,7 +99,7 @@ class OutputErrors:
     of each of its calls only: over every position it would make probe x seq_len x vocab
     floats, several times over (gigabytes at a 128k vocabulary)."""
 
-    def __init__(self, model: torch.nn.Module, rows: list[dict[str, Any]],
+    def __init__(self, model: torch.nn.Module, rows: list[Row],
                  originals: dict[str, torch.Tensor], probe: int):
         self.model, self.originals, self.probe = model, originals, probe
         self._rows = rows
@@ -105,7 +108,8 @@ class OutputErrors:
         self.failed: dict[str, str] = {}  # layer -> why its output could not be compared
         self.take = 0  # leading windows of the running batch that belong to the probe
         self._handles: list = []
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = (cast("PreTrainedModel", model).get_output_embeddings()
+                if hasattr(model, "get_output_embeddings") else None)
         self._head = next((n for n, m in model.named_modules() if m is head), None)
 
     def batch(self, rows: slice) -> None:
@@ -159,7 +163,7 @@ class OutputErrors:
 
         return capture
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[Row]:
         out = []
         for row in self._rows:
             error, norm = self.sums[row["layer"]]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("quantdask.logits")
 
@@ -87,7 +88,7 @@ class _SlicedHead:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.decoder = model.get_decoder()
+        self.decoder = cast("PreTrainedModel", model).get_decoder()
         self._cached = None
 
     @classmethod
@@ -170,5 +171,6 @@ def _dtype(model: torch.nn.Module):
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
-    head = model.get_output_embeddings()
-    return getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
+    hf_model = cast("PreTrainedModel", model)
+    head = hf_model.get_output_embeddings()
+    return getattr(head, "out_features", None) or hf_model.config.get_text_config().vocab_size

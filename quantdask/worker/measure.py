@@ -109,7 +109,8 @@ class PeakMemory:
             torch.cuda.synchronize()
             device, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         rss = self.peak_rss_bytes if self._sampler is not None else (_vm_hwm_bytes() or 0)
-        self._carried = tuple(map(max, self._carried, (device, reserved, rss)))
+        carried = self._carried
+        self._carried = (max(carried[0], device), max(carried[1], reserved), max(carried[2], rss))
 
     def _sample(self) -> None:
         while not self._stop.wait(0.01):

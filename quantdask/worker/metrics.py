@@ -18,9 +18,9 @@ values, so it is in the KL's standard error too.
 from __future__ import annotations
 
 import math
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from quantdask.worker.records import Quality, Row
 from quantdask.worker.statistics import QUALITY_COLUMNS, quality_figures, window_rows
 
 if TYPE_CHECKING:
@@ -36,14 +36,6 @@ def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tens
         raise ValueError(f"eval text has {len(token_ids)} tokens; eval.samples x eval.seq_len "
                          f"needs {needed}. Lower them or give a longer text")
     return torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, seq_len)
-
-
-class KLKind(StrEnum):
-    """What a record's ``kl_divergence`` is (column ``kl_kind``)."""
-
-    EXACT = "exact"  # over every token of the vocabulary
-    ESTIMATE = "estimate"  # exact over the top k, the tail estimated from samples (unbiased)
-    LOWER_BOUND = "lower_bound"  # the tail as one bucket (eval.kl_tail_samples: 0)
 
 
 TAIL_SEED = 20261202
@@ -85,6 +77,8 @@ def reference_slice(log_probs: torch.Tensor, k: int | None, tail_samples: int = 
     part = {"log_probs": top.float().cpu(), "ids": ids.to(torch.int32).cpu(),
             "rest": _log_rest(top).float().cpu()}
     if tail_samples:
+        if offsets is None:
+            raise ValueError("sampling the tail needs each position's offsets")
         tail_ids = sample_tail(log_probs, ids, tail_samples, offsets)
         part["tail_ids"] = tail_ids.to(torch.int32).cpu()
         part["tail_log_probs"] = log_probs.gather(-1, tail_ids).float().cpu()
@@ -198,13 +192,13 @@ class QualityMeter:
             setattr(whole, name, torch.cat([getattr(m, name) for m in meters]))
         return whole
 
-    def window_rows(self) -> list[dict[str, Any]]:
+    def window_rows(self) -> list[Row]:
         """The windows frame's rows (see ``statistics.window_rows``)."""
         return window_rows(self.nll.numpy(), self.kl.numpy(), self.agree.numpy(),
                            self.delta_p.numpy())
 
-    def scores(self) -> dict[str, float]:
-        """The record's quality columns (see ``statistics.quality_figures``)."""
+    def scores(self) -> Quality:
+        """The record's quality figures (see ``statistics.quality_figures``)."""
         if not bool(self.seen.all()):
             raise ValueError(f"{int((~self.seen).sum())} positions were never measured")
         reference_nll = None
@@ -215,7 +209,9 @@ class QualityMeter:
             reference_nll, delta_p = self.nll.numpy(), self.delta_p.numpy()
         scores = quality_figures(self.nll.numpy(), self.kl.numpy(), self.agree.numpy(),
                                  delta_p, reference_nll)
-        broken = [n for n in ("perplexity", "kl_divergence") if not math.isfinite(scores[n])]
+        broken = [n for n, value in (("perplexity", scores.perplexity),
+                                     ("kl_divergence", scores.kl_divergence))
+                  if not math.isfinite(value)]
         if broken:  # e.g. an fp16 overflow in the quantized model: a failure, not a measurement
             raise ArithmeticError(f"non-finite {', '.join(broken)} ({scores}); the quantized "
                                   "model produced inf/nan logits")
@@ -266,6 +262,6 @@ def measure_quality(model: torch.nn.Module, windows: torch.Tensor,
 
 def quality(model: torch.nn.Module, windows: torch.Tensor,
             reference: dict[str, torch.Tensor] | None, batch_size: int,
-            device: str) -> dict[str, float]:
-    """The record's quality columns of ``model`` on ``windows`` (see ``measure_quality``)."""
+            device: str) -> Quality:
+    """The quality figures of ``model`` on ``windows`` (see ``measure_quality``)."""
     return measure_quality(model, windows, reference, batch_size, device).scores()

@@ -36,7 +36,7 @@ class ModelSource:
 
     spec: ModelSpec
     config: Any
-    model_class: type
+    model_class: Any  # a transformers auto class (AutoModelForCausalLM, ...)
     tokenizer: Any
     dtype: torch.dtype
     param_count: int
@@ -54,11 +54,12 @@ class ModelSource:
         workers of a machine share one copy in the page cache, unless ``dtype`` converts them
         (then a private copy, for the jobs' duration only)."""
         with self._lock:
-            if self._holders == 0:
-                fp_model = self._from_checkpoint("cpu")
-                self._weights = {name: t.detach() for name, t in fp_model.state_dict().items()}
-            self._holders += 1
             weights = self._weights
+            if weights is None:  # the first holder (the last one leaving drops them)
+                fp_model = self._from_checkpoint("cpu")
+                weights = {name: t.detach() for name, t in fp_model.state_dict().items()}
+                self._weights = weights
+            self._holders += 1
         try:
             yield weights
         finally:

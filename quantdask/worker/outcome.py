@@ -1,11 +1,11 @@
-"""What one attempt brings back to the driver, typed, and the words its outcome is said in.
+"""What one attempt brings back to the driver, typed.
 
-``Status`` and ``FailureClass`` are the results' vocabulary (GUIDE's failure table), defined
-here once and used by the worker, the driver, the store and the report: a typo is then an
-``AttributeError``, never a silent new status. ``JobOutcome`` is the row an attempt adds to the
+The words its outcome is said in (GUIDE's failure table: ``Status``, ``FailureClass``, and
+``AttemptEnd`` for the attempts frame) are defined once in ``quantdask.words``; ``Status`` and
+``FailureClass`` are importable from here too. ``JobOutcome`` is the row an attempt adds to the
 attempts and results frames, and beside it what is stored elsewhere (per-layer rows, the
 worker's device samples, the attempt's log), so that no layer has to pop transport keys out of
-a dict.
+a dict. What each phase adds to the row and to the frames is typed in ``worker.records``.
 
 >>> Status.DONE == "done", f"{FailureClass.OUT_OF_MEMORY}"
 (True, 'out_of_memory')
@@ -14,37 +14,14 @@ a dict.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from quantdask.errors import JobTimeout
 from quantdask.util import utcnow
+from quantdask.words import FailureClass, Status
 
 if TYPE_CHECKING:
-    from quantdask.worker.measure import PeakMemory
-
-
-class Status(StrEnum):
-    """How a job (or one attempt of it) ended."""
-
-    DONE = "done"
-    FAILED = "failed"
-    SKIPPED = "skipped"  # unsupported here: recorded with the reason, never retried
-
-
-ATTEMPT_CANCELLED = "cancelled"
-"""How an attempt stopped by ``SweepHandle.cancel()`` ended: in the attempts frame only. Its
-job has no result, so the next run of the sweep runs it."""
-
-
-class FailureClass(StrEnum):
-    """Why a job failed or was skipped, and so what the driver does about it (``retry``)."""
-
-    UNSUPPORTED = "unsupported"
-    OUT_OF_MEMORY = "out_of_memory"
-    WORKER_LOST = "worker_lost"
-    TIMEOUT = "timeout"
-    JOB_ERROR = "job_error"
+    from quantdask.worker.records import ResultRow, Row
 
 
 _ALLOCATION_FAILED = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -69,13 +46,6 @@ def failure_class_of(error: BaseException) -> FailureClass:
     return FailureClass.JOB_ERROR
 
 
-def peak_columns(peak: PeakMemory) -> dict[str, Any]:
-    """The results' peak-memory columns from a finished :class:`PeakMemory` block."""
-    return {"peak_device_mem_bytes": peak.peak_device_bytes,
-            "peak_device_reserved_bytes": peak.peak_reserved_bytes,
-            "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared}
-
-
 @dataclass
 class JobOutcome:
     """One attempt's outcome, made by ``run_job`` on a worker or by the driver when the attempt
@@ -85,12 +55,11 @@ class JobOutcome:
     ``error_class``, ``error_message``, ``traceback`` when not; where and when it ran).
     """
 
-    record: dict[str, Any]
-    layers: list[dict[str, Any]] = field(default_factory=list)  # rows of the layers frame
-    windows: list[dict[str, Any]] = field(default_factory=list)  # rows of the windows frame
-    tasks: list[dict[str, Any]] = field(default_factory=list)  # rows of the tasks frame
-    speed: list[dict[str, Any]] = field(default_factory=list)  # rows of the speed frame
-    device_samples: list[dict[str, Any]] = field(default_factory=list)
+    record: ResultRow
+    # A done attempt's rows of the per-job frames, by frame name (store.schema.FRAMES): the
+    # frames of the phases that ran, each written by the recorder with the job's result.
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    device_samples: list[Row] = field(default_factory=list)
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
 
     @property

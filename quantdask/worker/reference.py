@@ -10,6 +10,7 @@ recomputed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -21,11 +22,11 @@ from typing import TYPE_CHECKING
 from dask.sizeof import sizeof
 
 from quantdask.errors import JobTimeout
+from quantdask.words import KLKind
 from quantdask.worker import cpu_share
 from quantdask.worker.attempt import attempt_scope
 from quantdask.worker.measure import PeakMemory
 from quantdask.worker.metrics import (
-    KLKind,
     QualityMeter,
     eval_windows,
     exact_sum,
@@ -33,7 +34,7 @@ from quantdask.worker.metrics import (
     tail_offsets,
 )
 from quantdask.worker.model_source import cached_model_source
-from quantdask.worker.outcome import peak_columns
+from quantdask.worker.records import Peaks, Quality, Row
 
 if TYPE_CHECKING:
     import torch
@@ -75,11 +76,19 @@ class Reference:
     tail_ids: torch.Tensor | None = None
     tail_log_probs: torch.Tensor | None = None
     target_log_probs: torch.Tensor | None = None
-    baseline: dict = field(default_factory=dict)
-    baseline_windows: list = field(default_factory=list)  # the windows frame's rows
+    baseline: Quality | None = None
+    kl_kind: KLKind = KLKind.EXACT
+    kl_tail_mass: float = 0.0
+    baseline_peaks: Peaks | None = None  # the largest any shard of it needed
+    baseline_windows: list[Row] = field(default_factory=list)  # the windows frame's rows
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
-    baseline_tasks: list = field(default_factory=list)  # the tasks frame's rows
+    tasks: BaselineTasks | None = None  # the baseline's task rows and what scoring them took
+
+    @property
+    def baseline_tasks(self) -> list[Row]:
+        """The baseline's rows of the tasks frame (none without a tasks block)."""
+        return self.tasks.rows if self.tasks is not None else []
 
     @property
     def distribution(self) -> dict[str, torch.Tensor]:
@@ -139,7 +148,7 @@ class ReferenceShard:
     compact: dict[str, torch.Tensor]
     meter: QualityMeter
     tail: list[float]  # the mass outside the top k, summed over each slice's positions
-    peaks: dict[str, int]
+    peaks: Peaks
 
 
 @sizeof.register(ReferenceShard)
@@ -158,7 +167,7 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
     shard = compute_reference_shard(model, settings, text, (0, settings.samples), timeout_s)
     scored = compute_baseline_tasks(model, tasks, timeout_s) if tasks is not None else None
     return combine_reference(model, settings, shard, calibration=calibration,
-                             calibration_text=calibration and calibration.read_text(),
+                             calibration_text=calibration.read_text() if calibration else None,
                              tasks=tasks, baseline_tasks=scored)
 
 
@@ -166,9 +175,10 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
 class BaselineTasks:
     """The unquantized model's task rows, with the time and peak memory scoring them took."""
 
-    rows: list[dict]
+    rows: list[Row]
     seconds: float
-    peaks: dict[str, int]
+    peak_device_mem_bytes: int
+    peak_host_rss_bytes: int
 
 
 def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
@@ -192,8 +202,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     elapsed = scope.elapsed()
     if elapsed > timeout_s:
         raise JobTimeout("its model's baseline task scores", elapsed, timeout_s)
-    return BaselineTasks(rows, elapsed, {"tasks_peak_device_mem_bytes": peak.peak_device_bytes,
-                                        "tasks_peak_host_rss_bytes": peak.peak_rss_bytes})
+    return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes)
 
 
 def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
@@ -243,7 +252,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                 if name == "rest":
                     tail.append(exact_sum(part.double().exp()))
         del fp_model
-    return ReferenceShard(rows, windows, compact, meter, tail, peak_columns(peak))
+    return ReferenceShard(rows, windows, compact, meter, tail, Peaks.of(peak))
 
 
 def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: ReferenceShard,
@@ -295,15 +304,11 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
                     "predictions are flat); eval.kl_tail_samples > 0 estimates the rest",
                     model.label, settings.kl_top_k, 100 * (1 - tail_mass))
     # The baseline job's figures: the unquantized model, evaluated here.
-    baseline = {**meter.scores(), "kl_tail_mass": tail_mass, "kl_kind": kind,
-                **{name: max(shard.peaks[name] for shard in shards)
-                   for name in shards[0].peaks}}
-    if baseline_tasks is not None:
-        baseline.update(tasks_s=baseline_tasks.seconds, **baseline_tasks.peaks)
-    return Reference(key=key, windows=windows, baseline=baseline, calibration=calibration_ids,
+    peaks = functools.reduce(Peaks.max, (shard.peaks for shard in shards))
+    return Reference(key=key, windows=windows, baseline=meter.scores(), kl_kind=kind,
+                     kl_tail_mass=tail_mass, baseline_peaks=peaks, calibration=calibration_ids,
                      calibration_error=calibration_error, target_log_probs=-meter.nll,
-                     baseline_windows=meter.window_rows(),
-                     baseline_tasks=baseline_tasks.rows if baseline_tasks else [], **compact)
+                     baseline_windows=meter.window_rows(), tasks=baseline_tasks, **compact)
 
 
 def _announce(key: str, topic: str = REFERENCE_TOPIC) -> None:

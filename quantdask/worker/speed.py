@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quantdask.worker.measure import PeakMemory
+from quantdask.worker.records import Row
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +95,7 @@ def generate_timed(model, prompts: torch.Tensor, new_tokens: int, cuda: bool,
 
 def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: bool,
                   pad_token_id: int | None, device_label: str, whole_device: bool,
-                  others_busy: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+                  others_busy: Callable[[], bool] | None = None) -> list[Row]:
     """The speed frame's rows of ``model``: one per batch size (see the module). A row is
     ``exclusive`` when the job holds its ``whole_device`` and no other job was measured on
     this worker meanwhile; on a CPU slot, ``others_busy()`` (sampled before and after the timed

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from quantdask.worker.records import Quality, Row
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -25,13 +27,8 @@ KL_PERCENTILES = {"kl_median": 50.0, "kl_p90": 90.0, "kl_p99": 99.0, "kl_p999": 
 DELTA_P_PERCENTILES = {"delta_p_p01": 1.0, "delta_p_p05": 5.0, "delta_p_median": 50.0,
                        "delta_p_p95": 95.0, "delta_p_p99": 99.0}
 
-QUALITY_COLUMNS = (
-    "perplexity", "ln_ppl_se", "kl_divergence", "kl_se", *KL_PERCENTILES, "kl_max",
-    "top1_agreement", "top1_agreement_se", "eval_tokens",
-    "delta_p_mean", "delta_p_se", "delta_p_rms", *DELTA_P_PERCENTILES,
-    "ln_ppl_ratio", "ln_ppl_ratio_se",
-)
-"""The record's quality columns, in the order :func:`quality_figures` returns them."""
+QUALITY_COLUMNS = Quality.column_names()
+"""The record's quality columns (:class:`~quantdask.worker.records.Quality`)."""
 
 
 def mean_and_window_se(values: np.ndarray) -> tuple[float, float | None]:
@@ -51,7 +48,7 @@ def mean_and_window_se(values: np.ndarray) -> tuple[float, float | None]:
 
 
 def window_rows(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
-                delta_p: np.ndarray) -> list[dict[str, Any]]:
+                delta_p: np.ndarray) -> list[Row]:
     """One row per window (windows x positions in): its tokens, mean negative log-likelihood,
     KL, top-1 agreement and change in the correct token's probability."""
     return [{"window": w, "tokens": int(nll.shape[1]),
@@ -76,7 +73,7 @@ def percentiles(values: np.ndarray, named: dict[str, float]) -> dict[str, float]
 
 def quality_figures(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
                     delta_p: np.ndarray | None, reference_nll: np.ndarray | None
-                    ) -> dict[str, Any]:
+                    ) -> Quality:
     """Every quality column of a record from the per-position values (windows x positions, in
     float64): the model's negative log-likelihood of the correct token, its KL from the
     reference, whether its top-1 token is the reference's, the change in the correct token's
@@ -102,4 +99,5 @@ def quality_figures(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
         # Paired: the same tokens under both models, so what the two share (hard text) cancels.
         ratio, ratio_se = mean_and_window_se(nll - reference_nll)
         figures.update(ln_ppl_ratio=ratio, ln_ppl_ratio_se=ratio_se)
-    return {name: figures.get(name) for name in QUALITY_COLUMNS}
+    columns: dict[str, Any] = {name: figures.get(name) for name in QUALITY_COLUMNS}
+    return Quality(**columns)

@@ -22,6 +22,8 @@ import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from quantdask.worker.records import Row
+
 if TYPE_CHECKING:
     from quantdask.spec.tasks import TaskSettings
 
@@ -83,7 +85,7 @@ def _truncation_aware_lm():
     return TruncationAwareLM
 
 
-def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[dict[str, Any]]:
+def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
     """The tasks frame's rows for ``model`` (a transformers causal LM, on its device):
     ``simple_evaluate`` over ``settings``' tasks, batched, seeded, offline."""
     import lm_eval
@@ -123,8 +125,9 @@ def _offline_and_quiet():
     from tqdm import tqdm
 
     datasets.config.HF_DATASETS_OFFLINE = True
-    if getattr(task_module, "tqdm", None) is tqdm:
-        task_module.tqdm = functools.partial(tqdm, disable=True)
+    bar = getattr(task_module, "tqdm", None)
+    if bar is not None and bar is tqdm:
+        task_module.tqdm = functools.partial(bar, disable=True)
     # lm-eval records the git commit of the working directory by running `git describe`,
     # which prints "fatal: not a git repository" to the terminal anywhere else; unused here.
     lm_eval.evaluator.get_git_commit_hash = lambda: None
@@ -145,7 +148,7 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[dict[str, Any]]:
+def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[Row]:
     """One row per (task, metric, filter) of an lm-eval result (groups too: their ``samples``
     is their tasks' sum), with ``truncated`` samples per task (a group's: its tasks' sum)."""
     groups = results.get("group_subtasks", {})
@@ -170,7 +173,7 @@ def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[dict[s
     return rows
 
 
-def truncated_total(rows: list[dict[str, Any]]) -> int:
+def truncated_total(rows: list[Row]) -> int:
     """Samples with a prompt cut, over the tasks of ``rows``: each task's once (its metrics
     share its samples; a group's rows add up tasks already counted)."""
     per_task = {row["task"]: row["truncated_samples"] for row in rows if not row["is_group"]}
@@ -182,8 +185,8 @@ def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
     return [leaf for child in groups.get(task, []) for leaf in (_leaves(child, groups) or [child])]
 
 
-def with_baseline(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]
-                  ) -> list[dict[str, Any]]:
+def with_baseline(rows: list[Row], baseline: list[Row]
+                  ) -> list[Row]:
     """``rows`` with the baseline's value and standard error of the same (task, metric, filter),
     and ``recovery``: value / baseline value, or baseline / value for a metric where lower is
     better (perplexity, bits per byte), so that 1.0 is no loss and below 1 a loss either way
