@@ -42,11 +42,13 @@ endif
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-# ruff, the import contract (pyproject.toml: imports point one way, docs/architecture.md), then
-# no import cycle inside a package either and no module past ~400 lines (tests/test_architecture.py,
-# which `make test` runs too).
+# ruff, the types (mypy, configured in pyproject.toml: every attribute and call of our own code
+# checked; libraries without type information taken as Any), the import contract (pyproject.toml:
+# imports point one way, docs/architecture.md), then no import cycle inside a package either and
+# no module past ~400 lines (tests/test_architecture.py, which `make test` runs too).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check quantdask tests benchmarks scripts
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 

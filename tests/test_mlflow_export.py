@@ -18,7 +18,7 @@ from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_TASKS_DIR
 from quantdask.store.mlflow_export import metric_key
 from quantdask.store.run_store import RunStore
-from quantdask.store.schema import ALWAYS_REQUIRED
+from quantdask.store.validation import ALWAYS_REQUIRED
 from quantdask.words import FailureClass, Status
 from tests.conftest import sweep_dict
 

@@ -10,8 +10,9 @@ import pytest
 
 from quantdask.errors import RunDirError, SchemaError
 from quantdask.store.run_store import RunStore, read_results, read_windows
-from quantdask.store.schema import RESULT_SCHEMA, records_to_frame, validate_record
+from quantdask.store.schema import RESULT_SCHEMA
 from quantdask.store.summary import job_status
+from quantdask.store.validation import records_to_frame, validate_record
 
 pytestmark = pytest.mark.timeout(60)
 

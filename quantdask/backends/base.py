@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Concatenate, Generic, TypeVar
 
 from quantdask.backends.options import BackendOptions, Option, options_class
 from quantdask.errors import SpecError, UnsupportedHere
@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from quantdask.worker.model_source import ModelSource
 
 
-def named_in(name: str, names: tuple[str, ...] | list[str]) -> bool:
+def named_in(name: str, names: tuple[str, ...] | list[str] | None) -> bool:
     """Whether module ``name`` is one of ``names``: the same, inside one, or ending in one
     (``lm_head`` matches ``lm_head`` and ``model.lm_head``)."""
+    if names is None:  # an unset skip_modules: its default is filled by Backend.normalize
+        raise TypeError(f"no module names to match {name!r} against: normalize the options")
     return any(name == n or name.startswith(f"{n}.") or name.endswith(f".{n}") for n in names)
 
 
@@ -46,7 +48,10 @@ def skip_label(skip: tuple[str, ...] | None, default: tuple[str, ...] | None = N
     return "" if not skip or tuple(skip) == default else " skip=" + ",".join(skip)
 
 
-QuantizeFn = Callable[["ModelSource", BackendOptions, str], "torch.nn.Module"]
+OptionsT = TypeVar("OptionsT", bound=BackendOptions)
+"""A backend's options dataclass: what its hooks receive."""
+
+QuantizeFn = Callable[Concatenate["ModelSource", OptionsT, str, ...], "torch.nn.Module"]
 """quantize(source, options, device) -> a model ready for evaluation on ``device`` (a
 calibrated backend's also takes ``calibration=``; see ``Backend.quantize``)."""
 
@@ -68,7 +73,7 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class Backend:
+class Backend(Generic[OptionsT]):
     """A quantization backend registered under ``name`` (``register_backend``): the options it
     accepts, a ``quantize`` function, and optional hooks, each documented below with what it
     receives, returns and may raise, and when it is called. Every hook but ``quantize`` may be
@@ -105,7 +110,7 @@ class Backend:
     """The registry key: what a sweep's ``backend:`` names, the prefix of its job ids and part of
     what they hash (renaming a backend changes its jobs' ids)."""
 
-    quantize: QuantizeFn
+    quantize: QuantizeFn[OptionsT]
     """``quantize(source, options, device) -> torch.nn.Module``: the quantized model on
     ``device``, in eval mode. Called on the worker in the quantize phase of every attempt (its
     time is ``quantize_s``; its peak memory counts in the job's).
@@ -127,7 +132,7 @@ class Backend:
     calibration.measure():`` to wrap the data-driven step in (``calibrate_s`` and its peaks).
     """
 
-    options: type[BackendOptions] | Mapping[str, Option] = BackendOptions
+    options: type[OptionsT] | type[BackendOptions] | Mapping[str, Option] = BackendOptions
     """The options a config may give: a frozen dataclass subclassing :class:`BackendOptions`,
     a field per option made by ``option(...)`` (type, choices, check, default, help); or a
     dict of name -> :class:`Option`, made into one. Once built, ``options`` is the name ->
@@ -136,7 +141,7 @@ class Backend:
     naming it (``backends[0].grid.bits``). A completed option set's ``as_dict()`` is hashed
     into the job id and is the results' ``config``."""
 
-    complete: Callable[[BackendOptions], BackendOptions] | None = None
+    complete: Callable[[OptionsT], OptionsT] | None = None
     """``complete(options) -> options``: reject impossible combinations, raising
     :class:`SpecError` named as in the config (``SpecError("group_size", "...")``; ``normalize``
     prefixes where it is), and fill defaults that depend on other options
@@ -144,7 +149,7 @@ class Backend:
     declared defaults filled; what it returns is what every other hook receives and the job id
     hashes, so it must be deterministic. One written against dicts may return a dict."""
 
-    label: Callable[[BackendOptions], str] | None = None
+    label: Callable[[OptionsT], str] | None = None
     """``label(options) -> str``: the config's short name for people (``nf4 dq``,
     ``int8 t=6``): the results' ``config_label``, shown by tables, charts and logs and matched
     by a sweep's ``faults`` and ``handle.logs``. Called at spec time; not in the job id.
@@ -161,7 +166,7 @@ class Backend:
     measures are those whose output error the score phase takes too: without this hook a
     backend's jobs have no per-layer rows."""
 
-    check: Callable[[BackendOptions, ModelFacts], str | None] | None = None
+    check: Callable[[OptionsT, ModelFacts], str | None] | None = None
     """``check(options, facts) -> str | None``: why the config cannot run here (a missing
     library: ``missing_library``; a layer shape it cannot take here), or None. Called on
     the driver by ``quantdask plan`` (``driver.planning.plan_sweep``) for each job, with the
@@ -169,7 +174,7 @@ class Backend:
     ``unsupported`` in the plan. Cheap, and it should not raise. The worker still decides: a
     sweep runs the job anyway, and ``quantize`` raises :class:`UnsupportedHere` there."""
 
-    weight_bits: Callable[[BackendOptions, int], float] | None = None
+    weight_bits: Callable[[OptionsT, int], float] | None = None
     """``weight_bits(options, loaded_bits) -> float``: the bits one weight takes on the device
     at the job's peak, its scales and constants included, given the bits it is loaded at (a
     backend that loads the whole model before quantizing it returns ``loaded_bits``). Called on
@@ -186,7 +191,7 @@ class Backend:
     layer was quantized"), and ``quantdask plan`` marks a config unsupported when ``selects``
     picks nothing."""
 
-    selects: Callable[[str, type, BackendOptions], bool] | None = None
+    selects: Callable[[str, type, OptionsT], bool] | None = None
     """``selects(name, module_class, options) -> bool``: whether the backend quantizes the
     module ``name`` of class ``module_class`` (``ModelFacts.weight_modules``: the model built
     on the meta device). Called on the driver by ``quantdask plan`` for the predicted quantized
@@ -217,7 +222,7 @@ class Backend:
     Called on the worker in the artifacts phase, just before the save, after every
     measurement of the model. An exception is recorded as a failed save."""
 
-    options_type: type[BackendOptions] | None = None
+    options_type: type[OptionsT] | None = None
     """The options dataclass, set from ``options`` (not given)."""
 
     def __post_init__(self):
@@ -233,7 +238,7 @@ class Backend:
         object.__setattr__(self, "options_type", kind)
         object.__setattr__(self, "options", kind.declared())
 
-    def predicted_share(self, options: BackendOptions, facts: ModelFacts) -> float | None:
+    def predicted_share(self, options: OptionsT, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules
         ``selects(name, module_class, options)`` picks (None: unknown)."""
         if not self.quantizes:
@@ -244,7 +249,7 @@ class Backend:
                      if self.selects(name, cls, options))
         return picked / facts.param_count
 
-    def normalize(self, options: dict, where: str) -> BackendOptions:
+    def normalize(self, options: dict, where: str) -> OptionsT:
         """Validate ``options`` (a config as written) and fill defaults: the canonical option
         set, an ``options_type`` instance (its ``as_dict()`` is what job ids hash).
 
@@ -254,19 +259,22 @@ class Backend:
         """
         if not isinstance(options, dict):
             raise SpecError(where, f"must be a mapping of option to value, got {options!r}")
-        unknown = sorted(set(options) - set(self.options))
+        kind, declared = self.options_type, self.options
+        if kind is None or not isinstance(declared, Mapping):  # both set by __post_init__
+            raise TypeError(f"backend {self.name!r} has no options set up; make it with Backend()")
+        unknown = sorted(set(options) - set(declared))
         if unknown:
-            allowed = (f"allowed: {', '.join(self.options)}" if self.options
+            allowed = (f"allowed: {', '.join(declared)}" if declared
                        else "it takes no options")
             raise SpecError(f"{where}.{unknown[0]}",
                             f"unknown option for backend {self.name!r}; {allowed}")
         resolved = {}
-        for name, spec in self.options.items():
+        for name, spec in declared.items():
             if name in options:
                 resolved[name] = spec.validate(f"{where}.{name}", options[name])
             elif spec.default is not None:
                 resolved[name] = spec.default
-        typed = self.options_type(**resolved)
+        typed = kind(**resolved)
         if self.complete is None:
             return typed
         try:
@@ -275,9 +283,9 @@ class Backend:
             raise SpecError(f"{where}.{err.field}", err.message) from None
         if isinstance(completed, BackendOptions):
             return completed
-        return self.options_type(**completed)  # a complete written against dicts returns one
+        return kind(**completed)  # a complete written against dicts returns one
 
-    def config_label(self, options: BackendOptions) -> str:
+    def config_label(self, options: OptionsT) -> str:
         if self.label is not None:
             return self.label(options)
         return " ".join(f"{k}={v}" for k, v in options.as_dict().items()) or self.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 from quantdask.backends.base import (
     Backend,
@@ -34,8 +35,9 @@ class BitsAndBytesOptions(BackendOptions):
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
 _EIGHT_BIT_ONLY = ("int8_threshold",)
-_DEFAULTS = {4: {"quant_type": "nf4", "double_quant": False, "compute_dtype": "float32"},
-             8: {"int8_threshold": 6.0}}
+_DEFAULTS: dict[int, dict[str, Any]] = {
+    4: {"quant_type": "nf4", "double_quant": False, "compute_dtype": "float32"},
+    8: {"int8_threshold": 6.0}}
 
 
 def complete_options(options: BitsAndBytesOptions) -> BitsAndBytesOptions:
@@ -53,6 +55,8 @@ def config_label(options: BitsAndBytesOptions) -> str:
     if options.bits == 8:
         label = f"int8 t={options.int8_threshold:g}"
     else:
+        if options.quant_type is None:  # complete_options sets it for 4-bit
+            raise SpecError("quant_type", "is required for 4-bit")
         label = options.quant_type + (" dq" if options.double_quant else "")
         if options.compute_dtype != "float32":
             label += f" {options.compute_dtype}"
@@ -66,6 +70,8 @@ def bitsandbytes_config(options: BitsAndBytesOptions):
 
     skip = list(options.skip_modules) if options.skip_modules is not None else None
     if options.bits == 4:
+        if options.compute_dtype is None:  # complete_options sets it for 4-bit
+            raise SpecError("compute_dtype", "is required for 4-bit")
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=options.quant_type,
@@ -151,12 +157,16 @@ def dequantize_layer(module):
 
     if isinstance(module, bnb.nn.Linear4bit):
         # Valid before the first forward pass only: on CPU that pass repacks 4-bit weights.
-        return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        weight = cast("bnb.nn.Params4bit", module.weight)  # nn.Linear's stub says Tensor
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
     if isinstance(module, bnb.nn.Linear8bitLt):
         # LLM.int8 stores int8 rows (CB) with one absmax scale per row (SCB); the first
         # forward pass moves SCB from the weight to the layer's matmul state.
-        scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB
-        return module.weight.data.float() * scales.float().unsqueeze(1) / 127
+        int8 = cast("bnb.nn.Int8Params", module.weight)  # nn.Linear's stub says Tensor
+        scales = int8.SCB if int8.SCB is not None else module.state.SCB
+        if scales is None:
+            raise ValueError("this 8-bit layer holds no row scales (SCB)")
+        return int8.data.float() * scales.float().unsqueeze(1) / 127
     return None
 
 
@@ -174,7 +184,7 @@ def unpack_for_save(model) -> None:
 
     for module in model.modules():
         state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if not (isinstance(module, bnb.nn.Linear4bit)
+        if not (isinstance(module, bnb.nn.Linear4bit) and state is not None
                 and getattr(state, "packing_format_for_cpu", False)):
             continue
         nested = state.original_nested  # the inverse re-quantizes a nested absmax itself
@@ -182,7 +192,8 @@ def unpack_for_save(model) -> None:
                                                                             state)
         if not nested:
             state.absmax = state.absmax.T.reshape(-1).to(state.original_dtype).contiguous()
-        module.weight.data, module.weight.quant_state = data, state
+        weight = cast("bnb.nn.Params4bit", module.weight)  # nn.Linear's stub says Tensor
+        weight.data, weight.quant_state = data, state
 
 
 bitsandbytes_backend = Backend(

@@ -65,9 +65,11 @@ def selects(name: str, module_class: type, options: HqqOptions) -> bool:
     return _is_linear(module_class) and not named_in(name, options.skip_modules)
 
 
-def ungroupable(group: int, sizes: dict[str, int]) -> str | None:
+def ungroupable(group: int | None, sizes: dict[str, int]) -> str | None:
     """Why HQQ cannot group the weights of layers of these element counts by ``group``, or None
     (HQQ groups the flattened weight: its size must be a multiple of the group)."""
+    if group is None:  # Backend.normalize fills in the default
+        return "hqq needs a group_size"
     for name, size in sizes.items():
         if size % group:
             return (f"group_size={group} does not divide the {size:,} weights of {name}; choose "

@@ -56,19 +56,21 @@ def config_label(options: TorchaoOptions) -> str:
 TORCHAO = ("torchao.quantization", "torchao", "'quantdask[torchao]'")  # module, name, install
 
 
-def _targets(model, skip: tuple[str, ...]) -> dict:
+def _targets(model, skip: tuple[str, ...] | None) -> dict:
     import torch
 
     return {name: module for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and not named_in(name, skip)}
 
 
-def int4_unsupported(group: int, widths: dict[str, int], cuda: bool) -> str | None:
+def int4_unsupported(group: int | None, widths: dict[str, int], cuda: bool) -> str | None:
     """Why int4 with ``group`` cannot run on layers of these input ``widths`` here, or None.
 
     torchao skips a layer whose width its group size does not divide, silently: refused
     instead, so a result never claims int4 for a partly quantized model.
     """
+    if group is None:  # complete_options sets it for int4
+        return "torchao int4 needs a group_size"
     narrow = [(name, width) for name, width in widths.items() if width % group]
     if narrow:
         name, width = narrow[0]
@@ -159,7 +161,7 @@ def dequantize_layer(module):
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    weight = getattr(module, "weight", None)
+    weight: torch.Tensor | None = getattr(module, "weight", None)
     if not isinstance(module, torch.nn.Linear) or not is_traceable_wrapper_subclass(weight):
         return None
     try:

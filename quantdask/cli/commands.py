@@ -79,8 +79,8 @@ def cmd_plan(args) -> int:
                         "quantized", "est_memory", "memory_from", "est_time"]))
     for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
-    work = (f"; about {format_duration(known.sum())} of job time for the {len(known)} with an "
-            "estimate" if len(known) else "")
+    work = (f"; about {format_duration(float(known.sum()))} of job time for the {len(known)} "
+            "with an estimate" if len(known) else "")
     print(f"{plan.height} jobs: {states[PlanState.TO_RUN]} to run, "
           f"{states[PlanState.FINISHED]} finished, "
           f"{states[PlanState.UNSUPPORTED]} unsupported here{work}")

@@ -14,9 +14,9 @@ import datetime as dt
 import logging
 import sys
 import time
-from typing import TextIO
+from typing import IO, TextIO
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -72,7 +72,7 @@ def render(progress: SweepProgress, now: dt.datetime | None = None) -> Group:
                             format_duration(_since(running.started_at, now)),
                             format_bytes(running.peak_memory_bytes))
 
-    parts = [header, bar, workers]
+    parts: list[RenderableType] = [header, bar, workers]
     queue = progress.queue_order()
     if queue and not progress.finished:
         shown = ", ".join(f"[p{priority}] {label}" for priority, label in queue[:QUEUE_SHOWN])
@@ -98,7 +98,7 @@ class LiveDashboard:
     def __init__(self, console: Console | None = None, refresh_per_second: float = 4):
         self.console = console or Console()
         self._progress: SweepProgress | None = None
-        self._frame = Text("")
+        self._frame: RenderableType = Text("")
         self._live = Live(console=self.console, refresh_per_second=refresh_per_second,
                           get_renderable=self._renderable, transient=False)
 
@@ -141,7 +141,7 @@ class PlainLog:
     metrics or its error), and the counts whenever a job settles. Pass :meth:`update` as
     ``on_progress``; it prints what happened since the last call."""
 
-    def __init__(self, stream: TextIO | None = None):
+    def __init__(self, stream: IO[str] | None = None):
         self.stream = stream or sys.stdout
         self._seen = 0
         self._settled: int | None = None
@@ -173,12 +173,11 @@ def watch(run_dir: str, console: Console | None = None, interval_s: float = 1.0,
 
     console = console or Console()
     plain = (not console.is_terminal) if plain is None else plain
-    log = PlainLog(stream or console.file) if plain else None
     live = None if plain else LiveDashboard(console)
+    show = live.update if live is not None else PlainLog(stream or console.file).update
     if live is not None:
         live.__enter__()
     store = RunStore(run_dir)
-    show = (lambda p: log.update(p)) if log else (lambda p: live.update(p))
     try:
         while True:
             # The lock first: a driver writes its last progress before it lets go of the run

@@ -193,7 +193,7 @@ def start_cluster(
                                          "with --workers or --gpus")
         return _connect(address, cluster, adapt, security)
     selected, available = _local_devices(workers, gpus, adapt)
-    common = {
+    common: dict[str, Any] = {
         "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
         jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
         "scheduler_kwargs": SCHEDULER_OPTIONS, "preload": [WORKER_PRELOAD],

@@ -39,6 +39,8 @@ def workers_elsewhere(client: Client) -> str | None:
 
     if isinstance(client.cluster, LocalCluster):
         return None
+    if client.scheduler is None:
+        raise RuntimeError("the Dask client is not connected to a scheduler")
     return f"the scheduler at {client.scheduler.address}"
 
 
@@ -60,6 +62,9 @@ def restart_worker(client: Client, address: str | None, wait: bool = True) -> No
     if not wait:
         threading.Thread(target=restart_worker, args=(client, address), daemon=True,
                          name=f"quantdask-restart-{address}").start()
+        return
+    if address is None:  # the attempt never reached a known worker: nothing to restart
+        log.warning("restarting worker: its address is unknown")
         return
     try:
         status = client.restart_workers([address], timeout=120, raise_for_error=False)

@@ -82,7 +82,7 @@ class SweepDriver:
         self._progress_shown = 0.0
         self.run_id = run_id
         self.attempts = AttemptTable(tag=run_id)
-        self.recorder = Recorder(store, self.run_id, sweep.gates)
+        self.recorder = Recorder(store, self.run_id, sweep.checked_gates)
         self.references = ModelReferences(client, self.run_id, placement.reference_resources,
                                           clock, slots=lambda: cluster_capacity(
                                               client, sweep.jobs_per_gpu)[1])
@@ -132,7 +132,7 @@ class SweepDriver:
         elsewhere = ([a for a, name in workers_with_room(
             self.client, job.device_memory_bytes).items() if name != avoid] if avoid else [])
         self.attempts.add(Attempt(job, number, utcnow(), key, restricted_to=elsewhere,
-                                  reference_key=reference.key))
+                                  reference_key=str(reference.key)))
         self.pending.add(self.client.submit(
             run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
@@ -290,7 +290,7 @@ class SweepDriver:
     def _collect(self, future: Future, result: Any) -> None:
         """Handle one completed future; ``result`` was gathered on the client's event loop (so a
         result whose worker dies meanwhile never blocks this loop)."""
-        attempt = self.attempts.pop(future.key)
+        attempt = self.attempts.pop(str(future.key))
         # Read the status before releasing: releasing the last reference marks it cancelled.
         status = future.status
         future.release()
@@ -311,7 +311,7 @@ class SweepDriver:
             # this job, so it is requeued uncounted.
             log.info("%s was dropped before it started (%s); resubmitting", job.id,
                      type(error).__name__)
-            self.progress.attempt_dropped(future.key)
+            self.progress.attempt_dropped(str(future.key))
             self.submit(job, attempt.number)
             return
         self._finish(attempt, outcome_of_error(
@@ -365,12 +365,14 @@ class SweepDriver:
         self.recorder.attempt(attempt, outcome)
         worker = record.get("worker") or attempt.worker_name
         if outcome.status == Status.FAILED:
+            # A failed record always carries its class (the results schema requires it).
+            failure = outcome.failure_class or FailureClass.JOB_ERROR
             if worker:
-                self.health.failed(worker, job.id, outcome.failure_class)
-            decision = after_failure(job, attempt.number, outcome.failure_class,
-                                     self.sweep.retry_backoff_s, final)
-            self.recorder.decision(attempt, outcome.failure_class, decision.reason)
-            if decision.retry:
+                self.health.failed(worker, job.id, failure)
+            decision = after_failure(job, attempt.number, failure, self.sweep.retry_backoff_s,
+                                     final)
+            self.recorder.decision(attempt, failure, decision.reason)
+            if decision.retry and decision.job is not None:
                 log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,
                             outcome.failure_class, record["error_class"],
                             record["error_message"], decision.reason)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Set
 from dataclasses import dataclass, field, replace
 from statistics import median
 
@@ -161,7 +162,7 @@ class Placement:
 
 
 def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | None = None,
-               finished: set[str] = frozenset()) -> Placement:
+               finished: Set[str] = frozenset()) -> Placement:
     """``jobs`` with device-memory requests for the workers of ``client`` (see the module
     docstring). Raises :class:`PlacementError` naming every job that fits nowhere (the
     ``finished`` ones, which will not run, excepted). Placement by memory is off (jobs ask for a

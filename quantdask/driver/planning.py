@@ -80,7 +80,8 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
     jobs = expand_grid(sweep)
     history = _history(run_dir)
-    finished = RunStore(run_dir).finished_job_ids() if history.height else set()
+    finished = (RunStore(run_dir).finished_job_ids() if run_dir is not None and history.height
+                else set())
     done = history.filter(pl.col("status") == Status.DONE) if history.height else history
     skipped = ({r["job_id"]: r["error_message"] for r in
                 history.filter(pl.col("status") == Status.SKIPPED).to_dicts()}

@@ -41,7 +41,7 @@ def describe_result(record: dict) -> str:
                 f"KL {kl}, {record['bits_per_weight']:.3g} bits/weight, "
                 f"{record['wall_s']:.1f}s")
         share = record.get("quantized_share")
-        if record.get("quantized_params"):  # the baseline quantizes nothing, by definition
+        if record.get("quantized_params") and share is not None:  # none for the baseline
             line += f", {share:.0%} of weights quantized"
             if share < 0.5 and record.get("full_precision"):  # most of the model untouched
                 line += f" (full precision: {record['full_precision']})"

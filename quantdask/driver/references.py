@@ -117,7 +117,7 @@ class ModelReferences:
     def all_futures(self) -> list[Future]:
         """Every current reference and its parts (to cancel them all)."""
         return [*self.futures.values(),
-                *(part for f in self.futures.values() for part in self._parts.get(f.key, []))]
+                *(part for f in self.futures.values() for part in self._parts.get(str(f.key), []))]
 
     def release(self) -> None:
         """Let go of every future: Dask forgets them once no client holds them."""
@@ -130,7 +130,7 @@ class ModelReferences:
         return future is not None and future.key == dask_key and future.status == "error"
 
     def park(self, job: Job, attempt: int, avoid: str | None, future: Future) -> None:
-        self.parked.setdefault(future.key, []).append(Parked(job, attempt, avoid, future))
+        self.parked.setdefault(str(future.key), []).append(Parked(job, attempt, avoid, future))
 
     def unpark_done(self, spread_to: Callable[[list[Job]], list[str]]
                     ) -> list[Parked]:
@@ -202,7 +202,7 @@ class ModelReferences:
         unfinished parts would only keep workers busy."""
         for whole in self.futures.values():
             if whole.done():
-                for part in self._parts.pop(whole.key, []):
+                for part in self._parts.pop(str(whole.key), []):
                     if not part.done():
                         part.cancel()
 

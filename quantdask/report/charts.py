@@ -9,6 +9,9 @@ draws every job it is given. ``failures_table`` lists the jobs that did not fini
 
 from __future__ import annotations
 
+import datetime as dt
+from typing import cast
+
 import altair as alt
 import polars as pl
 
@@ -82,7 +85,8 @@ def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
         (pl.col("kl_divergence") + kl_se).alias("kl_divergence_hi"))
 
 
-def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) -> alt.Chart:
+def quality_chart(results: pl.DataFrame,
+                  windows: pl.DataFrame | None = None) -> alt.Chart | alt.VConcatChart:
     """Quality against size: bits per weight (the whole model as stored) against perplexity and
     against KL divergence, each point with its error bar (one standard error).
 
@@ -97,7 +101,7 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
 
     panels: list[str] = []
 
-    def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart:
+    def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart | alt.FacetChart:
         # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
         # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
         # error over the windows (ties).
@@ -139,7 +143,8 @@ def quality_chart(results: pl.DataFrame, windows: pl.DataFrame | None = None) ->
     ]).properties(title="Quality vs size (lower left is better)")
 
 
-def layer_error_heatmap(results: pl.DataFrame, layers: pl.DataFrame) -> alt.Chart:
+def layer_error_heatmap(results: pl.DataFrame,
+                        layers: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
     """Per-layer error, layer x config: pick the weight or output relative error."""
     data = layers.join(results.select("job_id", "model", "config_label", "backend", "config"),
                        on="job_id", how="inner")
@@ -254,7 +259,10 @@ def _thin(samples: pl.DataFrame, max_rows: int = 4000) -> pl.DataFrame:
     if samples.height <= max_rows:
         return samples
     workers = max(1, samples["worker"].n_unique())
-    span_us = (samples["time"].max() - samples["time"].min()).total_seconds() * 1e6
+    # polars types a column's max as any scalar; "time" is a datetime column, here not empty
+    last, first = (cast(dt.datetime, samples["time"].max()),
+                   cast(dt.datetime, samples["time"].min()))
+    span_us = (last - first).total_seconds() * 1e6
     every = f"{max(1, int(span_us * workers / max_rows))}us"
     return (samples.sort("time").group_by_dynamic("time", every=every, group_by=["worker",
                                                                                   "device"])
@@ -320,7 +328,7 @@ def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
     ).properties(width=560, title="Time per job")
 
 
-def scaling_chart(scaling: pl.DataFrame) -> alt.HConcatChart:
+def scaling_chart(scaling: pl.DataFrame) -> alt.Chart | alt.HConcatChart:
     """Throughput and efficiency against the number of workers, with the ideal (linear) line."""
     if scaling.is_empty():
         return _empty("no scaling runs recorded")

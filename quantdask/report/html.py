@@ -98,8 +98,10 @@ def inline_charts() -> None:
     if RENDERER not in alt.renderers.names():
         alt.renderers.register(RENDERER, _chart_html)
     alt.renderers.enable(RENDERER)
-    # Closing tags inside the bundle would end the <script> early.
-    bundle = vl_convert.javascript_bundle().replace("</script", "<\\/script")
+    # Closing tags inside the bundle would end the <script> early. (vl_convert's stub makes
+    # the optional `snippet` required: its default assigns vegaEmbed etc. to `window`.)
+    bundle = vl_convert.javascript_bundle().replace(  # type: ignore[call-arg]
+        "</script", "<\\/script")
     display(HTML(f'<script type="text/javascript">{bundle}</script>'))
 
 

@@ -21,7 +21,7 @@ def _speed_frame(results: pl.DataFrame, speed: pl.DataFrame) -> pl.DataFrame:
     return speed.join(jobs, on="job_id")
 
 
-def speed_chart(results: pl.DataFrame, speed: pl.DataFrame) -> alt.Chart:
+def speed_chart(results: pl.DataFrame, speed: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
     """KL divergence against decode tokens/s, one panel per (model, batch size): every done
     job, the unquantized baseline's speed as a dashed rule (right of it is faster than the
     unquantized model, lower is closer to it). Each panel names its device."""

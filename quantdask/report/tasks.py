@@ -8,6 +8,7 @@ recovery table, and the pass/fail banner the report opens with.
 from __future__ import annotations
 
 import html
+from typing import cast
 
 import altair as alt
 import polars as pl
@@ -57,7 +58,7 @@ def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
         .alias("truncation"))
 
 
-def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
+def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
     """Each task's score against bits per weight, one panel per (model, task, metric): every
     done job with its error bar (one standard error), the unquantized baseline as a dashed
     rule. A panel whose prompts were cut to the model's window says so in its title, in red."""
@@ -71,7 +72,8 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart:
                alt.Tooltip("truncation:N", title="prompts cut")]
     panels = []
     for (model, panel), part in data.group_by("model", "panel", maintain_order=True):
-        truncated = int(part["truncated_samples"].max() or 0)
+        # polars types a column's max as any scalar; truncated_samples is an integer column
+        truncated = int(cast(int | None, part["truncated_samples"].max()) or 0)
         title = alt.TitleParams(
             f"{model}: {panel}" + (f"  (TRUNCATED PROMPTS: up to {truncated} samples cut; not "
                                    "the task's score)" if truncated else ""),

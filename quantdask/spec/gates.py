@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,7 @@ class Gate:
         return [f"{self.label}: {what} is {value:.4g}"]
 
 
-def parse_gates(raw: Any, models: set[str], tasks: tuple[str, ...] | None) -> tuple[Gate, ...]:
+def parse_gates(raw: Any, models: set[str], tasks: Sequence[str] | None) -> tuple[Gate, ...]:
     """The ``gates`` block as :class:`Gate` objects, each field checked (``models``: the model
     labels; ``tasks``: the task names, None without a tasks block). Errors name
     ``gates[i]`` for a string gate, ``gates[i].gate`` (or the key) for a mapping."""
@@ -110,7 +111,7 @@ def parse_gates(raw: Any, models: set[str], tasks: tuple[str, ...] | None) -> tu
     return tuple(gates)
 
 
-def _gate(where: str, fields: dict, models: set[str], tasks: tuple[str, ...] | None) -> Gate:
+def _gate(where: str, fields: dict, models: set[str], tasks: Sequence[str] | None) -> Gate:
     scope = where.removesuffix(".gate")  # where model, task and task_metric live
     expression = fields.get("gate")
     found = _EXPRESSION.match(expression) if isinstance(expression, str) else None

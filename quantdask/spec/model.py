@@ -134,8 +134,8 @@ class ModelSpec:
                                         "config.json); fix the path, or use `hub:` for a hub id")
             check_model_files(self.location, self.trust_remote_code)
         else:
-            require("hub", self.hub, str, "a hub id such as org/name")
-            if not _HUB_ID.match(self.hub):
+            hub: str = require("hub", self.hub, str, "a hub id such as org/name")
+            if not _HUB_ID.match(hub):
                 raise SpecError("hub", f"must be a hub id such as org/name, got {self.hub!r}")
         if self.name is not None and not (isinstance(self.name, str) and NAME.match(self.name)):
             raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
@@ -148,11 +148,17 @@ class ModelSpec:
     @property
     def location(self) -> str:
         """Where transformers loads it from: an absolute directory or the hub id."""
-        return self.hub if self.hub else os.path.join(self.root, self.path)
+        return self.hub if self.hub else os.path.join(self.root, self._path())
+
+    def _path(self) -> str:
+        """``path``, which __post_init__ makes sure is set whenever ``hub`` is not."""
+        if self.path is None:
+            raise SpecError("path", "give `path` (a local model directory) or `hub`")
+        return self.path
 
     @property
     def label(self) -> str:
-        ref = self.hub or os.path.normpath(self.path)
+        ref = self.hub or os.path.normpath(self._path())
         return self.name or os.path.basename(ref.rstrip("/"))
 
     def identity(self) -> dict:
@@ -162,6 +168,6 @@ class ModelSpec:
         if self.hub:
             ref = {"hub": self.hub, "revision": self.revision}
         else:
-            ref = {"path": os.path.basename(os.path.normpath(self.path)),
+            ref = {"path": os.path.basename(os.path.normpath(self._path())),
                    "fingerprint": _fingerprint(self.location)}
         return {**ref, "dtype": self.dtype, "trust_remote_code": self.trust_remote_code}

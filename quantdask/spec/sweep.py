@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.errors import SpecError
@@ -47,6 +47,8 @@ class BackendBlock:
     grid: dict[str, list] = field(default_factory=dict)
     configs: list[dict] = field(default_factory=list)
     priority: int | None = None
+    _option_sets: list[BackendOptions] = field(default_factory=list, init=False, repr=False,
+                                               compare=False)  # set by __post_init__
 
     def __post_init__(self):
         backend = get_backend(self.backend, "backend")
@@ -149,6 +151,11 @@ class Sweep:
         require("layer_stats", self.layer_stats, bool, "true or false")
         self._check_blocks(labels)
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
+
+    @property
+    def checked_gates(self) -> tuple[Gate, ...]:
+        """The gates as ``__post_init__`` parsed them (the field takes strings and dicts)."""
+        return cast("tuple[Gate, ...]", self.gates)
 
     def check_workers(self, elsewhere: str | None) -> None:
         """The checks that depend on where the workers run, made before anything runs: by

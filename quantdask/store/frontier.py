@@ -58,6 +58,8 @@ class TieMargins:
     def _paired_se(self, a: str | None, b: str | None) -> float | None:
         import numpy as np
 
+        if a is None or b is None:
+            return None
         first, second = self.by_window.get(a), self.by_window.get(b)
         if not first or not second or first.keys() != second.keys():
             return None

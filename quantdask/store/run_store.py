@@ -41,11 +41,8 @@ from typing import Any
 import polars as pl
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.store.schema import (
-    FRAME,
-    FRAMES,
-    PER_DONE_JOB,
-    Frame,
+from quantdask.store.schema import FRAME, FRAMES, PER_DONE_JOB, Frame
+from quantdask.store.validation import (
     empty_frame,
     records_to_frame,
     rows_to_frame,

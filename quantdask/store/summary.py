@@ -68,7 +68,10 @@ def device_summary(results: pl.DataFrame, samples: pl.DataFrame | None = None,
     summary = (pl.DataFrame(rows, schema={k: v for k, v in DEVICE_SUMMARY_SCHEMA.items()
                                           if k != "peak_device_mem_bytes"})
                .join(peaks, on=["worker", "device"], how="left")
-               .select(list(DEVICE_SUMMARY_SCHEMA)).cast(DEVICE_SUMMARY_SCHEMA).sort("worker"))
+               .select(list(DEVICE_SUMMARY_SCHEMA))
+               # polars types cast's Mapping with a union key type, which no dict[str, ...] meets
+               .cast(DEVICE_SUMMARY_SCHEMA)  # type: ignore[arg-type]
+               .sort("worker"))
     if samples is not None and not samples.is_empty():
         sampled = samples.group_by("worker", "device").agg(
             pl.col("utilization_pct").mean().alias("sampled_utilization_pct"),
@@ -147,7 +150,7 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None) 
             (pl.col("makespan_s") / pl.col("lower_bound_s")).alias("makespan_vs_lower_bound"))
         .sort("first_start")
         .select(list(SWEEP_SUMMARY_SCHEMA))
-        .cast(SWEEP_SUMMARY_SCHEMA)
+        .cast(SWEEP_SUMMARY_SCHEMA)  # type: ignore[arg-type]  # polars' Mapping key (above)
     )
 
 
