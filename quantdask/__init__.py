@@ -30,6 +30,7 @@ from quantdask.errors import (
     SpecError,
     UnsupportedHere,
 )
+from quantdask.randomness import job_generator
 from quantdask.report.html import execute_notebook, write_report
 from quantdask.spec.gates import Gate
 from quantdask.spec.model import ModelSpec
@@ -70,7 +71,7 @@ __all__ = [
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "export_mlflow", "ExportSummary", "get_backend",
-    "job_status", "kl_ties", "load_sweep",
+    "job_generator", "job_status", "kl_ties", "load_sweep",
     "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples", "read_frame",
     "read_frames",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",

@@ -20,6 +20,24 @@ class SpecError(QuantdaskError, ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class LengthError(SpecError):
+    """A sweep asks a model for more positions than it takes: refused before any job runs.
+
+    ``too_long`` lists (field, what is asked in words, tokens, model label, the model's limit,
+    where the limit comes from); the first one's field is the error's ``field``, and every
+    one is in the message.
+    """
+
+    def __init__(self, too_long: list[tuple[str, str, int, str, int, str]]):
+        self.too_long = too_long
+        parts = [f"{asked}{tokens:,} tokens, but model {model!r} takes at most {limit:,} "
+                 f"positions ({source}): give {limit:,} or fewer"
+                 for _, asked, tokens, model, limit, source in too_long]
+        also = "".join(f"; also {entry[0]}: {part}"
+                       for entry, part in zip(too_long[1:], parts[1:]))
+        super().__init__(too_long[0][0], parts[0] + also)
+
+
 class UnsupportedHere(QuantdaskError):
     """A job cannot run here (backend missing, needs CUDA, ...): it is skipped, not retried."""
 
@@ -49,21 +67,24 @@ class RunDirError(QuantdaskError):
 class PlacementError(QuantdaskError):
     """Some jobs fit on no worker's device: raised before any job runs.
 
-    ``too_big`` lists (job id, job label, estimated bytes, what the estimate rests on);
-    ``largest`` is the most device memory a worker advertises, ``largest_worker`` its name.
+    ``too_big`` lists (job id, job label, estimated bytes, what the estimate rests on, what
+    sets its peak: the phase and why, or ""); ``largest`` is the most device memory a worker
+    advertises, ``largest_worker`` its name.
     """
 
-    def __init__(self, too_big: list[tuple[str, str, int, str]], largest: float,
+    def __init__(self, too_big: list[tuple[str, str, int, str, str]], largest: float,
                  largest_worker: str):
         from quantdask.util import format_bytes
 
         self.too_big, self.largest, self.largest_worker = too_big, largest, largest_worker
         lines = [f"  {label} ({job_id}): needs ~{format_bytes(need)} = {need:,} bytes ({basis})"
-                 for job_id, label, need, basis in too_big]
+                 + (f", its peak in {peak}" if peak else "")
+                 for job_id, label, need, basis, peak in too_big]
         super().__init__(
             f"{len(too_big)} job(s) fit on no worker: the largest device memory a worker "
             f"advertises is {format_bytes(int(largest))} = {int(largest):,} bytes (worker "
             f"{largest_worker}):\n"
             + "\n".join(lines)
-            + "\nfix: add a worker with a larger GPU, lower eval.batch_size or eval.seq_len, "
-              "or remove those configs; nothing was run or changed")
+            + "\nfix: add a worker with a larger GPU, lower eval.batch_size or eval.seq_len "
+              "(speed.batch_sizes, speed.prompt_length or speed.new_tokens where the peak is "
+              "time_generation), or remove those configs; nothing was run or changed")

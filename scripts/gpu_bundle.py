@@ -80,11 +80,22 @@ BUNDLE = {
     "tblib": "3.2.2", "tornado": "6.6.1", "zict": "3.0.0",
     "polars": "2.1.0", "polars-runtime-32": "2.1.0",
     "bitsandbytes": "0.50.2", "torchao": "0.18.0",
+    # Task accuracy (the tasks extra): lm-eval and what it needs that the machine lacks.
+    "lm-eval": "0.4.13", "datasets": "5.2.0", "evaluate": "0.4.6", "dill": "0.4.1",
+    "multiprocess": "0.70.19", "more-itertools": "11.2.1", "pytablewriter": "1.2.1",
+    "dataproperty": "1.1.1", "mbstrdecoder": "1.1.5", "pathvalidate": "3.3.1",
+    "tabledata": "1.3.5", "tcolorpy": "0.1.7", "typepy": "1.3.5", "chardet": "6.0.0.post1",
+    "pytz": "2026.6",
+    # The autoround extra: auto-round and pydantic.
+    "auto-round": "0.16.1", "pydantic": "2.14.4", "pydantic-core": "2.50.5",
+    "annotated-types": "0.8.0", "typing-inspection": "0.4.5",
 }
 """What the bundle carries, pinned: the versions the tests run against here (dask-cuda, which
 needs a GPU, at the pyproject's 26.10). On ``PYTHONPATH`` a ``.pth`` file is not run:
 rapids-dask-dependency's installs an import hook whose dask and distributed patches are empty
-in 26.10, so nothing is lost."""
+in 26.10, so nothing is lost. lm-eval's task path imports datasets, dill and multiprocess;
+evaluate and pytablewriter (with the six below it) are required by its metadata and imported
+only by its Hugging Face metrics and its results table: carried all the same (1 MiB)."""
 
 NOT_CARRIED = {
     "bokeh": "the Dask dashboard's pages only (distributed runs without it)",
@@ -92,8 +103,21 @@ NOT_CARRIED = {
     "vl-convert-python": "the report", "nbformat": "the report", "nbclient": "the report",
     "nbconvert": "the report", "ipykernel": "the report", "jupyterlab": "the report",
     "ipywidgets": "a notebook's live progress widget", "great-tables": "the report",
+    # lm-eval's, published as source only (no wheel to pin), imported only where a sweep on
+    # the lent machine cannot go: built-in tasks, whose data it cannot download there.
+    "rouge-score": "lm-eval's built-in tasks' ROUGE metric (and nltk under it); source only",
+    "word2number": "lm-eval's built-in math tasks; source only",
+    "sqlitedict": "lm-eval's request cache (use_cache), which quantdask does not set; "
+                  "source only",
 }
 """Requirements the smoke run does without, and why."""
+
+EXTRAS = ("gpu-cu13", "torchao", "tasks", "datasets", "autoround")
+"""quantdask's extras (pyproject.toml) on the smoke path: a GPU sweep there can quantize with
+torchao and auto-round, score lm-eval tasks and read eval text from local datasets. Not
+walked: gpu and gpu-cu12 (other CUDA bindings), hqq (published as source only: no wheel to
+pin), slurm (no SLURM there), mlflow (an export, run here from the run directory that comes
+back) and test."""
 
 KEEP_LIBRARIES = {"bitsandbytes": ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")}
 """Of a package's native libraries (``lib*.so`` in its top folder), the ones a CUDA 13 torch
@@ -110,11 +134,11 @@ def canonical(name: str) -> str:
 
 
 def roots() -> list[str]:
-    """quantdask's own requirements on the smoke path: its dependencies and the ``gpu-cu13``
-    and ``torchao`` extras (pyproject.toml), less what the smoke run does without."""
+    """quantdask's own requirements on the smoke path: its dependencies and its ``EXTRAS``
+    (pyproject.toml), less what the smoke run does without."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["gpu-cu13"],
-              *project["optional-dependencies"]["torchao"]]
+    extras = project["optional-dependencies"]
+    wanted = [*project["dependencies"], *(r for extra in EXTRAS for r in extras[extra])]
     return [r for r in wanted if canonical(_requirement(r).name) not in NOT_CARRIED]
 
 
@@ -337,8 +361,13 @@ def build(wheels: Path, out: Path, pins: dict[str, str] = BUNDLE, top: list[str]
                          + "\n  ".join(problems))
     with tempfile.TemporaryDirectory() as tmp:
         site = Path(tmp) / "site"
+        # Installed as for the lent machine's CPython 3.12, whatever python builds it: a wheel
+        # may be made for 3.12 alone (multiprocess ships one copy of multiprocessing per
+        # Python version, tagged py312), which pip refuses for another interpreter.
+        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                        "--no-deps", "--no-compile", "--target", str(site),
+                        "--no-deps", "--no-compile", "--python-version", LENT_PYTHON,
+                        "--implementation", "cp", *platforms, "--target", str(site),
                         *map(str, chosen.values())], check=True)
         libraries = prune(site, keep)
         unpacked = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())

@@ -1,20 +1,25 @@
-"""The GPU smoke check: real CUDA metrics, two jobs sharing one GPU, torchao, tests/test_gpu.py.
+"""The GPU smoke check: real CUDA metrics, lm-eval, two jobs sharing one GPU, torchao, tests.
 
     scripts/gpu_smoke.sh [--dry-run] [--out DIR] [--tar FILE]     (it sets up, then calls this)
 
 On a CUDA machine: a LocalCUDACluster over every GPU runs a 4-config bitsandbytes sweep of the
 demo model (plus its baseline) and checks that each job recorded a peak device memory above
-zero and its GPU (``cuda:<id>``), and that NVML samples were taken; on the same cluster, torchao
+zero and its GPU (``cuda:<id>``), that NVML samples were taken, and that each job scored a few
+questions of the demo's multiple-choice task with lm-eval (the tasks frame: acc and acc_norm in
+[0, 1] for every job, the baseline's recovery 1); on the same cluster, torchao
 int8 and int4 weight-only run on the demo model loaded in bfloat16 (int4's size must not count
 its layout's padding: below int8's), and a speed sweep times generation of bf16, int8 and nf4
 (``qd.read_speed`` printed); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once,
-whose peaks must be flagged shared and whose samples must name both; then ``tests/test_gpu.py``
-runs under pytest. Each worker must advertise its GPU's memory (the ``DEVICE_MEMORY`` resource
-that placement by memory uses). ``--dry-run`` does the same on CPU slots (the tests run it so
-that this script does not rot), checking ``cpu`` where CUDA would be (tests/test_gpu.py skips).
+whose peaks must be flagged shared (judged by the worker's clock, ``ran_at_once``; the
+bitsandbytes sweep's jobs, one per worker, must not be) and whose samples must name both; then
+``tests/test_gpu.py`` runs under pytest. Each worker must advertise its GPU's memory (the
+``DEVICE_MEMORY`` resource that placement by memory uses). ``--dry-run`` does the same on CPU
+slots (the tests run it so that this script does not rot), checking ``cpu`` where CUDA would be
+(tests/test_gpu.py skips).
 
 It prints first the versions of cuda-core and cuda-bindings (dask-cuda 26.10 imports ``from
-cuda.core import Device``: cuda-core 0.5 or later) and the host's memory, then each stage's time.
+cuda.core import Device``: cuda-core 0.5 or later), of the task path's libraries and the host's
+memory, then each stage's time.
 The output directory is new every run (a rerun of an old one would resume and check stale
 results); ``--tar FILE`` packs it for the trip back, in a ``finally``: a failure, or the SIGTERM
 of gpu_smoke.sh's ``timeout`` (packed at once, before the cluster closes), still leaves the
@@ -45,28 +50,122 @@ CONFIGS = [{"bits": 4, "quant_type": "nf4"}, {"bits": 4, "quant_type": "fp4"},
            {"bits": 4, "quant_type": "nf4", "double_quant": True}, {"bits": 8}]
 
 
-def sweep(name: str, jobs_per_gpu: int = 1, dry_run: bool = False, configs: int = len(CONFIGS)):
-    """The smoke sweep (the baseline and the first ``configs`` of ``CONFIGS``); a dry run
-    evaluates a quarter of the tokens (CPU slots are slow, and the checks are about where and
-    how jobs ran, not about the numbers)."""
+TASK_LIMIT = {True: 8, False: 32}
+"""Questions of the demo's task (data/tasks/demo_facts) each job of the smoke sweep scores,
+in a dry run (True) and on a GPU: a few, to check the task path, not the accuracy."""
+
+
+def sweep(name: str, jobs_per_gpu: int = 1, dry_run: bool = False, configs: int = len(CONFIGS),
+          tasks: bool = False):
+    """The smoke sweep (the baseline and the first ``configs`` of ``CONFIGS``), with ``tasks``
+    a few questions of the demo's multiple-choice task scored by lm-eval; a dry run evaluates a
+    quarter of the tokens (CPU slots are slow, and the checks are about where and how jobs ran,
+    not about the numbers)."""
     from quantdask import sweep_from_dict
-    from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
+    from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_TASKS_DIR
 
     return sweep_from_dict({
         "name": name, "models": [{"name": "demo", "path": DEMO_MODEL_DIR}],
         "backends": [{"backend": "bitsandbytes", "configs": CONFIGS[:configs]}],
         "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 64 if dry_run else 128,
                  "samples": 16 if dry_run else 32, "batch_size": 8},
+        **({"tasks": {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
+                      "limit": TASK_LIMIT[dry_run], "batch_size": 8}} if tasks else {}),
         "retries": 1, "jobs_per_gpu": jobs_per_gpu,
     })
 
 
-def overlapping(attempts) -> list[tuple[str, str]]:
-    """Pairs of attempts that ran at the same time on the same worker."""
-    rows = attempts.filter(attempts["started_at"].is_not_null()).to_dicts()
-    return [(a["job_id"], b["job_id"]) for i, a in enumerate(rows) for b in rows[i + 1:]
-            if a["worker"] == b["worker"] and a["started_at"] < b["finished_at"]
-            and b["started_at"] < a["finished_at"]]
+def task_checks(tasks, results, limit: int) -> list[tuple[bool, str]]:
+    """What the tasks frame must show: demo_facts' acc and acc_norm for every job, each a
+    value in [0, 1] over ``limit`` questions, and the baseline's recovery exactly 1 (its own
+    score over itself)."""
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    rows = tasks.filter(tasks["task"] == "demo_facts").to_dicts()
+    got = {(labels.get(r["job_id"]), r["metric"]) for r in rows}
+    wanted = {(label, metric) for label in labels.values() for metric in ("acc", "acc_norm")}
+    valued = all(r["value"] is not None and 0 <= r["value"] <= 1 and r["samples"] == limit
+                 for r in rows)
+    baseline = [r["recovery"] for r in rows if labels.get(r["job_id"]) == "baseline"]
+    return [
+        (bool(rows) and got == wanted and len(rows) == len(wanted) and valued,
+         f"task rows (demo_facts acc, acc_norm) for all {len(labels)} jobs, each a value in "
+         f"[0, 1] over {limit} questions: {len(rows)} rows"),
+        (len(baseline) == 2 and all(r == 1 for r in baseline),
+         f"the baseline's task recovery is 1 ({baseline})"),
+    ]
+
+
+def print_tasks(tasks, results) -> None:
+    """Each job's demo_facts accuracy, with the baseline's and the recovery."""
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    for r in tasks.sort("job_id", "metric").to_dicts():
+        print(f"smoke:      {labels.get(r['job_id'], r['job_id']):14} {r['task']} "
+              f"{r['metric']:8} {r['value'] if r['value'] is not None else float('nan'):.4f} "
+              f"+- {r['stderr'] or 0:.4f} (baseline {r['baseline_value'] or float('nan'):.4f}, "
+              f"recovery {r['recovery'] or float('nan'):.4f}; {r['samples']} questions)",
+              flush=True)
+
+
+MARGIN_S = 0.1
+"""How much of a job's wall span (``wall_s``) may lie outside its peak-memory block: entering
+the block (its lock, held while another block synchronizes the device) and leaving it (a
+sampler thread joined, the device synchronized) take milliseconds."""
+
+
+def measured_spans(results) -> dict[str, tuple[str, float, float, float, float]]:
+    """Per done job: its worker, where its measured span (the phases' ``PeakMemory`` block, of
+    ``wall_s`` seconds) surely was, and where it may have been, in seconds on the worker's clock.
+
+    ``started_at`` and ``finished_at`` are the attempt's (the worker's clock), and enclose
+    more than the span: the start and the record, milliseconds each (and the faults, the log,
+    the last device sample). Wherever the span lies in them, it covers [finished_at - wall_s,
+    started_at + wall_s] (less ``MARGIN_S`` at each end) and nothing outside [started_at,
+    finished_at]."""
+    spans = {}
+    for r in results.filter(results["status"] == "done").to_dicts():
+        began, ended = r["started_at"].timestamp(), r["finished_at"].timestamp()
+        spans[r["job_id"]] = (r["worker"], ended - r["wall_s"] + MARGIN_S,
+                              began + r["wall_s"] - MARGIN_S, began, ended)
+    return spans
+
+
+def ran_at_once(results) -> tuple[list[tuple[str, str]], set[str]]:
+    """Pairs of jobs whose measured spans surely overlapped on one worker (each was inside its
+    span while the other was), and the jobs that surely ran alone (whose whole attempt
+    overlapped no other job's on its worker): what their ``peak_shared`` must say. A job in
+    neither is not judged (its span and another's were milliseconds apart). Taken from the
+    worker's clock, not from the order the driver heard of starts and ends: timing decides
+    which jobs are judged, never whether the flags are right."""
+    spans = measured_spans(results)
+    jobs = sorted(spans)
+    surely, maybe = [], set()
+    for i, a in enumerate(jobs):
+        for b in jobs[i + 1:]:
+            (wa, sure_a0, sure_a1, a0, a1), (wb, sure_b0, sure_b1, b0, b1) = spans[a], spans[b]
+            if wa != wb:
+                continue
+            if max(sure_a0, sure_b0) < min(sure_a1, sure_b1):
+                surely.append((a, b))
+            if max(a0, b0) < min(a1, b1):
+                maybe |= {a, b}
+    return surely, set(jobs) - maybe
+
+
+def print_spans(results, pairs: list[tuple[str, str]], alone: set[str]) -> None:
+    """Each packed job's attempt and measured span (seconds from the first start) and its
+    flag, with what the clock says of it (``ran_at_once``)."""
+    spans = measured_spans(results)
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    flags = dict(zip(results["job_id"], results["peak_shared"], strict=True))
+    zero = min((span[3] for span in spans.values()), default=0.0)
+    together = {job for pair in pairs for job in pair}
+    for job, (_, sure0, sure1, began, ended) in sorted(spans.items(), key=lambda s: s[1][3]):
+        verdict = ("ran with another" if job in together else "ran alone" if job in alone
+                   else "not judged")
+        sure = (f"{sure0 - zero:6.2f}-{sure1 - zero:6.2f}s" if sure0 < sure1
+                else "at no moment for sure (a short span)")
+        print(f"smoke:      {labels[job]:14} attempt {began - zero:6.2f}-{ended - zero:6.2f}s, "
+              f"measuring {sure}: {verdict}; peak_shared {flags[job]}", flush=True)
 
 
 def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
@@ -189,6 +288,7 @@ def cannot_import() -> str:
     try:
         import bitsandbytes  # noqa: F401
         import dask.distributed  # noqa: F401
+        import lm_eval  # noqa: F401
         import polars  # noqa: F401
 
         import quantdask  # noqa: F401
@@ -238,6 +338,25 @@ def cuda_python_versions() -> list[str]:
     except Exception:  # noqa: BLE001 - a version it cannot read is printed as it is above
         pass
     return lines
+
+
+TASK_STACK = ("lm-eval", "datasets", "pyarrow", "fsspec", "pandas", "transformers")
+"""The task path's libraries: lm-eval and datasets come with the bundle, the rest are the
+machine's (datasets 5.2 needs pyarrow 24 or later and fsspec 2026.9.0 or earlier, versions
+nobody has read there yet)."""
+
+
+def task_stack_versions() -> str:
+    """The versions of ``TASK_STACK`` here ('missing' if absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in TASK_STACK:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} missing")
+    return "task path: " + ", ".join(found)
 
 
 def host_memory() -> str:
@@ -318,6 +437,7 @@ def main() -> int:
     args = parser.parse_args()
     for line in cuda_python_versions():
         print(f"smoke: {line}", flush=True)
+    print(f"smoke: {task_stack_versions()}", flush=True)
     print(f"smoke: {host_memory()}", flush=True)
     out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
     stages = Stages()
@@ -375,8 +495,9 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
         ok, shown = memory_advertised_as_expected(cluster.client, cluster.gpus, args.dry_run)
         check(ok, f"each worker advertises its device memory for placement ({shown})")
         with stages("bitsandbytes sweep"):
-            results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run), out / "sweep",
-                                   cluster.client)
+            results = qd.run_sweep(sweep("smoke", dry_run=args.dry_run, tasks=True),
+                                   out / "sweep", cluster.client)
+            tasks = qd.read_tasks(out / "sweep")
         with stages("torchao sweep"):
             ao = qd.run_sweep(torchao_sweep(args.dry_run), out / "torchao", cluster.client)
         with stages("speed sweep"):
@@ -400,6 +521,9 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
     check(all(re.fullmatch(device_pattern, d or "") for d in results["device"]),
           f"every job recorded its device as {device_pattern}: "
           f"{sorted(set(results['device'].to_list()))}")
+    print_tasks(tasks, results)
+    for ok, what in task_checks(tasks, results, TASK_LIMIT[args.dry_run]):
+        check(ok, what)
     samples = qd.read_device_samples(out / "sweep")
     check(samples.height > 0 and bool((samples["memory_total_bytes"] > 0).all()),
           f"{samples.height} device samples with memory totals")
@@ -419,13 +543,21 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
         with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
             packed = qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run,
                                         configs=2), out / "shared", cluster.client)
-    pairs = overlapping(qd.read_attempts(out / "shared"))
+    # The baseline and two configs on two slots of one worker: the first two start together,
+    # when the model's reference is done, and each runs for a second or more, so they surely
+    # overlap; the third starts when one of them ends, and is judged only where the clock
+    # says for sure. The bitsandbytes sweep above ran one job per worker: each alone.
+    pairs, alone = ran_at_once(packed)
+    print_spans(packed, pairs, alone)
     check(len(pairs) > 0, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
-                          f"({len(pairs)} overlapping pairs)")
+                          f"({len(pairs)} pairs surely inside their measured spans together)")
     both = {job for pair in pairs for job in pair}
-    flagged = packed.filter(packed["job_id"].is_in(list(both)))["peak_shared"].to_list()
-    check(bool(flagged) and all(flagged),
-          f"the peaks of jobs that ran at once are flagged shared ({flagged})")
+    flag = dict(zip(packed["job_id"], packed["peak_shared"], strict=True))
+    flagged = [flag[job] for job in sorted(both)]
+    alone_flags = [flag[job] for job in sorted(alone)] + results["peak_shared"].to_list()
+    check(bool(flagged) and all(flagged) and not any(alone_flags),
+          f"the peaks of jobs that ran at once are flagged shared ({flagged}), of jobs that ran "
+          f"alone not ({len(alone)} packed, {results.height} one per worker: {alone_flags})")
     tags = qd.read_device_samples(out / "shared")["job_id"].drop_nulls().to_list()
     check(any("," in tag for tag in tags),
           f"samples taken while two jobs ran carry both ({sum(',' in t for t in tags)} of "

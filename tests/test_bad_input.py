@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from quantdask.cli.main import main
-from tests.conftest import sweep_dict
+from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,3 +213,93 @@ def test_the_same_model_under_two_names_is_refused(tmp_path, capsys, monkeypatch
     assert capsys.readouterr().err.strip() == (
         "quantdask: error: models[1]: is the same model as models[0] ('a': the same files and "
         "dtype), so its jobs would run only once; remove one")
+
+
+def _tasks(**settings) -> dict:
+    from quantdask.demo_model import DEMO_TASKS_DIR
+
+    return {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR, **settings}
+
+
+# Lengths past the demo model's 256 positions (max_position_embeddings in its config.json):
+# each ran before it was refused here, the speed prompt for minutes.
+TOO_LONG = {
+    "eval windows": (lambda: sweep_dict(eval={**sweep_dict()["eval"], "seq_len": 4096,
+                                               "samples": 2}), "eval.seq_len", "4,096 tokens"),
+    "speed prompt": (lambda: sweep_dict(speed={"prompt_length": 100_000, "new_tokens": 64,
+                                               "batch_sizes": [1]}),
+                     "speed.prompt_length", "prompt_length + new_tokens = 100,000 + 64 = "
+                                            "100,064 tokens"),
+    "speed new tokens": (lambda: sweep_dict(speed={"prompt_length": 200, "new_tokens": 300,
+                                                   "batch_sizes": [1]}),
+                         "speed.new_tokens", "prompt_length + new_tokens = 200 + 300 = 500 "
+                                             "tokens"),
+    "task length": (lambda: sweep_dict(tasks=_tasks(max_length=100_000)), "tasks.max_length",
+                    "100,000 tokens"),
+    "calibration windows": (lambda: sweep_dict(
+        backends=[{"backend": "autoround", "configs": [{"bits": 4, "group_size": 32,
+                                                         "iters": 0}]}],
+        calibration={"text": sweep_dict()["eval"]["text"], "samples": 2}),  # seq_len 2048
+        "calibration.seq_len", "2,048 tokens"),
+}
+LIMIT = "but model 'demo' takes at most 256 positions (max_position_embeddings in its config.json)"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["plan", "run"])
+@pytest.mark.parametrize("case", list(TOO_LONG), ids=list(TOO_LONG))
+def test_a_length_past_the_models_positions_is_refused_before_anything_runs(
+        case, command, tmp_path, capsys, monkeypatch):
+    import time
+
+    import yaml
+
+    import quantdask.cluster.local
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started for a sweep that cannot run")
+
+    data, field, asked = TOO_LONG[case]
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(quantdask.cluster.local, "start_cluster", no_cluster)
+    run_dir = tmp_path / "out"
+    began = time.monotonic()
+    assert main([command, str(path), "--run-dir", str(run_dir)]) == 2
+    assert time.monotonic() - began < 10
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"quantdask: error: {field}: {asked}, {LIMIT}: give 256 or "
+                               "fewer"), lines[0]
+    assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def timed_run(sweep: str, cwd) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "quantdask.cli", "run", sweep, "--run-dir",
+                           "out"], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return proc, time.monotonic() - began
+
+
+@pytest.mark.timeout(300)
+def test_quantdask_run_refuses_each_length_as_fast_as_a_bad_field(write_sweep, tmp_path):
+    """The command as a user runs it, its imports included: within 10 s (about 4 s on an idle
+    2-core machine), or, on a machine busy enough that even the imports take longer, within
+    twice the time of a sweep refused while it is read (``bits: 3``)."""
+    bad_bits = write_sweep(sweep_dict(backends=[{"backend": BNB, "grid": {"bits": [3]}}]),
+                           name="bits.yaml")
+    proc, reference = timed_run(bad_bits, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    for case in ("eval windows", "speed prompt", "task length"):
+        data, field, _ = TOO_LONG[case]
+        proc, took = timed_run(write_sweep(data()), tmp_path)
+        assert proc.returncode == 2, (case, proc.stderr)
+        assert proc.stderr.startswith(f"quantdask: error: {field}: "), proc.stderr
+        assert LIMIT in proc.stderr and proc.stdout == ""
+        assert took < max(10.0, 2 * reference), (case, took, reference)
+        assert not (tmp_path / "out").exists()

@@ -44,11 +44,16 @@ def test_gpu_smoke_script_passes_in_dry_mode_with_only_what_the_lent_machine_has
                          cwd=REPO, capture_output=True, text=True, timeout=320, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("smoke:")]
-    assert sum(line.startswith("smoke: ok") for line in lines) == 13
+    assert sum(line.startswith("smoke: ok") for line in lines) == 15
     assert not [line for line in lines if "FAIL" in line]
     assert "each worker advertises its device memory for placement (0: " in run.stdout
     assert "two jobs ran at once on one slot" in run.stdout
     assert "the peaks of jobs that ran at once are flagged shared" in run.stdout
+    # lm-eval (the bundle's) scored the demo's task on every job, with only the lent machine's
+    # packages besides.
+    assert "smoke: ok   task rows (demo_facts acc, acc_norm) for all 5 jobs, each a value in " \
+           "[0, 1] over 8 questions: 10 rows" in run.stdout
+    assert "smoke: ok   the baseline's task recovery is 1 ([1.0, 1.0])" in run.stdout
     assert "samples taken while two jobs ran carry both" in run.stdout
     assert "torchao int8 and int4 on a bfloat16 model: ['done', 'done', 'done']" in run.stdout
     assert "torchao int4's size counts no layout padding" in run.stdout
@@ -74,6 +79,41 @@ def test_gpu_smoke_script_passes_in_dry_mode_with_only_what_the_lent_machine_has
     again = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run", "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode != 0 and "is not empty" in again.stderr
+
+
+def test_gpu_smoke_judges_sharing_by_the_measured_spans_not_the_attempts():
+    # The dry run failed once on "the peaks of jobs that ran at once are flagged shared": the
+    # packed baseline's attempt overlapped nf4's, but its measured span (a tenth of a second:
+    # the reference did its work) ended before nf4's began, so its peak was rightly not shared.
+    # Attempts enclose the span with their start and record; only a span surely inside both
+    # attempts at one moment says the jobs ran at once, and only an attempt that overlapped
+    # none says a job ran alone.
+    import datetime as dt
+
+    import polars as pl
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gpu_smoke import ran_at_once
+
+    t0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+    def job(job_id, worker, began, ended, wall, shared):
+        return {"job_id": job_id, "worker": worker, "status": "done", "wall_s": wall,
+                "started_at": t0 + dt.timedelta(seconds=began), "peak_shared": shared,
+                "finished_at": t0 + dt.timedelta(seconds=ended)}
+
+    packed = pl.DataFrame([job("baseline", "w0", 0.00, 0.12, 0.10, False),
+                           job("nf4", "w0", 0.00, 0.73, 0.65, True),
+                           job("fp4", "w0", 0.12, 0.80, 0.60, True),
+                           job("elsewhere", "w1", 0.10, 0.70, 0.55, False),
+                           job("later", "w0", 1.00, 1.50, 0.45, False)])
+    pairs, alone = ran_at_once(packed)
+    assert pairs == [("fp4", "nf4")]  # not the baseline, whose attempt overlapped nf4's
+    assert alone == {"elsewhere", "later"}  # another worker; after every other attempt
+    # Attempts a few milliseconds apart at their ends are neither: not judged.
+    close = pl.DataFrame([job("a", "w0", 0.0, 1.0, 0.99, False),
+                          job("b", "w0", 0.995, 2.0, 0.99, False)])
+    assert ran_at_once(close) == ([], set())
 
 
 def test_gpu_smoke_names_the_import_that_fails(tmp_path):

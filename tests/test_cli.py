@@ -78,7 +78,7 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     assert main(["plan", DEMO_SWEEP]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
-                              "quantized", "est_memory", "memory_from", "est_time"]
+                              "quantized", "est_memory", "memory_from", "peak_phase", "est_time"]
     # The baseline goes first, under the id the library gives it (tests/test_spec.py derives
     # ids from the canonical job spec by hand).
     baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]
@@ -95,6 +95,10 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
 def test_the_shipped_demo_sweep_has_six_bitsandbytes_configs_and_the_baseline():
     jobs = expand_grid(load_sweep(DEMO_SWEEP))
     assert [j.backend for j in jobs] == ["none"] + ["bitsandbytes"] * 6
+    # And a small speed block (issue 39), so its report's speed section has figures; cheap
+    # on 2 CPU slots: 3 generations of 8 tokens after 32 per job.
+    assert load_sweep(DEMO_SWEEP).speed.identity() == {
+        "prompt_length": 32, "new_tokens": 8, "batch_sizes": [1], "warmup": 1, "repeats": 2}
 
 
 @pytest.mark.slow
@@ -112,3 +116,67 @@ def test_run_keeps_the_results_and_exits_1_with_a_hint_when_the_report_fails(clu
     assert "the results are kept: `quantdask report runs/t` tries again" in err
     results = read_results(tmp_path / "runs" / "t")
     assert results["status"].to_list() == ["done", "done"]
+
+
+def plan_json(capsys, path: str) -> dict:
+    import json
+
+    capsys.readouterr()
+    assert main(["plan", path, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.timeout(120)
+def test_plan_shows_the_phase_that_sets_each_jobs_peak(write_sweep, tmp_path, capsys,
+                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plain = plan_json(capsys, write_sweep(sweep_dict()))
+    assert [job["peak_phase"] for job in plain["jobs"]] == ["score", "score"]
+    speed = {"prompt_length": 96, "new_tokens": 32, "batch_sizes": [1, 512]}
+    timed = write_sweep(sweep_dict(speed=speed), name="speed.yaml")
+    assert [job["peak_phase"] for job in plan_json(capsys, timed)["jobs"]] == [
+        "time_generation", "time_generation"]
+    assert main(["plan", timed]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out[0].index("peak_phase")
+    assert [line[at:].split()[0] for line in out[1:3]] == ["time_generation"] * 2
+
+
+def tiny_bloom(directory: Path) -> str:
+    """A tiny BLOOM model (ALiBi positions: its family sets no hard limit)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from tests.tiny_families import SMALL_VOCAB, copy_demo_tokenizer
+
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=SMALL_VOCAB, hidden_size=64, n_layer=2, n_head=4,
+                         bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    copy_demo_tokenizer(directory)
+    return str(directory)
+
+
+@pytest.mark.timeout(120)
+def test_plan_says_when_a_family_sets_no_hard_limit(write_sweep, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    models = [{"name": "demo", "path": sweep_dict()["models"][0]["path"]},
+              {"name": "bloom", "path": tiny_bloom(tmp_path / "bloom")}]
+    # 200 tokens: within the demo model's 256 positions, and nothing to check BLOOM against.
+    data = sweep_dict(models=models, eval={**sweep_dict()["eval"], "seq_len": 200})
+    plan = plan_json(capsys, write_sweep(data))
+    limits = {job["model"]: (job["max_positions"], job["positions_from"]) for job in plan["jobs"]}
+    assert limits["demo"] == (256, "max_position_embeddings in its config.json")
+    assert limits["bloom"][0] is None
+    assert limits["bloom"][1].startswith("no hard limit: its config (bloom) names no "
+                                         "max_position_embeddings / n_positions")
+    assert main(["plan", write_sweep(data)]) == 0
+    out = capsys.readouterr().out
+    assert f"positions: bloom: {limits['bloom'][1]}; its lengths are not checked" in out
+    assert "positions: demo" not in out
+    # Past the demo model's positions it is refused; BLOOM alone is not.
+    assert main(["plan", write_sweep({**data, "eval": {**data["eval"], "seq_len": 300}})]) == 2
+    assert "eval.seq_len: 300 tokens, but model 'demo' takes at most 256" in \
+        capsys.readouterr().err
+    alone = {**data, "models": models[1:], "eval": {**data["eval"], "seq_len": 300}}
+    assert main(["plan", write_sweep(alone)]) == 0

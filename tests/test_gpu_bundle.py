@@ -26,9 +26,9 @@ def test_the_lock_holds_exactly_the_pins():
     for name, package in LOCK["packages"].items():
         wheel = package["wheel"]
         assert wheel.startswith(name.replace("-", "_") + "-" + package["version"] + "-")
-        # Wheels the lent machine's CPython 3.12 on x86-64 takes.
+        # Wheels the lent machine's CPython 3.12 on x86-64 takes (multiprocess's: py312).
         tags = wheel.removesuffix(".whl").split("-")[-3:]
-        assert tags[0] in ("py3", "py2.py3") or tags[0] in ("cp310", "cp311", "cp312")
+        assert tags[0] in ("py3", "py2.py3", "py312") or tags[0] in ("cp310", "cp311", "cp312")
         assert tags[2] == "any" or "x86_64" in tags[2]
 
 
@@ -37,6 +37,14 @@ def test_every_requirement_is_bundled_or_on_the_lent_machine_and_nothing_more():
     # What the smoke path needs beyond the machine, by name (the closure found these).
     assert {"dask-cuda", "rapids-dask-dependency", "polars-runtime-32", "tornado", "zict",
             "partd", "locket", "tblib"} <= set(LOCK["packages"])
+    # The tasks extra: lm-eval, and what it needs that the machine lacks (datasets, evaluate,
+    # dill, multiprocess; sacrebleu, scikit-learn, pyarrow and jinja2 are the machine's).
+    assert {"lm-eval", "datasets", "evaluate", "dill", "multiprocess", "pytablewriter",
+            "auto-round", "pydantic"} <= set(LOCK["packages"])
+    assert not {"sacrebleu", "scikit-learn", "pyarrow", "jinja2", "peft"} & set(LOCK["packages"])
+    assert {"tasks", "autoround", "datasets"} <= set(gpu_bundle.EXTRAS)
+    # lm-eval's requirements published as source only: left out, each with its reason.
+    assert {"rouge-score", "sqlitedict", "word2number"} <= set(gpu_bundle.NOT_CARRIED)
 
 
 def test_the_bundle_and_the_tree_fit_one_device_call():
@@ -48,7 +56,8 @@ def test_the_bundle_and_the_tree_fit_one_device_call():
                                       "bitsandbytes/libbitsandbytes_cuda130.so"]
     top = set(LOCK["top_level"])
     assert {"dask", "distributed", "dask_cuda", "rapids_dask_dependency", "polars",
-            "_polars_runtime_32", "bitsandbytes", "torchao", "tornado", "zict"} <= top
+            "_polars_runtime_32", "bitsandbytes", "torchao", "tornado", "zict", "lm_eval",
+            "datasets", "multiprocess", "auto_round"} <= top
     assert not {"torch", "numpy", "transformers", "quantdask"} & top  # the machine's, the tree's
     # torchao's top-level test/ would shadow the standard library's on PYTHONPATH; bin/ names
     # the builder's python.
@@ -62,7 +71,7 @@ def test_the_pins_match_what_quantdask_pins_exactly_and_the_drift_is_reported():
     exact = {gpu_bundle.canonical(r.name): str(r.specifier).removeprefix("==")
              for r in map(gpu_bundle._requirement, gpu_bundle.roots())
              if str(r.specifier).startswith("==") and "*" not in str(r.specifier)}
-    assert exact == {"dask": "2026.7.1", "distributed": "2026.7.1"}
+    assert exact == {"dask": "2026.7.1", "distributed": "2026.7.1", "lm-eval": "0.4.13"}
     assert {n: gpu_bundle.BUNDLE[n] for n in exact} == exact
     drift = gpu_bundle.drift({"polars": "2.1.0", "dask": "2026.7.1", "absent": "1.0"},
                              installed={"polars": "2.2.0", "dask": "2026.7.1"})
@@ -136,6 +145,21 @@ def test_the_build_installs_prunes_packs_and_locks_from_local_wheels(tmp_path):
         gpu_bundle.build(wheels, tmp_path / "again", pins={"bitsandbytes": "0.50.2"},
                          top=["bitsandbytes>=0.51"])
     assert not (tmp_path / "again").exists()  # refused before anything was written
+
+
+@pytest.mark.timeout(120)
+def test_a_wheel_made_for_python_3_12_alone_is_bundled_whatever_python_builds(tmp_path):
+    # multiprocess (datasets' and lm-eval's) publishes one wheel per Python version: the lent
+    # machine's is tagged py312, which pip refused when it installed for the building python.
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    made = make_wheel(wheels, "multiprocess", "0.70.19", {"multiprocess/__init__.py": b"V = 3\n"})
+    made.rename(wheels / "multiprocess-0.70.19-py312-none-any.whl")
+    lock = gpu_bundle.build(wheels, tmp_path / "out", pins={"multiprocess": "0.70.19"},
+                            top=["multiprocess"])
+    assert lock["packages"]["multiprocess"]["wheel"] == "multiprocess-0.70.19-py312-none-any.whl"
+    with tarfile.open(tmp_path / "out" / "site.tar.xz") as packed:
+        assert "multiprocess/__init__.py" in packed.getnames()
 
 
 @pytest.mark.timeout(180)

@@ -164,11 +164,16 @@ def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_p
     assert "Dask dashboard: http://127.0.0.1:" in demo.stdout  # the local cluster: loopback
     n_jobs = len(expand_grid(load_sweep(DEMO_SWEEP)))
     assert f"{n_jobs} jobs: {n_jobs} done, 0 failed, 0 skipped" in demo.stdout
+    # What the report says, at the terminal (issue 39): task accuracy and the gates' verdict.
+    assert "task accuracy (score ± standard error; recovery = " in demo.stdout
+    assert f"gates: passed: all {n_jobs - 1} quantized configs meet every gate" in demo.stdout
     results = read_results(work / "run")
     assert results.height == n_jobs and set(results["status"]) == {"done"}
     report = work / "run" / "report.html"
     assert f"report: {report.resolve()}" in demo.stdout
     assert report.stat().st_size > 500_000  # the charts' JavaScript inlined
     assert "quantdask report: run" in report.read_text(encoding="utf-8")
+    # Every section filled: the demo's speed block gives the speed section its figures.
+    assert "this sweep timed no generation" not in report.read_text(encoding="utf-8")
     assert "WARNING" not in demo.stderr  # notebook and kernel clean-up stay quiet
     assert _snapshot(site / "quantdask") == installed  # the demo wrote nothing into the install

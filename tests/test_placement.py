@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import polars as pl
 import psutil
@@ -14,6 +16,8 @@ from conftest import sweep_dict
 from distributed import Client, LocalCluster
 
 import quantdask.driver.placement
+from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_TASKS_DIR
+from quantdask.driver.model_facts import model_facts
 from quantdask.driver.placement import (
     advertised_memory,
     estimate_device_memory,
@@ -24,6 +28,7 @@ from quantdask.driver.retry import with_more_room
 from quantdask.errors import PlacementError
 from quantdask.spec.sweep import DEVICE_MEMORY, expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.util import format_bytes
 
 BASELINE_ESTIMATE = int((3_482_128 + 983_040) * 1.2)  # see test_operator's plan test
 NF4_ESTIMATE = int(int(3_482_128 * 4.5 / 32 + 983_040) * 1.2)
@@ -136,3 +141,143 @@ def test_a_peak_measured_while_packed_jobs_ran_is_not_learned_from():
     assert estimate_device_memory(baseline, facts, alone).basis == "its measured peak"
     older = pl.DataFrame([row])  # results from before the column: measured alone
     assert estimate_device_memory(baseline, facts, older).measured == 9_000_000
+
+
+DEMO_CONFIG = json.loads(Path(DEMO_MODEL_DIR, "config.json").read_text())
+CHECKPOINT = os.path.getsize(Path(DEMO_MODEL_DIR, "model.safetensors"))  # float32
+
+
+def baseline_estimate(**blocks):
+    """The demo baseline's estimate by config, under a sweep with ``blocks``."""
+    job = expand_grid(sweep_from_dict(sweep_dict(**blocks)))[0]
+    assert job.is_baseline
+    return estimate_device_memory(job, model_facts(job, layers=False), pl.DataFrame())
+
+
+def kv_cache_bytes(batch: int, tokens: int) -> int:
+    """By hand from config.json: keys and values, per layer, per key/value head, per position,
+    head_dim float32 numbers (the demo model is float32)."""
+    config = DEMO_CONFIG
+    return (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+            * config["head_dim"] * batch * tokens * 4)
+
+
+@pytest.mark.timeout(60)
+def test_the_estimate_counts_the_kv_cache_of_the_largest_speed_batch():
+    speed = {"prompt_length": 96, "new_tokens": 32}
+    alone = baseline_estimate(speed={**speed, "batch_sizes": [1]})
+    batched = baseline_estimate(speed={**speed, "batch_sizes": [1, 512]})
+    # Batch 1's cache (256 KiB) is below the eval's logits: the eval still sets the peak.
+    assert alone.peak_phase == "score"
+    assert alone.bytes == int((CHECKPOINT + 983_040) * 1.2)
+    # Batch 512: 2 x 4 layers x 2 kv heads x 32 x 512 x 128 tokens x 4 bytes = 128 MiB, and one
+    # step's logits (batch x vocab float32, 3 copies: generate keeps the last position's only).
+    logits = 512 * DEMO_CONFIG["vocab_size"] * 4 * 3
+    assert kv_cache_bytes(512, 128) == 134_217_728
+    assert batched.peak_phase == "time_generation"
+    assert batched.bytes == int((CHECKPOINT + kv_cache_bytes(512, 128) + logits) * 1.2)
+    assert "batch 512 x 128 tokens, KV cache 128.0 MiB" in batched.peak_note
+    bigger = baseline_estimate(speed={**speed, "batch_sizes": [1024]})
+    assert bigger.bytes - batched.bytes == pytest.approx(
+        (kv_cache_bytes(512, 128) + logits) * 1.2, abs=2)
+
+
+@pytest.mark.timeout(60)
+def test_the_estimate_counts_lm_evals_batches_of_the_task_phase():
+    tasks = {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR}
+    vocab = DEMO_CONFIG["vocab_size"]
+    for batch, max_length, window in ((16, None, 256), (64, None, 256), (64, 100, 100)):
+        estimate = baseline_estimate(tasks={**tasks, "batch_size": batch,
+                                            "max_length": max_length})
+        # Padded to the longest input (max_length, else the model's 256 positions): float32
+        # logits, 3 copies.
+        assert estimate.peak_phase == "score_tasks"
+        assert estimate.bytes == int((CHECKPOINT + batch * window * vocab * 4 * 3) * 1.2)
+        # An upper bound: it alone refuses nothing (what must fit is the eval's peak).
+        assert estimate.firm == int((CHECKPOINT + 983_040) * 1.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_speed_batch_that_fits_no_worker_is_refused_naming_the_job(advertising):
+    speed = {"prompt_length": 16, "new_tokens": 8, "batch_sizes": [1, 100_000]}
+    jobs = expand_grid(sweep_from_dict(sweep_dict(speed=speed)))
+    with pytest.raises(PlacementError) as refused:
+        place_jobs(jobs, advertising(1e9))
+    assert [job_id for job_id, *_ in refused.value.too_big] == [job.id for job in jobs]
+    message = str(refused.value)
+    assert f"demo baseline ({jobs[0].id}): needs ~" in message
+    assert ("its peak in time_generation: batch 100,000 x 24 tokens, KV cache "
+            f"{format_bytes(kv_cache_bytes(100_000, 24))}") in message
+    assert "speed.batch_sizes" in message
+    # The same sweep with batches that fit is placed: each job asks for its cache.
+    fitting = expand_grid(sweep_from_dict(sweep_dict(speed={**speed, "batch_sizes": [1, 64]})))
+    placement = place_jobs(fitting, advertising(1e9))
+    assert placement.jobs[0].device_memory_bytes == int(
+        (CHECKPOINT + kv_cache_bytes(64, 24) + 64 * DEMO_CONFIG["vocab_size"] * 12) * 1.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_task_batch_past_every_worker_asks_for_the_largest_instead(advertising):
+    tasks = {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR, "batch_size": 100_000}
+    placement = place_jobs(expand_grid(sweep_from_dict(sweep_dict(tasks=tasks))),
+                           advertising(1e9))
+    assert [job.device_memory_bytes for job in placement.jobs] == [1_000_000_000] * 2
+
+
+@pytest.mark.timeout(60)
+def test_peaks_measured_without_a_phase_do_not_scale_its_figure_down():
+    """An earlier run without the speed block measured the baseline's peak; the same model
+    under a large speed batch is scaled by that peak against the phases the baseline ran, not
+    against a figure with a cache it never held."""
+    speed = {"prompt_length": 96, "new_tokens": 32, "batch_sizes": [512]}
+    earlier = expand_grid(sweep_from_dict(sweep_dict()))[0]
+    baseline, nf4 = expand_grid(sweep_from_dict(sweep_dict(speed=speed)))
+    facts = model_facts(nf4, layers=False)
+    peak = CHECKPOINT + 983_040  # exactly its figure: a ratio of 1
+    done = pl.DataFrame([{"job_id": earlier.id, "model": "demo", "backend": "none",
+                          "config": json.dumps({}), "peak_device_mem_bytes": peak}])
+    phases = pl.DataFrame([{"job_id": earlier.id, "phase": name,
+                            "peak_device_mem_bytes": peak // 2}
+                           for name in ("load", "quantize", "score")])
+    scaled = estimate_device_memory(nf4, facts, done, phases)
+    assert scaled.basis == "config, scaled by 1 measured peaks of this model"
+    assert scaled.peak_phase == "time_generation"
+    assert scaled.bytes == int(int(CHECKPOINT * 4.5 / 32 + kv_cache_bytes(512, 128)
+                                   + 512 * DEMO_CONFIG["vocab_size"] * 12) * 1.2)
+    # Its own measured peak: the phase that set it, from the phases frame.
+    own = estimate_device_memory(earlier, facts, done, phases.with_columns(
+        pl.when(pl.col("phase") == "score").then(peak).otherwise(1).alias(
+            "peak_device_mem_bytes")))
+    assert own.basis == "its measured peak" and own.peak_phase == "score"
+
+
+@pytest.fixture
+def no_workers():
+    """A client of an in-process scheduler (no socket) with no worker: nothing could run."""
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+@pytest.mark.timeout(60)
+def test_the_library_refuses_a_length_past_the_models_positions_before_anything_runs(
+        no_workers, tmp_path):
+    import time
+
+    import quantdask as qd
+
+    cases = {"eval.seq_len": sweep_dict(eval={**sweep_dict()["eval"], "seq_len": 1024}),
+             "speed.prompt_length": sweep_dict(speed={"prompt_length": 100_000,
+                                                      "new_tokens": 64}),
+             "tasks.max_length": sweep_dict(tasks={
+                 "names": ["demo_facts"], "include_path": DEMO_TASKS_DIR, "max_length": 4096})}
+    for field, data in cases.items():
+        sweep = sweep_from_dict(data)
+        for submit in (qd.submit_sweep, qd.run_sweep):
+            began = time.monotonic()
+            with pytest.raises(qd.SpecError) as refused:
+                submit(sweep, tmp_path / "run", no_workers)
+            assert time.monotonic() - began < 10
+            assert refused.value.field == field
+            assert "model 'demo' takes at most 256 positions" in refused.value.message
+            assert not (tmp_path / "run").exists()

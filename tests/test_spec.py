@@ -292,11 +292,13 @@ TYPED_OPTIONS_JOBS = [
      TYPED_OPTIONS_JOBS),
 ], ids=["demo sweep", "torchao, hqq, autoround"])
 def test_job_ids_and_stored_options_are_pinned(sweep, pinned):
-    # The ids were pinned before the tail samples and the demo's tasks block: a sweep without
-    # either keeps its ids (tasks are part of the ids only when given: test_tasks.py).
+    # The ids were pinned before the tail samples and the demo's tasks and speed blocks: a
+    # sweep without them keeps its ids (tasks and speed are part of the ids only when given:
+    # test_tasks.py, test_speed.py; the demo's speed block, issue 39, gave its jobs new ids).
     sweep = sweep()
     jobs = expand_grid(dataclasses.replace(
-        sweep, eval=dataclasses.replace(sweep.eval, kl_tail_samples=0), tasks=None, gates=[]))
+        sweep, eval=dataclasses.replace(sweep.eval, kl_tail_samples=0), tasks=None, speed=None,
+        gates=[]))
     assert [(r["config_label"], r["job_id"], r["config"]) for r in plan_rows(jobs)] == pinned
     for job in jobs:
         backend = get_backend(job.backend)

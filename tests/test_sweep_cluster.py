@@ -88,6 +88,22 @@ def test_quality_is_measured_against_the_baseline(demo_run):
     assert by_label["fp4"]["top1_agreement"] < by_label["nf4"]["top1_agreement"] < 1.0
 
 
+def test_the_demo_times_generation_for_its_reports_speed_section(demo_run):
+    # Issue 39 item 4: the demo sweep's small speed block, so the showcase report's speed
+    # section has figures: one row per job at batch size 1, each with its baseline speed-up.
+    from quantdask import report
+    from quantdask.store.run_store import read_speed
+
+    run_dir, results, _ = demo_run
+    speed = read_speed(run_dir)
+    assert sorted(speed["job_id"]) == sorted(results["job_id"])
+    assert speed.select("batch_size", "prompt_tokens", "new_tokens", "repeats").unique().rows() \
+        == [(1, 32, 8, 2)]
+    assert (speed["decode_tokens_per_s"] > 0).all() and speed["decode_speedup"].is_not_null().all()
+    assert (results["speed_s"] > 0).all()
+    assert report.speedup_table(results, speed).height == 7
+
+
 def test_the_reference_ran_once_for_the_model(demo_run):
     run_dir, results, _ = demo_run
     assert results.height == 7

@@ -423,6 +423,48 @@ def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, m
     assert late.rows == {} and "tasks_s" not in late.record
 
 
+def test_a_failed_baseline_scoring_fails_only_the_baselines_task_rows(monkeypatch):
+    # Issue 39 item 5. Before: the baseline's scoring raised out of its part of the reference,
+    # so the reference, the baseline's quality figures and every quantized job failed with it.
+    import quantdask.worker.tasks
+    from quantdask.worker.reference import compute_reference
+
+    baseline_job, nf4 = expand_grid(sweep_from_dict(tasks_sweep(limit=8)))
+    real, calls = quantdask.worker.tasks.evaluate_tasks, []
+
+    def broken_the_first_time(*args, **kwargs):  # the first scoring is the baseline's
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("lm-eval broke on the unquantized model")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", broken_the_first_time)
+    reference = compute_reference(nf4.model, nf4.eval, nf4.eval.read_text(), tasks=nf4.tasks)
+    reason = "RuntimeError: lm-eval broke on the unquantized model"
+    assert reference.baseline is not None and reference.tasks.rows == []
+    assert reference.tasks.error == reason
+
+    base = _run(baseline_job, reference)  # done, with its quality figures; no task rows
+    assert base.record["status"] == "done" and base.record["perplexity"] > 0
+    assert base.record["tasks_error"] == reason and base.rows["tasks"] == []
+    quantized = _run(nf4, reference)  # its own scores, recovery null with the reason
+    assert quantized.record["status"] == "done" and quantized.record["tasks_error"] is None
+    rows = quantized.rows["tasks"]
+    assert [r["metric"] for r in rows] == ["acc", "acc_norm"] and len(calls) == 2
+    assert all(r["value"] is not None and r["samples"] == 8 for r in rows)
+    assert all(r["baseline_value"] is None and r["recovery"] is None for r in rows)
+    assert {r["recovery_reason"] for r in rows} == {
+        f"the baseline's task scoring failed: {reason}"}
+    # A recovery gate fails on it, saying why; a gate on the config's own score is met.
+    gates = parse_gates([{"gate": "recovery >= 0.95", "task_metric": "acc"},
+                         "task_value >= 0"], models={"demo"}, tasks=("demo_facts",))
+    columns = gate_columns(gates, quantized.record, rows, is_baseline=False)
+    assert columns["gates_failed"] == (
+        "recovery [acc] >= 0.95: demo_facts acc was not measured (the baseline's task "
+        f"scoring failed: {reason})")
+    assert columns["gates_met"] == "task_value >= 0"
+
+
 def test_an_out_of_memory_retry_halves_the_task_batch_and_keeps_the_id():
     from quantdask.driver.retry import with_more_room
 

@@ -28,6 +28,7 @@ from quantdask.backends.base import (
 )
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError
+from quantdask.randomness import global_generators
 
 BITS = (2, 3, 4, 8)
 DEFAULT_ITERS = 200  # AutoRound's own default
@@ -105,15 +106,19 @@ def quantize_autoround(source, options: AutoRoundOptions, device: str, calibrati
                if _is_linear(type(module)) and named_in(name, options.skip_modules)}
     samples = [{"input_ids": w[None], "attention_mask": torch.ones_like(w)[None]}
                for w in windows]
-    # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search scales on the
-    # data's activations: calibration by another name).
-    tuner = auto_round.AutoRound(
-        model, source.tokenizer, bits=options.bits, group_size=options.group_size,
-        sym=options.sym, iters=options.iters, disable_opt_rtn=options.iters == 0,
-        dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
-        batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
-    with calibration.measure():
-        tuner.quantize()
+    # AutoRound seeds the process-global generators (its seed, 42) and shuffles its batches
+    # with Python's random, taking no generator: it tunes alone among the jobs packed on this
+    # worker, so that its draws depend on its seed only (quantdask.randomness).
+    with global_generators(draws=True):
+        # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search scales on
+        # the data's activations: calibration by another name).
+        tuner = auto_round.AutoRound(
+            model, source.tokenizer, bits=options.bits, group_size=options.group_size,
+            sym=options.sym, iters=options.iters, disable_opt_rtn=options.iters == 0,
+            dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
+            batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
+        with calibration.measure():
+            tuner.quantize()
     scratch = tempfile.mkdtemp(prefix="quantdask-autoround-")
     try:
         export = os.path.join(scratch, "model")

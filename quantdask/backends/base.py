@@ -70,6 +70,12 @@ class ModelFacts:
     # built on the meta device; and all the model's weights (tied ones once). Empty: unknown.
     weight_modules: tuple[tuple[str, type, int], ...] = ()
     param_count: int = 0
+    # From config.json: the most positions it takes (None: its family sets no hard limit, or
+    # unknown), and the shape of its KV cache (0: unknown), for the generation's memory.
+    max_positions: int | None = None
+    layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
 
 
 @dataclass(frozen=True)

@@ -108,10 +108,37 @@ def cpu_4bit_unsupported(widths: dict[str, int]) -> str | None:
             "(skip_modules)")
 
 
+def selected_widths(source, options: BitsAndBytesOptions) -> dict[str, int]:
+    """The input width of each layer transformers will replace (``selects``), from a skeleton
+    of ``source``'s model on the meta device: no weight is read and nothing allocated."""
+    import copy
+
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        # A copy: building sets fields (dtype) on the config the worker keeps between jobs.
+        skeleton = source.model_class._from_config(copy.deepcopy(source.config))
+    # Conv1D stores its weight in x out (transformers transposes it into Linear4bit).
+    return {name: module.weight.shape[0] if isinstance(module, Conv1D) else module.in_features
+            for name, module in skeleton.named_modules()
+            if selects(name, type(module), options)}
+
+
 def quantize_bitsandbytes(source, options: BitsAndBytesOptions, device: str):
     bnb = require_library(*BITSANDBYTES)
+    cpu_4bit = device == "cpu" and options.bits == 4
+    if cpu_4bit and bnb.functional.has_avx512bf16():  # the kernel with the width limit
+        # Refused from the layers' shapes, before a model is built and quantized for nothing.
+        try:
+            widths = selected_widths(source, options)
+        except Exception:  # noqa: BLE001 - a model that will not build on the meta device
+            widths = {}  # (remote code, say): the check on the built model below decides
+        reason = cpu_4bit_unsupported(widths)
+        if reason:
+            raise UnsupportedHere(reason)
     model = source.build(device, quantization_config=bitsandbytes_config(options))
-    if device == "cpu" and options.bits == 4:
+    if cpu_4bit:  # what transformers did replace: the truth, should the skeleton's names miss
         reason = cpu_4bit_unsupported({name: module.in_features
                                        for name, module in model.named_modules()
                                        if isinstance(module, bnb.nn.Linear4bit)})

@@ -20,9 +20,14 @@ EXIT_GATE_FAILED = 3
 
 
 def _gate_failures(results) -> int:
-    """Print each done job that failed a gate, with why; return the exit code it calls for."""
+    """Print the gates' verdict (``cli.summary.gate_lines``) and each done job that failed a
+    gate, with why; return the exit code it calls for."""
     import polars as pl
 
+    from quantdask.cli.summary import gate_lines
+
+    for line in gate_lines(results):
+        print(line)
     failing = results.filter(pl.col("gates_passed").eq(False)).to_dicts()
     for row in failing:
         reasons = "; ".join((row["gates_failed"] or "").splitlines())
@@ -76,7 +81,10 @@ def cmd_plan(args) -> int:
              "quantized": "-" if row["quantized_share"] is None or row["backend"] == BASELINE
              else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
     print(table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
-                        "quantized", "est_memory", "memory_from", "est_time"]))
+                        "quantized", "est_memory", "memory_from", "peak_phase", "est_time"]))
+    for row in plan.filter(plan["max_positions"].is_null()).unique("model",
+                                                                   maintain_order=True).to_dicts():
+        print(f"positions: {row['model']}: {row['positions_from']}; its lengths are not checked")
     for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
     work = (f"; about {format_duration(float(known.sum()))} of job time for the {len(known)} "
@@ -92,6 +100,7 @@ def _run(sweep, args) -> int:
 
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
+    from quantdask.driver.lengths import check_lengths
     from quantdask.driver.sweep import run_sweep
     from quantdask.store.figures import with_quality_text
     from quantdask.store.run_store import read_attempts
@@ -100,6 +109,7 @@ def _run(sweep, args) -> int:
     RunStore(run_dir).check_unlocked()
     # The same check run_sweep makes on its client, made here before connecting to it.
     sweep.check_workers("--scheduler" if args.scheduler else None)
+    check_lengths(sweep)  # config.json only: refused before a cluster starts
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),
@@ -121,6 +131,7 @@ def _run(sweep, args) -> int:
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
                                    "bits_per_weight", "quantized_share", "ppl", "vs_baseline",
                                    "kl", "top1", "wall_s"]))
+    _print_tasks(run_dir, results)
     counts = {s: results.filter(pl.col("status") == s).height for s in Status}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
     retried = attempts.filter(pl.col("status") == Status.FAILED).height
@@ -141,6 +152,18 @@ def _run(sweep, args) -> int:
         print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
         return EXIT_FAILED_JOBS
     return gated
+
+
+def _print_tasks(run_dir: str, results) -> None:
+    """The task accuracy of this sweep's jobs, as the report's recovery table gives it."""
+    import polars as pl
+
+    from quantdask.cli.summary import task_lines
+    from quantdask.store.run_store import read_tasks
+
+    tasks = read_tasks(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
+    for line in task_lines(results, tasks):
+        print(line)
 
 
 def _write_report(run_dir: str, output: str | None = None) -> int:

@@ -172,7 +172,8 @@ def _add_run_dir_commands(commands) -> None:
                         help="seconds between looks (default 1)")
     status.set_defaults(func=cmd_status)
 
-    logs = commands.add_parser("logs", help="print a job's log (every attempt)")
+    logs = commands.add_parser(
+        "logs", help="print a job's log (every attempt; a running one's lines so far)")
     logs.add_argument("run_dir")
     logs.add_argument("job_id", help="a job id, or its unique beginning")
     logs.set_defaults(func=cmd_logs)

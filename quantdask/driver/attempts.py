@@ -87,6 +87,11 @@ class AttemptTable:
         with self._lock:
             return self._by_key.pop(key, None)
 
+    def get(self, key: str) -> Attempt | None:
+        """The attempt under ``key``, left in (None if it was settled already)."""
+        with self._lock:
+            return self._by_key.get(key)
+
     def take(self, select: Callable[[dict[str, Attempt]], Iterable[str]]
              ) -> list[tuple[str, Attempt]]:
         """Take out the attempts whose keys ``select`` picks from the table as it is now."""

@@ -168,8 +168,8 @@ class SweepHandle:
         return failures_table(self.results)
 
     def logs(self, job: str) -> str:
-        """A job's log, every attempt: ``job`` is its id, a unique prefix, or its config label
-        (with one model)."""
+        """A job's log, every attempt (a running one's lines so far: ``driver.live_logs``):
+        ``job`` is its id, a unique prefix, or its config label (with one model)."""
         ids = [j.id for j in self._session.jobs]
         matches = ([i for i in ids if i == job] or [i for i in ids if i.startswith(job)]
                    or [j.id for j in self._session.jobs if j.config_label == job])

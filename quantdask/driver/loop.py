@@ -45,6 +45,7 @@ from quantdask.util import utcnow
 from quantdask.words import AttemptEnd, FailureClass, Status
 from quantdask.worker.devices import TELEMETRY_TOPIC, DeviceSampler, drain_this_worker
 from quantdask.worker.job import run_job
+from quantdask.worker.live_log import JOB_LOG_TOPIC
 from quantdask.worker.outcome import JobOutcome
 from quantdask.worker.runtime import JOB_START_TOPIC
 
@@ -158,6 +159,7 @@ class SweepDriver:
             self.client.run(drain_this_worker, on_error="ignore")
         topics.subscribe(self.client, JOB_START_TOPIC, self._on_job_start)
         topics.subscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
+        topics.subscribe(self.client, JOB_LOG_TOPIC, self.recorder.live.on_event)
         try:
             for job in jobs:
                 self.submit(job, 1)
@@ -166,6 +168,7 @@ class SweepDriver:
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future, result in ready:
                     self._collect(future, result)
+                self.recorder.live.write(self.attempts.get)  # running attempts' lines so far
                 self._release_parked()
                 self._enforce_deadlines()
                 self._submit_due_retries()
@@ -185,6 +188,8 @@ class SweepDriver:
             self.attempts.forget_keys()
             topics.unsubscribe(self.client, JOB_START_TOPIC, self._on_job_start)
             topics.unsubscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
+            topics.unsubscribe(self.client, JOB_LOG_TOPIC, self.recorder.live.on_event)
+            self.recorder.live.close()
             self.references.release()
         if topics.subscribers(self.client, TELEMETRY_TOPIC) == 0:
             # The idle time since each worker's last job (another sweep's, while one runs).

@@ -17,6 +17,59 @@ from quantdask.spec.sweep import Job
 log = logging.getLogger("quantdask.model_facts")
 
 DTYPE_BITS = {"float32": 32, "float64": 64, "bfloat16": 16, "float16": 16}
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                   "max_sequence_length", "n_ctx")
+"""Where a config says how many positions its model takes, by family (GPT-2's and GPT-J's
+``n_positions``, MPT's ``max_seq_len``, ...), in the order they are looked for."""
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a parsed config.json (multimodal configs nest it)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def read_config(directory: str | Path) -> dict:
+    """``directory``'s config.json, its language model's part (empty when unreadable)."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return text_config(config) if isinstance(config, dict) else {}
+
+
+def position_limit(config: dict) -> tuple[int | None, str]:
+    """(the most positions the model of ``config`` takes, the field that says so), or (None,
+    why there is none: ALiBi and state-space families set no hard limit). transformers does
+    not enforce the limit of a rotary family: a longer input runs and means nothing."""
+    for name in POSITION_FIELDS:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"{name} in its config.json"
+    family = config.get("model_type") or "its family"
+    return None, f"no hard limit: its config ({family}) names no {' / '.join(POSITION_FIELDS)}"
+
+
+def _first_int(config: dict, *names: str) -> int:
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def kv_shape(config: dict) -> tuple[int, int, int]:
+    """(layers, key/value heads, head width) of the KV cache generation keeps, from the
+    family's own field names (0: unknown; a state-space model keeps none)."""
+    layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    heads = _first_int(config, "num_attention_heads", "n_head", "n_heads", "num_heads")
+    hidden = _first_int(config, "hidden_size", "n_embd", "d_model")
+    if config.get("multi_query") and not config.get("new_decoder_architecture"):
+        kv_heads = 1  # Falcon's multi-query attention: one key/value head
+    else:
+        kv_heads = _first_int(config, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = _first_int(config, "head_dim") or (hidden // heads if heads else 0)
+    return (layers, kv_heads, head_dim) if kv_heads and head_dim else (layers, 0, 0)
 
 
 def _weight_modules(model) -> tuple[tuple[str, type, int], ...]:
@@ -62,11 +115,7 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
         return ModelFacts(linear_in_features={}, weight_bytes=0, cuda=cuda)
     weight_bytes = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin")
                        for f in directory.glob(pattern))
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    text_config = config.get("text_config") or config  # multimodal configs nest the LM's
+    config = read_config(directory)
     layer_facts: dict = {}
     if layers:
         try:
@@ -74,11 +123,14 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
         except Exception as error:  # noqa: BLE001 - not a causal LM, remote code, ...: the
             log.warning("no layer shapes for %s (%s); shape checks are left to the workers",
                         job.model.label, error)  # plan goes on, and the workers still check
-    stored = DTYPE_BITS.get(str(text_config.get("dtype") or text_config.get("torch_dtype")), 16)
+    stored = DTYPE_BITS.get(str(config.get("dtype") or config.get("torch_dtype")), 16)
+    decoder_layers, kv_heads, head_dim = kv_shape(config)
     return ModelFacts(linear_in_features=layer_facts.get("linear_in_features", {}),
                       weight_modules=layer_facts.get("weight_modules", ()),
                       param_count=layer_facts.get("param_count", 0),
                       weight_bytes=weight_bytes, cuda=cuda,
                       checkpoint_bits=stored,
                       loaded_bits=DTYPE_BITS.get(job.model.dtype, stored),  # "auto": as stored
-                      vocab_size=int(text_config.get("vocab_size") or 0))
+                      vocab_size=int(config.get("vocab_size") or 0),
+                      max_positions=position_limit(config)[0], layers=decoder_layers,
+                      kv_heads=kv_heads, head_dim=head_dim)

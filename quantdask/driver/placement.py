@@ -4,8 +4,10 @@ Each worker advertises its device's memory as the Dask resource ``DEVICE_MEMORY`
 (``quantdask.preload``, or ``--resources GPU=1,DEVICE_MEMORY=<bytes>``). Each job asks for its
 estimate of that resource besides its share of a GPU, so Dask's scheduler starts it only on a
 worker with that much memory free: a large job lands only on a large GPU, small ones spread, and
-several share a GPU when the sweep's ``jobs_per_gpu`` and their estimates allow. A job that fits
-on no worker is refused before anything runs, with the numbers.
+several share a GPU when the sweep's ``jobs_per_gpu`` and their estimates allow. A job's
+estimate is the largest of its phases' figures (``phase_memory``: quantize, score, tasks, speed)
+until it has a measured peak of its own. A job that fits on no worker is refused before anything
+runs, with the numbers and the phase that sets its peak.
 
 >>> placement = place_jobs(expand_grid(sweep), client, "runs/demo")  # doctest: +SKIP
 """
@@ -24,51 +26,82 @@ from distributed import Client
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.backends.base import ModelFacts
+from quantdask.driver.phase_memory import UPPER_BOUNDS, peak_note, phase_bytes
 from quantdask.errors import PlacementError, SpecError
-from quantdask.spec.settings import EvalSettings
 from quantdask.spec.sweep import DEVICE_MEMORY, Job
 from quantdask.words import Status
-from quantdask.worker.logits import SLICE_BUDGET_BYTES
 
 log = logging.getLogger("quantdask.placement")
 
 SAFETY = 1.2
 """Headroom on every estimate: an allocator's fragmentation, buffers the estimate leaves out."""
-LOGIT_COPIES = 3
-"""The eval's float32 logits, their log-softmax, and one temporary, alive at once."""
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """A job's device memory in bytes (None: nothing to go on) and what it rests on;
-    ``measured`` is the job's own measured peak when it ran before."""
+    ``measured`` is the job's own measured peak when it ran before. ``peak_phase`` is the
+    phase that sets it (``phase_memory``'s names, or the phases frame's for a measured peak;
+    None: unknown), ``peak_note`` says why in words, and ``firm`` is the figure without the
+    phases whose figure is only an upper bound (the task phase's): what must fit somewhere."""
 
     bytes: int | None
     basis: str
     measured: int | None = None
+    peak_phase: str | None = None
+    peak_note: str = ""
+    firm: int | None = None
 
 
-def config_bytes(backend: str, options: BackendOptions, eval: EvalSettings,
-                 facts: ModelFacts) -> int:
-    """Device memory a job needs by its config alone: the weights at the backend's bits (as
-    loaded when it does not quantize) plus one slice of the eval's logits. 0 when the
-    checkpoint is unknown."""
-    if not facts.weight_bytes:
-        return 0
-    bits = get_backend(backend).weight_bits
-    weight_bits = bits(options, facts.loaded_bits) if bits is not None else facts.loaded_bits
-    weights = facts.weight_bytes * weight_bits / facts.checkpoint_bits
-    # The eval's logits exist a slice of positions at a time (quantdask.worker.logits).
-    batch_logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4
-    row = eval.batch_size * facts.vocab_size * 4
-    logits = min(batch_logits, max(SLICE_BUDGET_BYTES, row)) * LOGIT_COPIES
-    return int(weights + logits)
+def _measured_peak_phase(job_id: str, phases: pl.DataFrame) -> str | None:
+    """The phase of ``job_id`` with the largest measured peak in the phases frame."""
+    if not phases.height or "phase" not in phases.columns:
+        return None
+    rows = (phases.filter(pl.col("job_id") == job_id)
+            .drop_nulls("peak_device_mem_bytes").sort("peak_device_mem_bytes"))
+    return rows["phase"][-1] if rows.height else None
 
 
-def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> MemoryEstimate:
+def _ran_phases(job_id: str, phases: pl.DataFrame) -> set[str]:
+    """The phases ``job_id`` ran (empty: not in the phases frame, from before it existed)."""
+    if not phases.height or "phase" not in phases.columns:
+        return set()
+    return set(phases.filter(pl.col("job_id") == job_id)["phase"].to_list())
+
+
+def _peak_ratios(job: Job, rows: list[dict], facts: ModelFacts,
+                 phases: pl.DataFrame) -> list[float]:
+    """Measured peak / config figure of each of ``rows`` (this model's other done jobs), each
+    figure over the phases that job ran (a job that ran no speed phase is not compared with
+    a figure for one)."""
+    ratios = []
+    for row in rows:
+        options = stored_options(row)
+        theirs = {} if options is None else phase_bytes(row["backend"], options, job, facts)
+        ran = _ran_phases(row["job_id"], phases)
+        figure = max((b for phase, b in theirs.items() if not ran or phase in ran), default=0)
+        if figure:
+            ratios.append(row["peak_device_mem_bytes"] / figure)
+    return ratios
+
+
+def _from_figures(job: Job, facts: ModelFacts, figures: dict[str, int], scale: float,
+                  basis: str) -> MemoryEstimate:
+    """The estimate of a job whose phases' figures are ``figures``, each times ``scale``."""
+    phase = max(figures, key=lambda name: figures[name])  # the first of equals
+    firm = max(b for name, b in figures.items() if name not in UPPER_BOUNDS)
+    return MemoryEstimate(int(figures[phase] * scale), basis, peak_phase=phase,
+                          peak_note=peak_note(phase, job, facts), firm=int(firm * scale))
+
+
+def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame,
+                           phases: pl.DataFrame | None = None) -> MemoryEstimate:
     """``job``'s device memory: its own measured peak if it ran before (in ``done``, earlier
-    done results); else its config's figure scaled by how the measured peaks of this model's
-    other jobs compare with theirs; else its config's figure alone. ``SAFETY`` on top."""
+    done results); else the largest of its phases' figures by config (``phase_memory``)
+    scaled by how the measured peaks of this model's other jobs compare with their figures
+    (over the phases each ran, from ``phases``, the phases frame); else that figure alone.
+    ``SAFETY`` on top."""
+    phases = pl.DataFrame() if phases is None else phases
     # A peak measured while packed jobs ran beside it is theirs too: not this job's figure.
     shared = (pl.col("peak_shared").fill_null(False) if "peak_shared" in done.columns
               else pl.lit(False))
@@ -77,19 +110,16 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame) -> M
             if done.height else [])
     own = [r["peak_device_mem_bytes"] for r in rows if r["job_id"] == job.id]
     if own:
-        return MemoryEstimate(int(max(own) * SAFETY), "its measured peak", measured=max(own))
-    prior = config_bytes(job.backend, job.options, job.eval, facts)
-    ratios = []
-    for row in rows:
-        options = stored_options(row)
-        theirs = 0 if options is None else config_bytes(row["backend"], options, job.eval, facts)
-        if theirs:
-            ratios.append(row["peak_device_mem_bytes"] / theirs)
-    if prior and ratios:
-        return MemoryEstimate(int(prior * median(ratios) * SAFETY),
-                              f"config, scaled by {len(ratios)} measured peaks of this model")
-    if prior:
-        return MemoryEstimate(int(prior * SAFETY), "checkpoint size and config")
+        phase = _measured_peak_phase(job.id, phases)
+        return MemoryEstimate(int(max(own) * SAFETY), "its measured peak", measured=max(own),
+                              peak_phase=phase, peak_note=phase or "")
+    figures = phase_bytes(job.backend, job.options, job, facts)
+    ratios = _peak_ratios(job, rows, facts, phases)
+    if figures and ratios:
+        return _from_figures(job, facts, figures, median(ratios) * SAFETY,
+                             f"config, scaled by {len(ratios)} measured peaks of this model")
+    if figures:
+        return _from_figures(job, facts, figures, SAFETY, "checkpoint size and config")
     if rows:
         return MemoryEstimate(int(median(r["peak_device_mem_bytes"] for r in rows) * SAFETY),
                               f"{len(rows)} measured peaks of this model")
@@ -113,6 +143,15 @@ def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
         return pl.DataFrame()
     results = read_results(run_dir)
     return results.filter(pl.col("status") == Status.DONE) if results.height else results
+
+
+def done_phases(run_dir: str | os.PathLike | None) -> pl.DataFrame:
+    """The phases frame already in ``run_dir`` (empty without one)."""
+    from quantdask.store.run_store import read_frame
+
+    if run_dir is None or not os.path.isdir(run_dir):
+        return pl.DataFrame()
+    return read_frame(run_dir, "phases")
 
 
 def _job_takers(client: Client) -> dict[str, dict]:
@@ -181,22 +220,25 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
                     "(start them with --preload quantdask.preload)",
                     ", ".join(sorted(set(advertised) - set(known))), DEVICE_MEMORY)
     largest_worker, largest = max(known.items(), key=lambda item: item[1])
-    done = done_results(run_dir)
+    done, phases = done_results(run_dir), done_phases(run_dir)
     facts: dict[str, ModelFacts] = {}
     placed, too_big, reference_bytes = [], [], {}
     for job in jobs:
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job, layers=False)
-        estimate = estimate_device_memory(job, facts[job.model.label], done)
+        estimate = estimate_device_memory(job, facts[job.model.label], done, phases)
         need = estimate.bytes
         if need is None:
             placed.append(job)
             continue
-        if need > largest and estimate.measured is not None and estimate.measured <= largest:
-            need = int(largest)  # it ran within this much before: the headroom gives way
-        if need > largest and job.id not in finished:
-            too_big.append((job.id, f"{job.model.label} {job.config_label}", need,
-                            estimate.basis))
+        # An upper bound alone (the task phase's) refuses nothing: that job asks for a whole
+        # device at most, and an out-of-memory retry halves its batch.
+        firm = need if estimate.firm is None else estimate.firm
+        if firm > largest and estimate.measured is not None and estimate.measured <= largest:
+            firm = int(largest)  # it ran within this much before: the headroom gives way
+        if firm > largest and job.id not in finished:
+            too_big.append((job.id, f"{job.model.label} {job.config_label}", firm,
+                            estimate.basis, estimate.peak_note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
         if job.backend == BASELINE:
             # The model's reference runs the unquantized model, as its baseline job does.

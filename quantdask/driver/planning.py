@@ -9,7 +9,9 @@ decides the device-dependent checks, so plan on the machine (or kind of machine)
 run on. Each job gets the device-memory estimate the scheduler places it by
 (``placement.estimate_device_memory``), a duration from earlier runs in the run directory (the
 same job, else the same model and backend, else the same model), and the reason it cannot run
-here when a backend's check, or an earlier run of the same job, says so.
+here when a backend's check, or an earlier run of the same job, says so. Lengths the model
+cannot take are refused first (``lengths.check_lengths``); each row names the most positions
+its model takes (null: its family sets no hard limit) and the phase that sets the job's peak.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import polars as pl
 
 from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
+from quantdask.driver.lengths import check_lengths
 from quantdask.driver.model_facts import model_facts
-from quantdask.driver.placement import estimate_device_memory
+from quantdask.driver.placement import done_phases, estimate_device_memory
 from quantdask.spec.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
 from quantdask.worker.coverage import Coverage, module_role
@@ -34,7 +37,8 @@ log = logging.getLogger("quantdask.planning")
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
-                "est_duration_s", "duration_from"]
+                "peak_phase", "est_duration_s", "duration_from", "max_positions",
+                "positions_from"]
 
 
 def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
@@ -78,8 +82,10 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     from quantdask.worker.runtime import quiet_libraries
 
     quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
+    limits = check_lengths(sweep)
     jobs = expand_grid(sweep)
     history = _history(run_dir)
+    phases = done_phases(run_dir) if history.height else pl.DataFrame()
     finished = (RunStore(run_dir).finished_job_ids() if run_dir is not None and history.height
                 else set())
     done = history.filter(pl.col("status") == Status.DONE) if history.height else history
@@ -102,14 +108,17 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
         if reason is None and job.id in skipped:
             # A rerun tries it again (it may run on other machines): to run, with the note.
             reason = f"skipped when it last ran: {skipped[job.id]}"
-        memory = estimate_device_memory(job, model, done)
+        memory = estimate_device_memory(job, model, done, phases)
         duration, duration_basis = _duration(job, done)
+        limit = limits[job.model.label]
         rows.append({"order": order, "job_id": job.id, "model": job.model.label,
                      "backend": job.backend, "config_label": job.config_label,
                      "priority": job.priority, "state": state, "reason": reason,
                      "quantized_share": share,
                      "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
-                     "est_duration_s": duration, "duration_from": duration_basis})
+                     "peak_phase": memory.peak_phase,
+                     "est_duration_s": duration, "duration_from": duration_basis,
+                     "max_positions": limit.positions, "positions_from": limit.source})
     return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
                                       "model": pl.String, "backend": pl.String,
                                       "config_label": pl.String, "priority": pl.Int64,
@@ -117,5 +126,8 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
                                       "quantized_share": pl.Float64,
                                       "est_device_mem_bytes": pl.Int64,
                                       "memory_from": pl.String,
+                                      "peak_phase": pl.String,
                                       "est_duration_s": pl.Float64,
-                                      "duration_from": pl.String})
+                                      "duration_from": pl.String,
+                                      "max_positions": pl.Int64,
+                                      "positions_from": pl.String})

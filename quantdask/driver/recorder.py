@@ -13,8 +13,9 @@ import polars as pl
 from quantdask.backends import BASELINE
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.attempts import Attempt
+from quantdask.driver.live_logs import LiveLogs
 from quantdask.spec.gates import Gate, gate_columns
-from quantdask.store.run_store import RunStore
+from quantdask.store.run_store import RunStore, attempt_log_text
 from quantdask.util import utcnow
 from quantdask.words import Status
 from quantdask.worker.outcome import JobOutcome
@@ -29,11 +30,16 @@ class Recorder:
         self.store = store
         self.run_id = run_id
         self.gates = gates
+        self.live = LiveLogs(store)  # running attempts' lines, settled by ``attempt``
 
     def attempt(self, attempt: Attempt, outcome: JobOutcome) -> None:
-        """The attempt's row in the attempts frame and its log under the job's logs."""
+        """The attempt's row in the attempts frame and its log under the job's logs (in place
+        of the lines it sent while it ran, when it brings its whole log: ``driver.live_logs``)
+        and its worker's."""
         job, record = attempt.job, outcome.record
-        self.store.append_attempt_log(job.id, attempt.number, record, outcome.log)
+        text = attempt_log_text(job.id, attempt.number, record, outcome.log)
+        self.live.settle(attempt.key, job.id, text, whole=outcome.whole_log)
+        self.store.append_worker_log(record.get("worker") or "unknown-worker", text)
         self.store.write_attempt({
             "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
             "key": attempt.key, "worker": record.get("worker"),

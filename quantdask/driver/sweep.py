@@ -27,6 +27,7 @@ from quantdask.cluster.operations import cluster_capacity, live_workers, workers
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.artifacts import prune_to_pareto
 from quantdask.driver.handle import Listeners, SweepHandle
+from quantdask.driver.lengths import check_lengths
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
@@ -85,9 +86,11 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
                   on_progress: Callable[[SweepProgress], None] | None = None) -> SweepSession:
     """Place ``sweep``'s jobs, lock ``run_dir`` and write the plan and the session's row;
     nothing is submitted yet. Raises before anything is written when the sweep does not suit
-    where ``client``'s workers run (``Sweep.check_workers``), when a job fits on no worker, and
+    where ``client``'s workers run (``Sweep.check_workers``), when it asks a model for more
+    positions than it takes (``lengths.check_lengths``), when a job fits on no worker, and
     when another driver holds the directory."""
     sweep.check_workers(workers_elsewhere(client))
+    check_lengths(sweep)
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     placement = place_jobs(expand_grid(sweep), client, run_dir, finished=finished_before)
     jobs = placement.jobs

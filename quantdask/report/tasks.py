@@ -98,13 +98,26 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
 
 def recovery_table(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
     """Per config and task metric: its score ± standard error, the baseline's, the recovery
-    (score / baseline), and whether prompts were cut; lowest recovery first per model."""
-    if tasks.is_empty():
+    (score / baseline), and whether prompts were cut; lowest recovery first per model. ``note``
+    says why a recovery is null (the tasks frame's ``recovery_reason``: the baseline's scoring
+    failed, say), and a done job whose tasks have no scores (the baseline's, when scoring it
+    failed: ``tasks_error``) is a row of its own, first in its model, saying why."""
+    unscored = results.filter((pl.col("status") == Status.DONE)
+                              & pl.col("tasks_error").is_not_null())
+    if tasks.is_empty() and unscored.is_empty():
         return pl.DataFrame()
     data = _task_frame(results, tasks)
-    return data.sort("model", "recovery", "job", nulls_last=True).select(
+    scored = data.sort("model", "recovery", "job", nulls_last=True).select(
         "model", pl.col("config_label").alias("config"), "task", "metric", "filter",
-        pl.format("{} ± {}", pl.col("value").round(4), pl.col("stderr").round(4)).alias("score"),
+        pl.when(pl.col("stderr").is_null())  # lm-eval gives some metrics no error
+        .then(pl.col("value").round(4).cast(pl.String))
+        .otherwise(pl.format("{} ± {}", pl.col("value").round(4), pl.col("stderr").round(4)))
+        .alias("score"),
         pl.col("baseline_value").round(4).alias("baseline"),
         (pl.col("recovery") * 100).round(2).alias("recovery_%"), "samples",
-        "truncation", "job_id")
+        "truncation", pl.col("recovery_reason").alias("note"), "job_id")
+    not_scored = unscored.select("model", pl.col("config_label").alias("config"),
+                                 pl.format("no task scores: {}", "tasks_error").alias("note"),
+                                 "job_id")
+    return pl.concat([not_scored, scored], how="diagonal_relaxed").select(scored.columns).sort(
+        "model", maintain_order=True)

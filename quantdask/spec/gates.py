@@ -79,12 +79,15 @@ class Gate:
                 and (self.task_metric is None or r["metric"] == self.task_metric)]
         if not rows:
             return [f"{self.label}: no task rows measured"]
+        # A null recovery carries its reason (the baseline's scoring failed, say): shown too.
         return [line for r in rows
-                for line in self._check(r.get(column), f"{r['task']} {r['metric']}")]
+                for line in self._check(r.get(column), f"{r['task']} {r['metric']}",
+                                        r.get("recovery_reason") if column == "recovery"
+                                        else None)]
 
-    def _check(self, value: Any, what: str) -> list[str]:
+    def _check(self, value: Any, what: str, why: str | None = None) -> list[str]:
         if value is None or value != value:  # None or NaN: not measured
-            return [f"{self.label}: {what} was not measured"]
+            return [f"{self.label}: {what} was not measured" + (f" ({why})" if why else "")]
         if _OPS[self.op](value, self.threshold):
             return []
         return [f"{self.label}: {what} is {value:.4g}"]

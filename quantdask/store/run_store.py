@@ -14,7 +14,7 @@ Layout::
     RUN_DIR/sessions/<run_id>.parquet  one row per driver session (when, how many workers)
     RUN_DIR/excluded_workers.json   workers taken out of rotation, and why
     RUN_DIR/.lock                   held (flock) by the driver running a sweep here
-    RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt
+    RUN_DIR/logs/jobs/<job_id>.log    a job's log, every attempt (a running one's lines so far)
     RUN_DIR/logs/workers/worker-<name>.log  a worker's log, every job it ran
     RUN_DIR/report.html             the run's HTML report (and report.ipynb, executed)
     RUN_DIR/scaling/                the demo's scaling runs, one run directory per worker count
@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,25 +276,35 @@ class RunStore:
             return []
         return json.loads(path.read_text())
 
-    def append_attempt_log(self, job_id: str, attempt: int, record: dict[str, Any],
-                           log: str) -> None:
-        """An attempt's ``log`` lines into its job's and its worker's log; an attempt that ended
-        outside the job (no lines) gets one saying why, from its ``record``."""
-        text = log or (
-            f"{datetime.datetime.now(datetime.UTC).isoformat()} ERROR {job_id} "
-            f"attempt={attempt} failed outside the job ({record.get('failure_class')}): "
-            f"{record.get('error_class')}: {record.get('error_message')}\n")
-        self.append_job_log(job_id, text)
-        self.append_worker_log(record.get("worker") or "unknown-worker", text)
+    def append_job_log(self, job_id: str, text: str) -> int:
+        """Append ``text`` to the job's log; returns the log's length in bytes before it."""
+        data = (text if text.endswith("\n") else text + "\n").encode()
+        with open(self.job_log_path(job_id), "ab") as f:
+            f.write(data)
+            return f.tell() - len(data)
 
-    def append_job_log(self, job_id: str, text: str) -> None:
-        with open(self.job_log_path(job_id), "a", encoding="utf-8") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
+    def replace_job_log_tail(self, job_id: str, start: int,
+                             new_tail: Callable[[str], str]) -> None:
+        """Replace the job's log from byte ``start`` on by ``new_tail(what was there)``, in one
+        atomic rewrite: a reader sees the old log or the new one, never parts of both."""
+        path = self.job_log_path(job_id)
+        old = path.read_bytes() if path.exists() else b""
+        tail = new_tail(old[start:].decode(errors="replace")).encode()
+        atomic_write(path, lambda f: f.write(old[:start] + tail), durable=False)
 
     def append_worker_log(self, worker: str, text: str) -> None:
         name = _SAFE_NAME.sub("_", worker).strip("_") or "unknown"
         with open(self.worker_logs_dir / f"worker-{name}.log", "a", encoding="utf-8") as f:
             f.write(text if text.endswith("\n") else text + "\n")
+
+
+def attempt_log_text(job_id: str, attempt: int, record: dict[str, Any], log: str) -> str:
+    """An attempt's lines for the logs: its ``log``, or for an attempt that ended outside the
+    job (no lines) one saying why, from its ``record``."""
+    return log or (
+        f"{datetime.datetime.now(datetime.UTC).isoformat()} ERROR {job_id} "
+        f"attempt={attempt} failed outside the job ({record.get('failure_class')}): "
+        f"{record.get('error_class')}: {record.get('error_message')}\n")
 
 
 def _checked_rows(frame: Frame, rows: list[dict[str, Any]]) -> pl.DataFrame:

@@ -55,6 +55,9 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "tasks_peak_device_mem_bytes": pl.Int64(),
     "tasks_peak_host_rss_bytes": pl.Int64(),
     "tasks_truncated_samples": pl.Int64(),
+    # The baseline's only: why its tasks have no scores (scoring the unquantized model failed;
+    # its quality figures and the quantized jobs' task scores stand). Null otherwise.
+    "tasks_error": pl.String(),
     # The speed phase (a sweep with a speed block; null without): its wall time, warm-up runs
     # included. Its figures are in the speed frame, one row per batch size.
     "speed_s": pl.Float64(),
@@ -179,10 +182,13 @@ TASK_SCHEMA: dict[str, pl.DataType] = {
     "baseline_stderr": pl.Float64(),
     # value / baseline_value (baseline / value where lower is better): 1 is no loss
     "recovery": pl.Float64(),
+    # Why recovery is null (the baseline's task scoring failed: its error; a figure missing on
+    # either side; a divisor of 0); null when recovery is set.
+    "recovery_reason": pl.String(),
 }
 """One row per (done job, task, metric, filter) of a sweep with a tasks block."""
 TASK_OPTIONAL = ("value", "stderr", "samples", "num_fewshot", "higher_is_better",
-                 "baseline_value", "baseline_stderr", "recovery")
+                 "baseline_value", "baseline_stderr", "recovery", "recovery_reason")
 
 SPEED_SCHEMA: dict[str, pl.DataType] = {
     "job_id": pl.String(),

@@ -8,8 +8,11 @@ there, so on several machines it must be shared storage. The result records wher
 bytes on disk and a sha256 (see :func:`directory_digest`). With ``verify: true`` the worker
 reloads the saved directory with ``from_pretrained``, as a user would, and measures KL on the
 first :data:`VERIFY_WINDOWS` eval windows against the reference, for the reloaded model and the
-one in memory (measured before the save, which may change it: see ``Backend.prepare_save``):
-``reload_kl_delta`` is the difference. ``keep: pareto`` then deletes, once the sweep ends, the
+one in memory: ``reload_kl_delta`` is the difference. The in-memory model's is the score phase's
+(its windows frame rows, measured before the save, which may change the model: see
+``Backend.prepare_save``), so that model is not evaluated twice; the reloaded one is scored in
+the eval's own batches of those windows (LLM.int8 picks its outlier columns per forward pass, so
+what shares a batch moves its output). ``keep: pareto`` then deletes, once the sweep ends, the
 artifacts of jobs off each model's size/KL Pareto frontier.
 
 A failed save never loses the job's result: the error goes to ``artifact_error``, and the job
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdask.worker.records import Artifact
+from quantdask.worker.records import Artifact, PhaseRecord, Row, Scored
 
 if TYPE_CHECKING:
 
@@ -55,10 +60,12 @@ def directory_digest(directory: str) -> tuple[str, int]:
     return hashlib.sha256(manifest).hexdigest(), total
 
 
-def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> Artifact:
+def keep_artifact(model, tokenizer, backend, job, reference, device: str,
+                  records: Sequence[PhaseRecord] = ()) -> Artifact:
     """Save ``model`` as ``job``'s artifact (and reload-check it when asked); the result's
-    artifact columns. A failure is the ``artifact_error`` column, raised again only when the
-    sweep requires artifacts."""
+    artifact columns. ``records``: what the attempt's phases produced so far, whose ``Scored``
+    gives the in-memory model's KL per window (without one, it is measured here). A failure is
+    the ``artifact_error`` column, raised again only when the sweep requires artifacts."""
     settings = job.artifacts
     try:
         if not backend.saves:
@@ -68,8 +75,11 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str) -> Art
                                "reload yet")
         # The model as the job scored it: a save may change the model in memory (bitsandbytes'
         # CPU repacking, undone lossily), and the reloaded copy would then agree with the damage.
-        before = (verify_kl(model, reference, job.eval.batch_size, device)
-                  if settings.verify else None)
+        before = None
+        if settings.verify:  # the score phase's figure; measured here only without one
+            before = scored_kl(records)
+            if before is None:
+                before = verify_kl(model, reference, job.eval.batch_size, device)
         with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
             local = os.path.join(scratch, job.id)
             if backend.prepare_save is not None:
@@ -115,19 +125,42 @@ def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
     return target
 
 
-def verify_kl(model, reference, batch_size: int, device: str) -> float:
-    """KL of ``model`` against the reference on its first :data:`VERIFY_WINDOWS` windows."""
-    from quantdask.worker.metrics import quality
+def windows_kl(rows: Sequence[Row]) -> float:
+    """KL per predicted token over the first :data:`VERIFY_WINDOWS` of the windows frame's
+    ``rows``: each row's ``kl`` is its window's mean, so weighted by its ``tokens`` (clipped
+    at 0, as ``kl_divergence`` is)."""
+    first = sorted(rows, key=lambda row: row["window"])[:VERIFY_WINDOWS]
+    tokens = sum(row["tokens"] for row in first)
+    kl = math.fsum(row["kl"] * row["tokens"] for row in first) / tokens
+    if not math.isfinite(kl):  # an fp16 overflow, say: a failed check, not a measurement
+        raise ArithmeticError(f"non-finite KL ({kl}) on the first {len(first)} windows")
+    return max(kl, 0.0)
 
-    windows = reference.windows[:VERIFY_WINDOWS]
-    distribution = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
-    return quality(model, windows, distribution, batch_size, device).kl_divergence
+
+def scored_kl(records: Sequence[PhaseRecord]) -> float | None:
+    """The in-memory model's KL on the first :data:`VERIFY_WINDOWS` windows, from the score
+    phase's rows among ``records`` (None without them)."""
+    scored = next((r for r in records if isinstance(r, Scored) and r.windows), None)
+    return None if scored is None else windows_kl(scored.windows)
+
+
+def verify_kl(model, reference, batch_size: int, device: str) -> float:
+    """KL of ``model`` against the reference on its first :data:`VERIFY_WINDOWS` windows,
+    measured in the eval's batches (the windows of those batches go through the model; the
+    first :data:`VERIFY_WINDOWS` are compared), as the score phase measured them."""
+    from quantdask.worker.metrics import measure_quality
+
+    covering = min(reference.windows.size(0), -(-VERIFY_WINDOWS // batch_size) * batch_size)
+    windows = reference.windows[:covering]
+    distribution = {k: t[:covering] for k, t in reference.distribution.items()}
+    meter = measure_quality(model, windows, distribution, batch_size, device)
+    return windows_kl(meter.window_rows())
 
 
 def reload_kl_delta(before: float, directory: str, reference, batch_size: int,
                     device: str) -> float:
     """KL of the model reloaded from ``directory`` (see :func:`verify_kl`) minus ``before``,
-    the in-memory model's, measured before it was saved."""
+    the in-memory model's, measured (by the score phase) before it was saved."""
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(directory, device_map=device)

@@ -12,12 +12,13 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from quantdask.util import utcnow
 from quantdask.worker.devices import this_workers_sampler
+from quantdask.worker.live_log import LiveLog
 from quantdask.worker.records import Row
 from quantdask.worker.runtime import announce_start, quiet_libraries
 
@@ -61,19 +62,39 @@ def attempt_scope(key: str, take_samples: bool = True) -> Iterator[AttemptScope]
             scope.samples = sampler.job_finished(key, take=take_samples)
 
 
-@contextlib.contextmanager
-def captured_log(logger: logging.Logger, prefix: str) -> Iterator[io.StringIO]:
-    """Copy what ``logger`` says in this thread into a buffer, each line with ``prefix``.
+class ThisThread(logging.Filter):
+    """Passes only the lines logged in the thread that made it. Jobs packed on one worker run
+    in threads of one process and log on the same logger: each job's handlers take this
+    filter, so each job's log holds its own lines only."""
 
-    Jobs packed on one worker run in threads of one process: each keeps its own lines only."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread == self.thread
+
+
+@contextlib.contextmanager
+def captured_log(logger: logging.Logger, prefix: str,
+                 live: Callable[[str], None] | None = None) -> Iterator[io.StringIO]:
+    """Copy what ``logger`` says in this thread into a buffer, each line with ``prefix``; with
+    ``live``, send the same lines to it too, in batches while they are logged
+    (``worker.live_log``: the driver shows them in the job's log while the attempt runs)."""
     buffer = io.StringIO()
-    handler = logging.StreamHandler(buffer)
-    this_thread = threading.get_ident()
-    handler.addFilter(lambda line: line.thread == this_thread)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix} %(message)s"))
-    logger.addHandler(handler)
+    handlers: list[logging.Handler] = [logging.StreamHandler(buffer)]
+    if live is not None:
+        handlers.append(LiveLog(live))
+    only_this_thread = ThisThread()
+    formatter = logging.Formatter(f"%(asctime)s %(levelname)s {prefix} %(message)s")
+    for handler in handlers:
+        handler.addFilter(only_this_thread)
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
         yield buffer
     finally:
-        logger.removeHandler(handler)
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()  # the live one drops its pending lines: the whole log has them

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from quantdask.errors import JobTimeout, UnsupportedHere
+from quantdask.randomness import job_random
 from quantdask.util import utcnow
 from quantdask.words import FailureClass, Status
 from quantdask.worker import cpu_share
@@ -37,6 +38,7 @@ from quantdask.worker.calibration import Calibration
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.faults import inject_faults
 from quantdask.worker.layers import OutputErrors, weight_errors
+from quantdask.worker.live_log import live_sender
 from quantdask.worker.measure import PeakMemory, Stopwatch
 from quantdask.worker.metrics import measure_quality
 from quantdask.worker.model_source import cached_model_source
@@ -215,24 +217,28 @@ def _positioned(layers: list[Row]) -> list[Row]:
 def score_tasks(run: JobRun) -> TaskScores | None:
     """The sweep's lm-eval tasks on the quantized model in memory, with the baseline's scores
     of its model beside each (the baseline job reuses those: its model is the one they were
-    scored on, once per model with the reference)."""
+    scored on, once per model with the reference). When the baseline's scoring failed, the
+    baseline job records why (``tasks_error``) and no rows, and every other job's rows say it
+    where their recovery is null."""
     tasks, baseline = run.job.tasks, run.reference.tasks
     if tasks is None:
         return None
+    error = (baseline.error if baseline is not None
+             else "its model's reference carries no baseline task scores")
     if run.job.is_baseline:
-        if baseline is None:
-            raise ValueError("this job's reference carries no baseline task scores")
-        rows, seconds = baseline.rows, baseline.seconds
-        device_peak, rss_peak = baseline.peak_device_mem_bytes, baseline.peak_host_rss_bytes
-    else:
-        from quantdask.worker.tasks import evaluate_tasks
+        rows, seconds = (baseline.rows, baseline.seconds) if baseline else ([], 0.0)
+        device_peak, rss_peak = ((baseline.peak_device_mem_bytes, baseline.peak_host_rss_bytes)
+                                 if baseline else (0, 0))
+        scored = with_baseline(rows, rows, error)
+        return TaskScores(seconds, device_peak, rss_peak, truncated_total(scored),
+                          tasks_error=error, tasks=scored)
+    from quantdask.worker.tasks import evaluate_tasks
 
-        with run.watch("tasks"), PeakMemory(run.cuda) as peak:
-            rows = evaluate_tasks(run.model, run.source.tokenizer, tasks)
-        seconds, device_peak, rss_peak = (run.watch.seconds["tasks"], peak.peak_device_bytes,
-                                          peak.peak_rss_bytes)
-    scored = with_baseline(rows, run.reference.baseline_tasks)
-    return TaskScores(seconds, device_peak, rss_peak, truncated_total(scored), tasks=scored)
+    with run.watch("tasks"), PeakMemory(run.cuda) as peak:
+        rows = evaluate_tasks(run.model, run.source.tokenizer, tasks)
+    scored = with_baseline(rows, run.reference.baseline_tasks, error)
+    return TaskScores(run.watch.seconds["tasks"], peak.peak_device_bytes, peak.peak_rss_bytes,
+                      truncated_total(scored), tasks=scored)
 
 
 def time_generation(run: JobRun) -> Speed | None:
@@ -254,12 +260,12 @@ def time_generation(run: JobRun) -> Speed | None:
 
 
 def keep_artifacts(run: JobRun) -> Artifact | None:
-    """Save (and verify) the quantized model, when the sweep keeps artifacts."""
+    """Save (and verify, reusing the score phase's rows) the quantized model, when asked."""
     artifacts = run.job.artifacts
     if artifacts is None or not artifacts.enabled:
         return None
     return keep_artifact(run.model, run.source.tokenizer, run.backend, run.job, run.reference,
-                         run.device)
+                         run.device, run.records)
 
 
 Phase = Callable[[JobRun], PhaseRecord | None]
@@ -347,7 +353,11 @@ def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference
 
         reference = compute_reference(job.model, job.eval, job.eval.read_text(),
                                       calibration=job.calibration, tasks=job.tasks)
-    torch.manual_seed(job.seed)
+    if held_resources().get("GPU", 1.0) >= 1.0:
+        # Alone on this worker (nothing packed beside it): a backend that draws from torch's
+        # global generator is reproducible too. Packed jobs draw from their own generators
+        # only (``quantdask.randomness``), and leave the global one alone.
+        torch.manual_seed(job.seed)
     return JobRun(job, backend, reference, device, cuda, device_label=device_label)
 
 
@@ -363,8 +373,8 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     device samples during it.
     """
     outcome = JobOutcome({})
-    with captured_log(log, f"{job.id} attempt={attempt}") as buffer, \
-            attempt_scope(job.id) as scope:
+    with captured_log(log, f"{job.id} attempt={attempt}", live=live_sender()) as buffer, \
+            attempt_scope(job.id) as scope, job_random(job.seed):
         record = outcome.record = Where(scope.worker, scope.host, scope.started_at).columns()
         try:
             run = start(job, backend, attempt, reference, scope, record)
@@ -378,7 +388,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     outcome.device_samples = scope.samples
     _fail_if_overrun(outcome, job, attempt, scope, buffer)
     outcome.record["finished_at"] = utcnow()
-    outcome.log = buffer.getvalue()
+    outcome.log, outcome.whole_log = buffer.getvalue(), True
     return outcome
 
 

@@ -61,6 +61,9 @@ class JobOutcome:
     rows: dict[str, list[Row]] = field(default_factory=dict)
     device_samples: list[Row] = field(default_factory=list)
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
+    # Whether ``log`` is every line the attempt logged (run_job's): it then replaces the lines
+    # its worker sent while it ran (worker.live_log); else those stay, and ``log`` follows.
+    whole_log: bool = False
 
     @property
     def status(self) -> Status:

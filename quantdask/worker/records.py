@@ -229,6 +229,7 @@ class TaskScores(PhaseRecord):
     tasks_peak_device_mem_bytes: int
     tasks_peak_host_rss_bytes: int
     tasks_truncated_samples: int
+    tasks_error: str | None = None  # the baseline's: why its tasks have no scores
     tasks: list[Row] = frame_rows("tasks")
 
 

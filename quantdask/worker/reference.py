@@ -173,12 +173,14 @@ def compute_reference(model: ModelSpec, settings: EvalSettings, text: str,
 
 @dataclass
 class BaselineTasks:
-    """The unquantized model's task rows, with the time and peak memory scoring them took."""
+    """The unquantized model's task rows, with the time and peak memory scoring them took;
+    ``error`` says why there are none when scoring them failed (``"RuntimeError: ..."``)."""
 
     rows: list[Row]
     seconds: float
     peak_device_mem_bytes: int
     peak_host_rss_bytes: int
+    error: str | None = None
 
 
 def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
@@ -187,22 +189,39 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     runs beside the log-probs (the driver's ``ModelReferences``), every job of the model
     comparing its own scores with these.
 
-    Raises :class:`JobTimeout` when that took longer than ``timeout_s``."""
+    A failure to score them (an exception, or more than ``timeout_s``) is the baseline's
+    alone: it comes back as ``error``, with no rows, and the reference, the baseline's quality
+    figures and the quantized jobs' own task scores stand (their recovery is then null, with
+    the reason)."""
     from quantdask.worker.runtime import torch_device
-    from quantdask.worker.tasks import evaluate_tasks
 
+    rows: list[Row] = []
+    error = None
     with attempt_scope(f"tasks-{model.label}", take_samples=False) as scope, cpu_share.busy():
         source, _ = cached_model_source(model)
         device, _, cuda = torch_device()
         with PeakMemory(cuda) as peak:
-            fp_model = source.build(device)
-            rows = evaluate_tasks(fp_model, source.tokenizer, tasks)
-            del fp_model
+            try:
+                rows = _score_unquantized(source, device, tasks)
+            except Exception as failure:  # noqa: BLE001 - the baseline's task rows fail alone
+                error = f"{type(failure).__name__}: {failure}"
+                log.exception("%s: the baseline's task scoring failed; the quantized jobs "
+                              "keep their own scores, without recovery", model.label)
     _announce(model.label, BASELINE_TASKS_TOPIC)
     elapsed = scope.elapsed()
-    if elapsed > timeout_s:
-        raise JobTimeout("its model's baseline task scores", elapsed, timeout_s)
-    return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes)
+    if error is None and elapsed > timeout_s:
+        rows, late = [], JobTimeout("its model's baseline task scores", elapsed, timeout_s)
+        error = f"{type(late).__name__}: {late}"
+        log.error("%s: %s", model.label, error)
+    return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes, error)
+
+
+def _score_unquantized(source, device, tasks: TaskSettings) -> list[Row]:
+    """The tasks frame's rows of the unquantized model (built here, let go on return)."""
+    from quantdask.worker.tasks import evaluate_tasks
+
+    fp_model = source.build(device)
+    return evaluate_tasks(fp_model, source.tokenizer, tasks)
 
 
 def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,

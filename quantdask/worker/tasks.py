@@ -22,6 +22,7 @@ import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from quantdask.randomness import global_generators
 from quantdask.worker.records import Row
 
 if TYPE_CHECKING:
@@ -91,7 +92,11 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
     import lm_eval
 
     seed = settings.seed
-    with _offline_and_quiet():
+    # lm-eval seeds the process-global generators (random, numpy, torch) and draws from its own
+    # (few-shot: random.Random(seed); bootstrap: random.Random(i); loglikelihood and greedy
+    # scoring draw nothing): it runs beside other seeding calls, never while a packed job's
+    # library draws from the global ones (quantdask.randomness).
+    with _offline_and_quiet(), global_generators():
         lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
                                     batch_size=settings.batch_size,
                                     max_length=settings.max_length)
@@ -185,20 +190,35 @@ def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
     return [leaf for child in groups.get(task, []) for leaf in (_leaves(child, groups) or [child])]
 
 
-def with_baseline(rows: list[Row], baseline: list[Row]
+def with_baseline(rows: list[Row], baseline: list[Row], baseline_error: str | None = None
                   ) -> list[Row]:
     """``rows`` with the baseline's value and standard error of the same (task, metric, filter),
     and ``recovery``: value / baseline value, or baseline / value for a metric where lower is
-    better (perplexity, bits per byte), so that 1.0 is no loss and below 1 a loss either way
-    (null when the divisor is 0 or missing)."""
+    better (perplexity, bits per byte), so that 1.0 is no loss and below 1 a loss either way.
+    Where it is null, ``recovery_reason`` says why: ``baseline_error`` (why the baseline's
+    scoring failed), a figure missing on either side, or a divisor of 0."""
     by_key = {(b["task"], b["metric"], b["filter"]): b for b in baseline}
     joined = []
     for row in rows:
         base = by_key.get((row["task"], row["metric"], row["filter"]), {})
-        value, base_value = row["value"], base.get("value")
-        if row["higher_is_better"] is False:
-            value, base_value = base_value, value
-        recovery = value / base_value if value is not None and base_value else None
+        recovery, reason = _recovery(row, base, baseline_error)
         joined.append({**row, "baseline_value": base.get("value"),
-                       "baseline_stderr": base.get("stderr"), "recovery": recovery})
+                       "baseline_stderr": base.get("stderr"), "recovery": recovery,
+                       "recovery_reason": reason})
     return joined
+
+
+def _recovery(row: Row, base: Row, baseline_error: str | None) -> tuple[float | None, str | None]:
+    """(recovery, None), or (None, why there is none)."""
+    if baseline_error is not None:
+        return None, f"the baseline's task scoring failed: {baseline_error}"
+    if not base:
+        return None, f"the baseline has no {row['metric']} for {row['task']}"
+    value, base_value = row["value"], base.get("value")
+    if value is None or base_value is None:
+        return None, f"{'this config' if value is None else 'the baseline'} has no value"
+    lower_is_better = row["higher_is_better"] is False
+    divisor = value if lower_is_better else base_value
+    if not divisor:
+        return None, f"{'this config' if lower_is_better else 'the baseline'} scored 0"
+    return (base_value if lower_is_better else value) / divisor, None

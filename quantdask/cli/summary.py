@@ -1,0 +1,80 @@
+"""The closing summary's task accuracy and gates, in plain text: what the report's recovery
+table and gates banner say (``report.tasks``: the same functions, so the same numbers).
+
+>>> print("\\n".join(task_lines(results, read_tasks(run_dir))))  # doctest: +SKIP
+task accuracy (score ± standard error; recovery = the share of the baseline's score kept):
+model  config  task        metric  score            baseline  recovery  samples  note
+demo   nf4     demo_facts  acc     0.4167 ± 0.1028  0.4583    90.9%     24       -
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from quantdask.cli.render import table
+from quantdask.words import NO_FILTER, Status
+
+if TYPE_CHECKING:
+    import polars as pl
+
+TASK_COLUMNS = ["model", "config", "task", "metric", "score", "baseline", "recovery", "samples",
+                "note"]
+
+
+def _one_line(text: str | None) -> str | None:
+    return re.sub(r"\s+", " ", text).strip() if text else None
+
+
+def task_lines(results: pl.DataFrame, tasks: pl.DataFrame) -> list[str]:
+    """Each done config's task scores, one line per (task, metric): score ± standard error,
+    the baseline's score and the recovery, as the report's recovery table has them, with why
+    a recovery is missing or a job has no scores (the note); [] without task scores."""
+    from quantdask.report.tasks import recovery_table
+
+    recovery = recovery_table(results, tasks)
+    if recovery.is_empty():
+        return []
+    rows: list[dict[str, Any]] = []
+    for row in recovery.to_dicts():
+        metric = row.get("metric")
+        if metric is not None and row.get("filter") not in (None, NO_FILTER):
+            metric = f"{metric} · {row['filter']}"
+        cut = row.get("truncation") if (row.get("truncation") or "").startswith("TRUNC") else None
+        share = row.get("recovery_%")
+        base = row.get("baseline")  # written as the score is (both rounded to 4 places)
+        rows.append({**row, "metric": metric, "baseline": None if base is None else str(base),
+                     "recovery": None if share is None else f"{share:.1f}%",
+                     "note": "; ".join(n for n in (cut, _one_line(row.get("note"))) if n) or None})
+    return ["task accuracy (score ± standard error; recovery = the share of the baseline's "
+            "score kept):", table(rows, TASK_COLUMNS)]
+
+
+def gate_lines(results: pl.DataFrame) -> list[str]:
+    """The gates' verdict over the done quantized configs, as the report's banner gives it:
+    how many passed them all, and per gate how many met it and how many failed it ([] when
+    the sweep set no gates). Which config failed and why follows (``gate failed:`` lines)."""
+    import polars as pl
+
+    judged = results.filter((pl.col("status") == Status.DONE)
+                            & pl.col("gates_passed").is_not_null()).to_dicts()
+    if not judged:
+        return []
+    met: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for row in judged:
+        for label in (row["gates_met"] or "").splitlines():
+            met[label] = met.get(label, 0) + 1
+        # Each failing figure is a line "<gate label>: <why>"; a config counts once per gate.
+        for label in {line.split(": ", 1)[0] for line in (row["gates_failed"] or "").splitlines()}:
+            failed[label] = failed.get(label, 0) + 1
+    passing = sum(bool(row["gates_passed"]) for row in judged)
+    n = len(judged)
+    verdict = (f"gates: passed: all {n} quantized configs meet every gate" if passing == n
+               else f"gates: FAILED: {n - passing} of {n} quantized configs fail a gate "
+                    f"({passing} pass them all)")
+    gates = sorted(set(met) | set(failed), key=lambda g: (-failed.get(g, 0), g))
+    rows = [{"gate": gate, "met_by": f"{met.get(gate, 0)} of {n}",
+             "failed_by": f"{failed[gate]} of {n}" if gate in failed else "-"} for gate in gates]
+    return [verdict, *("  " + line for line in table(rows, ["gate", "met_by", "failed_by"])
+                       .splitlines())]
