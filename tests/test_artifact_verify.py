@@ -41,7 +41,7 @@ def test_verify_reuses_the_scored_windows_and_reports_the_delta_it_did_before(
     from transformers import AutoModelForCausalLM
 
     import quantdask.worker.artifacts as artifacts
-    import quantdask.worker.job as job_module
+    import quantdask.worker.phases as job_module
     from quantdask.worker.artifacts import VERIFY_WINDOWS
     from quantdask.worker.metrics import quality
 

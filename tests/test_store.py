@@ -218,7 +218,7 @@ def test_every_result_column_comes_from_exactly_one_place():
     import typing
 
     from quantdask.store.schema import FRAME, RESULT_SCHEMA
-    from quantdask.worker.job import PHASES
+    from quantdask.worker.phases import PHASES
     from quantdask.worker.records import NotDone, PhaseRecord, Span, Where
 
     producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS}

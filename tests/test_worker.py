@@ -459,7 +459,7 @@ def test_per_layer_errors_match_an_independent_computation(demo_model, outcomes,
     import torch
     from transformers import AutoTokenizer
 
-    from quantdask.worker.job import PROBE_WINDOWS
+    from quantdask.worker.phases import PROBE_WINDOWS
 
     seq_len, samples = 64, 8  # jobs_for's eval
     with open(DEMO_EVAL_TEXT, encoding="utf-8") as f:
@@ -512,7 +512,7 @@ def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
 
 
 def test_each_phase_records_its_own_time_and_peak(records, outcomes):
-    from quantdask.worker.job import PHASES
+    from quantdask.worker.phases import PHASES
 
     names = [phase.__name__ for phase in PHASES]
     for label, outcome in outcomes.items():

@@ -90,7 +90,7 @@ class Backend(Generic[OptionsT]):
     names it, ``calibrated`` asks for a calibration block. At plan time, on the driver:
     ``check`` and ``selects`` (``quantdask plan``), ``weight_bits`` (the device-memory
     estimate, also made when every sweep places its jobs). On a worker, in the phases of each
-    attempt (``worker.job.PHASES``): ``quantize`` (quantize), ``quantizes`` and
+    attempt (``worker.phases.PHASES``): ``quantize`` (quantize), ``quantizes`` and
     ``stored_bytes`` (coverage), ``dequantize_layer`` (layer weights), ``saves`` and
     ``prepare_save`` (artifacts).
 

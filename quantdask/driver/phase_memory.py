@@ -1,6 +1,6 @@
 """The device memory of each phase of a job, by its config and its model's files alone.
 
-A job's peak is the largest of its phases' (``worker.job.PHASES``; the names here are
+A job's peak is the largest of its phases' (``worker.phases.PHASES``; the names here are
 theirs, as in the phases frame), and each holds the model's weights plus what it computes:
 
 - ``quantize``: the weights at the backend's bits (as loaded, for a backend that loads the
@@ -35,7 +35,7 @@ from quantdask.util import format_bytes
 from quantdask.worker.logits import SLICE_BUDGET_BYTES
 
 QUANTIZE, SCORE, TASKS, SPEED = "quantize", "score", "score_tasks", "time_generation"
-"""The phases whose memory a job's estimate counts (``worker.job.PHASES``' names)."""
+"""The phases whose memory a job's estimate counts (``worker.phases.PHASES``' names)."""
 UPPER_BOUNDS = frozenset({TASKS})
 """Phases whose figure is an upper bound: a job is not refused for them alone."""
 LOGIT_COPIES = 3
