@@ -93,9 +93,11 @@ BUNDLE = {
 """What the bundle carries, pinned: the versions the tests run against here (dask-cuda, which
 needs a GPU, at the pyproject's 26.10). On ``PYTHONPATH`` a ``.pth`` file is not run:
 rapids-dask-dependency's installs an import hook whose dask and distributed patches are empty
-in 26.10, so nothing is lost. lm-eval's task path imports datasets, dill and multiprocess;
-evaluate and pytablewriter (with the six below it) are required by its metadata and imported
-only by its Hugging Face metrics and its results table: carried all the same (1 MiB)."""
+in 26.10, so nothing is lost. lm-eval's task path imports datasets, dill and multiprocess
+(its wheel is made for Python 3.12 alone: ``build`` installs for the lent machine's python);
+evaluate and pytablewriter (with the six below it, chardet and pytz among them) are required
+by its metadata and imported only by its Hugging Face metrics and its results table: carried
+all the same (half a MiB packed)."""
 
 NOT_CARRIED = {
     "bokeh": "the Dask dashboard's pages only (distributed runs without it)",

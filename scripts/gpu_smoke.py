@@ -9,13 +9,13 @@ questions of the demo's multiple-choice task with lm-eval (the tasks frame: acc 
 [0, 1] for every job, the baseline's recovery 1); on the same cluster, torchao
 int8 and int4 weight-only run on the demo model loaded in bfloat16 (int4's size must not count
 its layout's padding: below int8's), and a speed sweep times generation of bf16, int8 and nf4
-(``qd.read_speed`` printed); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once,
-whose peaks must be flagged shared (judged by the worker's clock, ``ran_at_once``; the
-bitsandbytes sweep's jobs, one per worker, must not be) and whose samples must name both; then
-``tests/test_gpu.py`` runs under pytest. Each worker must advertise its GPU's memory (the
-``DEVICE_MEMORY`` resource that placement by memory uses). ``--dry-run`` does the same on CPU
-slots (the tests run it so that this script does not rot), checking ``cpu`` where CUDA would be
-(tests/test_gpu.py skips).
+(``qd.read_speed`` printed); then one GPU with ``jobs_per_gpu: 2`` runs two jobs at once (held
+until both are inside their measured spans: ``held_backend``), whose peaks must be flagged
+shared (the bitsandbytes sweep's jobs, one per worker, must not be) and whose samples must name
+both; then ``tests/test_gpu.py`` runs under pytest. Each worker must advertise its GPU's memory
+(the ``DEVICE_MEMORY`` resource that placement by memory uses). ``--dry-run`` does the same on
+CPU slots (the tests run it so that this script does not rot), checking ``cpu`` where CUDA would
+be (tests/test_gpu.py skips).
 
 It prints first the versions of cuda-core and cuda-bindings (dask-cuda 26.10 imports ``from
 cuda.core import Device``: cuda-core 0.5 or later), of the task path's libraries and the host's
@@ -56,9 +56,10 @@ in a dry run (True) and on a GPU: a few, to check the task path, not the accurac
 
 
 def sweep(name: str, jobs_per_gpu: int = 1, dry_run: bool = False, configs: int = len(CONFIGS),
-          tasks: bool = False):
-    """The smoke sweep (the baseline and the first ``configs`` of ``CONFIGS``), with ``tasks``
-    a few questions of the demo's multiple-choice task scored by lm-eval; a dry run evaluates a
+          tasks: bool = False, backend: str = "bitsandbytes"):
+    """The smoke sweep (the baseline and the first ``configs`` of ``CONFIGS``, of ``backend``:
+    bitsandbytes or ``held_backend``'s), with ``tasks`` a few questions of the demo's
+    multiple-choice task scored by lm-eval; a dry run evaluates a
     quarter of the tokens (CPU slots are slow, and the checks are about where and how jobs ran,
     not about the numbers)."""
     from quantdask import sweep_from_dict
@@ -66,7 +67,7 @@ def sweep(name: str, jobs_per_gpu: int = 1, dry_run: bool = False, configs: int 
 
     return sweep_from_dict({
         "name": name, "models": [{"name": "demo", "path": DEMO_MODEL_DIR}],
-        "backends": [{"backend": "bitsandbytes", "configs": CONFIGS[:configs]}],
+        "backends": [{"backend": backend, "configs": CONFIGS[:configs]}],
         "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 64 if dry_run else 128,
                  "samples": 16 if dry_run else 32, "batch_size": 8},
         **({"tasks": {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
@@ -106,66 +107,69 @@ def print_tasks(tasks, results) -> None:
               flush=True)
 
 
-MARGIN_S = 0.1
-"""How much of a job's wall span (``wall_s``) may lie outside its peak-memory block: entering
-the block (its lock, held while another block synchronizes the device) and leaving it (a
-sampler thread joined, the device synchronized) take milliseconds."""
+RENDEZVOUS_S = 30.0
+"""How long a packed job of a held backend waits for the other (``held_backend``)."""
 
 
-def measured_spans(results) -> dict[str, tuple[str, float, float, float, float]]:
-    """Per done job: its worker, where its measured span (the phases' ``PeakMemory`` block, of
-    ``wall_s`` seconds) surely was, and where it may have been, in seconds on the worker's clock.
+def held_backend(original, folder: Path, patience: float = RENDEZVOUS_S):
+    """``original`` (a registered ``Backend``) as ``<name>-held``, whose quantize first waits
+    until another job has reached the same point (a file each in ``folder``: the jobs are
+    threads of one worker, or processes of one machine).
 
-    ``started_at`` and ``finished_at`` are the attempt's (the worker's clock), and enclose
-    more than the span: the start and the record, milliseconds each (and the faults, the log,
-    the last device sample). Wherever the span lies in them, it covers [finished_at - wall_s,
-    started_at + wall_s] (less ``MARGIN_S`` at each end) and nothing outside [started_at,
-    finished_at]."""
-    spans = {}
-    for r in results.filter(results["status"] == "done").to_dicts():
-        began, ended = r["started_at"].timestamp(), r["finished_at"].timestamp()
-        spans[r["job_id"]] = (r["worker"], ended - r["wall_s"] + MARGIN_S,
-                              began + r["wall_s"] - MARGIN_S, began, ended)
-    return spans
+    The quantize phase is inside a job's measured span (its ``PeakMemory`` block), so two
+    packed jobs of this backend that are both done were both inside their spans at the moment
+    the second arrived: they surely ran at once, however short their jobs are. (Judged by their
+    start and end times, a job of a tenth of a second, such as the baseline, which the
+    model's reference spares its work, overlapped another's attempt while its span did not:
+    the check failed once that way.) One that waits ``patience`` seconds alone fails its job."""
+    import dataclasses
 
+    quantize, where = original.quantize, str(folder)
 
-def ran_at_once(results) -> tuple[list[tuple[str, str]], set[str]]:
-    """Pairs of jobs whose measured spans surely overlapped on one worker (each was inside its
-    span while the other was), and the jobs that surely ran alone (whose whole attempt
-    overlapped no other job's on its worker): what their ``peak_shared`` must say. A job in
-    neither is not judged (its span and another's were milliseconds apart). Taken from the
-    worker's clock, not from the order the driver heard of starts and ends: timing decides
-    which jobs are judged, never whether the flags are right."""
-    spans = measured_spans(results)
-    jobs = sorted(spans)
-    surely, maybe = [], set()
-    for i, a in enumerate(jobs):
-        for b in jobs[i + 1:]:
-            (wa, sure_a0, sure_a1, a0, a1), (wb, sure_b0, sure_b1, b0, b1) = spans[a], spans[b]
-            if wa != wb:
-                continue
-            if max(sure_a0, sure_b0) < min(sure_a1, sure_b1):
-                surely.append((a, b))
-            if max(a0, b0) < min(a1, b1):
-                maybe |= {a, b}
-    return surely, set(jobs) - maybe
+    def held_quantize(source, options, device, **kwargs):
+        import os
+        import threading
+        import time
+        from pathlib import Path
+
+        here = Path(where)
+        here.mkdir(parents=True, exist_ok=True)
+        (here / f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}").touch()
+        deadline = time.monotonic() + patience
+        while len(list(here.iterdir())) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no other packed job reached quantize within {patience:g}s:"
+                                   " the packed jobs did not run at once")
+            time.sleep(0.01)
+        return quantize(source, options, device, **kwargs)
+
+    return dataclasses.replace(original, name=f"{original.name}-held", quantize=held_quantize)
 
 
-def print_spans(results, pairs: list[tuple[str, str]], alone: set[str]) -> None:
-    """Each packed job's attempt and measured span (seconds from the first start) and its
-    flag, with what the clock says of it (``ran_at_once``)."""
-    spans = measured_spans(results)
+def ran_alone(results) -> set[str]:
+    """The done jobs whose attempt overlapped no other job's on its worker, by the worker's
+    clock: their measured spans (inside the attempts) surely overlapped none, so their peaks
+    must not be flagged shared."""
+    rows = results.filter(results["status"] == "done").to_dicts()
+    return {a["job_id"] for a in rows
+            if not any(b is not a and a["worker"] == b["worker"]
+                       and a["started_at"] < b["finished_at"]
+                       and b["started_at"] < a["finished_at"] for b in rows)}
+
+
+def print_packed(results, met: list[str], alone: set[str]) -> None:
+    """Each packed job's attempt (seconds from the first start), measured span, quantize time
+    (the held backend's includes its wait) and flag, with what is known of it."""
     labels = dict(zip(results["job_id"], results["config_label"], strict=True))
-    flags = dict(zip(results["job_id"], results["peak_shared"], strict=True))
-    zero = min((span[3] for span in spans.values()), default=0.0)
-    together = {job for pair in pairs for job in pair}
-    for job, (_, sure0, sure1, began, ended) in sorted(spans.items(), key=lambda s: s[1][3]):
-        verdict = ("ran with another" if job in together else "ran alone" if job in alone
-                   else "not judged")
-        sure = (f"{sure0 - zero:6.2f}-{sure1 - zero:6.2f}s" if sure0 < sure1
-                else "at no moment for sure (a short span)")
-        print(f"smoke:      {labels[job]:14} attempt {began - zero:6.2f}-{ended - zero:6.2f}s, "
-              f"measuring {sure}: {verdict}; peak_shared {flags[job]}", flush=True)
+    zero = results["started_at"].min()
+    for r in results.sort("started_at").to_dicts():
+        known = ("met another inside its span" if r["job_id"] in met
+                 else "ran alone" if r["job_id"] in alone else "not judged")
+        print(f"smoke:      {labels[r['job_id']]:14} {r['status']:7} attempt "
+              f"{(r['started_at'] - zero).total_seconds():6.2f}-"
+              f"{(r['finished_at'] - zero).total_seconds():6.2f}s, measured "
+              f"{r['wall_s'] or 0:.2f}s, quantize {r['quantize_s'] or 0:.2f}s: {known}; "
+              f"peak_shared {r['peak_shared']}", flush=True)
 
 
 def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
@@ -484,6 +488,7 @@ def main() -> int:
 def run_checks(args, out: Path, check, stages: Stages) -> None:
     """Every check of the smoke, stage by stage, into ``out``."""
     import quantdask as qd
+    from quantdask.backends import get_backend, register_backend
 
     device_pattern = r"cpu" if args.dry_run else r"cuda:(\d+|(GPU|MIG)-\S+)"
     where = {"workers": 2} if args.dry_run else {}
@@ -539,23 +544,27 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
         check(ok, what)
 
     shared = {"workers": 1} if args.dry_run else {"gpus": [0]}
+    held = register_backend(held_backend(get_backend("bitsandbytes"), out / "rendezvous"),
+                            replace=True).name
     with stages("packed sweep (its own cluster)"):
         with qd.start_cluster(jobs_per_worker=2, **shared) as cluster:
             packed = qd.run_sweep(sweep("smoke-shared", jobs_per_gpu=2, dry_run=args.dry_run,
-                                        configs=2), out / "shared", cluster.client)
-    # The baseline and two configs on two slots of one worker: the first two start together,
-    # when the model's reference is done, and each runs for a second or more, so they surely
-    # overlap; the third starts when one of them ends, and is judged only where the clock
-    # says for sure. The bitsandbytes sweep above ran one job per worker: each alone.
-    pairs, alone = ran_at_once(packed)
-    print_spans(packed, pairs, alone)
-    check(len(pairs) > 0, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
-                          f"({len(pairs)} pairs surely inside their measured spans together)")
-    both = {job for pair in pairs for job in pair}
+                                        configs=2, backend=held), out / "shared", cluster.client)
+    # Its two configs met inside their quantize phases (held_backend): they ran at once,
+    # whatever the timing. Jobs whose attempts overlapped none ran alone: the bitsandbytes
+    # sweep's above (one job per worker), and any packed one so placed. The others (the
+    # packed baseline) are not judged: their spans may or may not have overlapped.
+    done = packed.filter(packed["status"] == "done")
+    met = done.filter(done["backend"] == held)["job_id"].to_list()
+    alone = ran_alone(packed)
+    print_packed(packed, met, alone)
+    check(len(met) == 2, f"two jobs ran at once on one {'slot' if args.dry_run else 'GPU'} "
+                         f"({len(met)} packed jobs met inside their measured spans; "
+                         f"{packed['status'].to_list()})")
     flag = dict(zip(packed["job_id"], packed["peak_shared"], strict=True))
-    flagged = [flag[job] for job in sorted(both)]
+    flagged = [flag[job] for job in sorted(met)]
     alone_flags = [flag[job] for job in sorted(alone)] + results["peak_shared"].to_list()
-    check(bool(flagged) and all(flagged) and not any(alone_flags),
+    check(len(met) == 2 and all(flagged) and not any(alone_flags),
           f"the peaks of jobs that ran at once are flagged shared ({flagged}), of jobs that ran "
           f"alone not ({len(alone)} packed, {results.height} one per worker: {alone_flags})")
     tags = qd.read_device_samples(out / "shared")["job_id"].drop_nulls().to_list()
