@@ -64,7 +64,16 @@ def test_a_group_size_that_does_not_divide_a_layer_skips_the_job(torchao_outcome
         in skipped["error_message"]
 
 
-def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
+@pytest.fixture
+def llama_loaded():
+    """The demo model's classes, loaded before a test blocks a quantization library:
+    transformers imports them lazily, and that import fails while the library is blocked (the
+    tests that block one otherwise hinge on an earlier test having loaded them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+
+def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, llama_loaded,
+                                                             monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock(
         "torchao", configs=[{"mode": "int8_weight_only"}])))[1]
@@ -129,22 +138,13 @@ def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
 @pytest.mark.timeout(240)
 def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_and_the_job(
         tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from quantdask.driver.planning import plan_sweep
-    from tests.tiny_families import copy_demo_tokenizer
+    from tests.tiny_families import build_tiny_llama
 
     # Width 40, 2 key/value heads of 10: k_proj holds 20 x 40 = 800 weights, no multiple of 64
     # (every layer's is a multiple of 16).
-    config = LlamaConfig(vocab_size=1024, hidden_size=40, intermediate_size=72,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    copy_demo_tokenizer(tmp_path)
-    sweep = sweep_of(str(tmp_path), BackendBlock("hqq", grid={"bits": [4],
-                                                              "group_size": [64, 16]}))
+    model = build_tiny_llama(tmp_path, hidden_size=40, intermediate_size=72)
+    sweep = sweep_of(model, BackendBlock("hqq", grid={"bits": [4], "group_size": [64, 16]}))
     plan = plan_sweep(sweep).filter(pl.col("backend") == "hqq").sort("config_label")
     assert plan["config_label"].to_list() == ["hqq 4b g16", "hqq 4b g64"]
     assert plan["state"].to_list() == ["to run", "unsupported"]
@@ -165,20 +165,13 @@ def test_bnb_4bit_on_a_cpu_whose_kernel_cannot_take_a_width_is_unsupported_up_fr
     error, on every retry): quantdask says so in the plan and skips the job with the reason.
     Without that kernel the same model runs."""
     import bitsandbytes.functional
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from quantdask.driver.planning import plan_sweep
-    from tests.tiny_families import copy_demo_tokenizer
+    from tests.tiny_families import build_tiny_llama
 
     monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: bf16_kernel)
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)  # down_proj takes 96 inputs
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    copy_demo_tokenizer(tmp_path)
-    sweep = sweep_of(str(tmp_path), BackendBlock("bitsandbytes", configs=[{"bits": 4},
+    model = build_tiny_llama(tmp_path, hidden_size=64, intermediate_size=96)  # down_proj: 96 in
+    sweep = sweep_of(model, BackendBlock("bitsandbytes", configs=[{"bits": 4},
                                                                          {"bits": 8}]))
     reason = ("bitsandbytes' CPU 4-bit kernel on this processor (AVX512-BF16) needs each "
               "quantized layer's input width to be a multiple of 64: "
@@ -195,7 +188,8 @@ def test_bnb_4bit_on_a_cpu_whose_kernel_cannot_take_a_width_is_unsupported_up_fr
         assert record["error_message"] == reason
 
 
-def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, monkeypatch):
+def test_a_missing_hqq_skips_the_job_with_an_install_hint(demo_model, llama_loaded,
+                                                         monkeypatch):
     monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # import fails
     job = expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[{"bits": 4}])))[1]
     record = run_job(job, get_backend("hqq")).record

@@ -14,7 +14,7 @@ from quantdask.worker.job import run_job
 from quantdask.worker.model_source import ModelSource, load_model_source
 from quantdask.worker.reference import compute_reference
 from tests.conftest import sweep_dict
-from tests.tiny_families import FAMILIES, build_tiny, copy_demo_tokenizer
+from tests.tiny_families import FAMILIES, build_tiny, build_tiny_llama
 
 REASON = ("bitsandbytes' CPU 4-bit kernel on this processor (AVX512-BF16) needs each "
           "quantized layer's input width to be a multiple of 64: "
@@ -25,16 +25,7 @@ REASON = ("bitsandbytes' CPU 4-bit kernel on this processor (AVX512-BF16) needs 
 @pytest.fixture
 def narrow_llama(tmp_path):
     """A tiny Llama whose down_proj takes 96 inputs (no multiple of 64)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    copy_demo_tokenizer(tmp_path)
-    return str(tmp_path)
+    return build_tiny_llama(tmp_path, hidden_size=64, intermediate_size=96)
 
 
 @pytest.mark.timeout(120)

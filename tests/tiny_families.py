@@ -72,6 +72,23 @@ def build_tiny(family: str, directory: Path) -> Path:
     return directory
 
 
+def build_tiny_llama(directory: Path, hidden_size: int, intermediate_size: int) -> str:
+    """A one-layer Llama of the given widths (4 heads, 2 key/value heads) saved in
+    ``directory`` with the demo's tokenizer: for layer shapes a kernel or a group size cannot
+    take."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    copy_demo_tokenizer(directory)
+    return str(directory)
+
+
 def copy_demo_tokenizer(directory: Path) -> None:
     """The demo model's tokenizer (vocabulary 1,024) into ``directory``."""
     for name in ("tokenizer.json", "tokenizer_config.json"):

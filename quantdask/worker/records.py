@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import typing
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +45,15 @@ class PhaseRecord:
     def columns(self) -> ResultRow:
         """Its results columns, nested records' flattened in."""
         columns: ResultRow = {}
+        nested = type(self).nested()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if _FRAME in f.metadata:
                 continue
             if isinstance(value, PhaseRecord):
                 columns.update(value.columns())
-            elif f.name in type(self).nested():
-                columns.update(dict.fromkeys(type(self).nested()[f.name].column_names()))
+            elif f.name in nested:
+                columns.update(dict.fromkeys(nested[f.name].column_names()))
             else:
                 columns[f.name] = value
         return columns
@@ -64,13 +66,7 @@ class PhaseRecord:
     @classmethod
     def nested(cls) -> dict[str, type[PhaseRecord]]:
         """Fields that hold another record (or None: its columns then null)."""
-        nested = {}
-        for name, hint in typing.get_type_hints(cls).items():
-            for kind in typing.get_args(hint) or (hint,):
-                if (isinstance(kind, type) and typing.get_origin(kind) is None
-                        and issubclass(kind, PhaseRecord)):
-                    nested[name] = kind
-        return nested
+        return _nested_fields(cls)
 
     @classmethod
     def column_names(cls) -> tuple[str, ...]:
@@ -263,3 +259,16 @@ class NotDone(PhaseRecord):
     error_class: str
     error_message: str
     traceback: str | None = None
+
+
+@functools.cache
+def _nested_fields(record_type: type[PhaseRecord]) -> dict[str, type[PhaseRecord]]:
+    """``PhaseRecord.nested``, read from the type hints once per record type (every job
+    assembles its row through it)."""
+    nested = {}
+    for name, hint in typing.get_type_hints(record_type).items():
+        for kind in typing.get_args(hint) or (hint,):
+            if (isinstance(kind, type) and typing.get_origin(kind) is None
+                    and issubclass(kind, PhaseRecord)):
+                nested[name] = kind
+    return nested
