@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import functools
 import typing
 from typing import TYPE_CHECKING, Any
 
@@ -261,10 +260,15 @@ class NotDone(PhaseRecord):
     traceback: str | None = None
 
 
-@functools.cache
+_NESTED: dict[str, dict[str, type[PhaseRecord]]] = {}
+
+
 def _nested_fields(record_type: type[PhaseRecord]) -> dict[str, type[PhaseRecord]]:
     """``PhaseRecord.nested``, read from the type hints once per record type (every job
     assembles its row through it)."""
+    key = f"{record_type.__module__}.{record_type.__qualname__}"
+    if key in _NESTED:
+        return _NESTED[key]
     nested = {}
     for name, hint in typing.get_type_hints(record_type).items():
         for kind in typing.get_args(hint) or (hint,):
