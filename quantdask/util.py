@@ -63,3 +63,18 @@ def format_bytes(value: int | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"
+
+
+def import_datasets_offline():
+    """The ``datasets`` module, set never to reach the network (quantdask downloads nothing).
+
+    Both switches are needed: ``HF_DATASETS_OFFLINE`` is read when ``datasets`` is first
+    imported, and a process where another library (lm-eval) imported it first kept it online:
+    a dataset missing from the cache was then looked up on the Hub, five retries over 23 s,
+    before the refusal. Its config's ``HF_HUB_OFFLINE`` is what its loaders check at call time.
+    Raises ImportError when ``datasets`` is not installed."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import datasets
+
+    datasets.config.HF_HUB_OFFLINE = True
+    return datasets

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,37 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file keeps its own order
+
+
+# The tests reach no address but loopback: a name lookup of any other host (a library looking
+# for a model or a data set on the Hub, say) fails at once, and the test that made it fails
+# with the name. (The commands a test starts run their own Python, unguarded.)
+_LOOKED_UP: list[str] = []
+_getaddrinfo = socket.getaddrinfo
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_only_getaddrinfo(host, *args, **kwargs):
+    name = host.decode() if isinstance(host, bytes) else host
+    if name and not _is_loopback(name):
+        _LOOKED_UP.append(name)
+        raise socket.gaierror(socket.EAI_NONAME, f"the tests reach no other address: {name}")
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def reaches_only_loopback():
+    socket.getaddrinfo = _loopback_only_getaddrinfo
+    start = len(_LOOKED_UP)
+    yield
+    looked_up = _LOOKED_UP[start:]
+    assert not looked_up, f"this test looked up hosts other than loopback: {sorted(set(looked_up))}"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -85,3 +85,18 @@ def test_the_eval_text_comes_from_a_file_or_a_dataset_never_both(tmp_path):
         with pytest.raises(SpecError, match="one of the two") as err:
             with_eval(tmp_path, **evaluation)
         assert err.value.field == "eval.text"
+
+
+def test_a_dataset_missing_here_is_refused_at_once_where_datasets_was_imported_online(
+        monkeypatch):
+    # lm-eval imports `datasets` before quantdask could set HF_DATASETS_OFFLINE: the missing
+    # dataset was then looked up on the Hub (five retries, 23 s) before the refusal.
+    import datasets
+
+    from quantdask.spec import text_source
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(SpecError, match="OfflineModeIsEnabled.*Nothing is downloaded"):
+        text_source._load.__wrapped__("wikitext", "wikitext-2-raw-v1", "test", (), "text")
+    assert datasets.config.HF_HUB_OFFLINE

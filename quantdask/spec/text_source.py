@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from quantdask.errors import SpecError
+from quantdask.util import import_datasets_offline
 
 ROW_SEPARATOR = "\n\n"
 
@@ -67,14 +68,11 @@ def dataset_text(source: DatasetSource) -> str:
 @functools.lru_cache(maxsize=4)
 def _load(path: str, name: str | None, split: str, data_files: tuple[str, ...],
           column: str) -> str:
-    # Read at import by `datasets`: set before it is first imported, and on its config after.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
-        import datasets
+        datasets = import_datasets_offline()
     except ImportError:
         raise SpecError("dataset", "needs the `datasets` package: pip install "
                                    "'quantdask[datasets]'") from None
-    datasets.config.HF_DATASETS_OFFLINE = True
     kwargs = {"data_files": list(data_files)} if data_files else {}
     try:
         table = datasets.load_dataset(path, name, split=split, **kwargs)

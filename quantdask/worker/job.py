@@ -74,6 +74,9 @@ def done_record(run: JobRun) -> tuple[ResultRow, dict[str, list[Row]]]:
     """The measured columns of a done attempt, and its rows of the per-job frames, from the
     records its phases produced."""
     peaks = Peaks.of(run.peak)
+    for row in run.phase_rows:  # the span's peak is at least each phase's, read apart from it
+        device = row["peak_device_mem_bytes"]
+        peaks = peaks.max(Peaks(device, device, row["peak_host_rss_bytes"], row["peak_shared"]))
     if run.job.is_baseline and run.reference.baseline_peaks is not None:
         peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
     span = Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows)

@@ -18,11 +18,11 @@ import contextlib
 import functools
 import logging
 import math
-import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from quantdask.randomness import global_generators
+from quantdask.util import import_datasets_offline
 from quantdask.worker.records import Row
 
 if TYPE_CHECKING:
@@ -122,14 +122,11 @@ def _offline_and_quiet():
     per task here. (The model's calls get ``disable_tqdm``; the requests' build has no such
     switch, and tqdm reads ``TQDM_DISABLE`` only when imported, so its bar is switched off
     where lm-eval imported it.)"""
-    # Read at import by `datasets`: set before it is first imported, and on its config after.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    import datasets
+    datasets = import_datasets_offline()
     import lm_eval.api.task as task_module
     import lm_eval.evaluator
     from tqdm import tqdm
 
-    datasets.config.HF_DATASETS_OFFLINE = True
     bar = getattr(task_module, "tqdm", None)
     if bar is not None and bar is tqdm:
         task_module.tqdm = functools.partial(bar, disable=True)
