@@ -11,6 +11,7 @@ from quantdask.backends.autoround import autoround_backend
 from quantdask.backends.base import Backend
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
+from quantdask.backends.gptq import awq_backend, gptq_backend
 from quantdask.backends.hqq import hqq_backend
 from quantdask.backends.options import BackendOptions, Option, option
 from quantdask.backends.torchao import torchao_backend
@@ -45,6 +46,8 @@ register_backend(bitsandbytes_backend)
 register_backend(torchao_backend)
 register_backend(hqq_backend)
 register_backend(autoround_backend)
+register_backend(gptq_backend)
+register_backend(awq_backend)
 
 __all__ = ["BASELINE", "Backend", "BackendOptions", "Option", "backend_names", "get_backend",
            "option", "register_backend"]

@@ -27,6 +27,7 @@ from quantdask.backends.base import (
     skip_label,
 )
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
+from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError
 from quantdask.randomness import global_generators
 
@@ -140,35 +141,13 @@ def weight_bits(options: AutoRoundOptions, loaded_bits: int) -> float:
     return float(loaded_bits)
 
 
-def dequantize_layer(module):
-    """A packed GPTQ-style layer's weight as float32 (out, in), read through its own forward
-    on the identity (whatever its packing), less its bias; None for any other module."""
-    import torch
-
-    if not hasattr(module, "qweight") or not hasattr(module, "infeatures"):
-        return None
-    scales = module.scales
-    rows = []
-    with torch.no_grad():
-        for start in range(0, module.infeatures, 512):  # bounded memory on wide layers
-            stop = min(module.infeatures, start + 512)
-            eye = torch.zeros(stop - start, module.infeatures, dtype=scales.dtype,
-                              device=scales.device)
-            eye[:, start:stop] = torch.eye(stop - start, dtype=scales.dtype, device=scales.device)
-            out = module(eye).float()
-            if getattr(module, "bias", None) is not None:
-                out = out - module.bias.float()
-            rows.append(out)
-    return torch.cat(rows).t().contiguous()
-
-
 autoround_backend = Backend(
     name="autoround",
     quantize=quantize_autoround,
     options=AutoRoundOptions,
     complete=complete_options,
     label=config_label,
-    dequantize_layer=dequantize_layer,
+    dequantize_layer=dequantize_packed_layer,
     check=check_autoround,
     weight_bits=weight_bits,
     selects=selects,

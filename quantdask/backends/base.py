@@ -76,6 +76,7 @@ class ModelFacts:
     layers: int = 0
     kv_heads: int = 0
     head_dim: int = 0
+    model_type: str = ""  # config.json's (the family: "llama"); empty: unknown
 
 
 @dataclass(frozen=True)

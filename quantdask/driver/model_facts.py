@@ -133,4 +133,5 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
                       loaded_bits=DTYPE_BITS.get(job.model.dtype, stored),  # "auto": as stored
                       vocab_size=int(config.get("vocab_size") or 0),
                       max_positions=position_limit(config)[0], layers=decoder_layers,
-                      kv_heads=kv_heads, head_dim=head_dim)
+                      kv_heads=kv_heads, head_dim=head_dim,
+                      model_type=str(config.get("model_type") or ""))

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from quantdask.backends.packed import packed_shape
 from quantdask.worker.measure import stored_tensors
 
 if TYPE_CHECKING:
@@ -139,14 +140,8 @@ def packed_linear_weights(module: torch.nn.Module) -> int:
     """The weights a GPTQ-style packed linear layer holds (``in x out``), or 0: AutoRound's
     export, like GPTQ's and AWQ's, stores integer codes in a ``qweight`` buffer beside
     ``qzeros`` and ``scales``, with no weight parameter."""
-    import torch
-
-    qweight = getattr(module, "qweight", None)
-    rows, columns = (getattr(module, a, None) for a in ("infeatures", "outfeatures"))
-    if not isinstance(qweight, torch.Tensor) or not isinstance(rows, int) \
-            or not isinstance(columns, int):
-        return 0
-    return rows * columns
+    shape = packed_shape(module)
+    return 0 if shape is None else shape[0] * shape[1]
 
 
 def _plain_bias(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

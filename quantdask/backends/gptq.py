@@ -1,0 +1,323 @@
+"""GPTQ and AWQ, the formats most quantized models are served in, through gptqmodel: optional
+backends fitted on the sweep's calibration windows.
+
+Install with ``pip install 'quantdask[gptq]'``. Both quantize the linear layers of the decoder
+blocks in gptqmodel's model definition of the family (the output head and embeddings stay in
+full precision), save the model in the standard checkpoint format (``quantization_config`` in
+config.json, packed ``qweight``/``qzeros``/``scales``) and load it back with plain
+``from_pretrained``, as a user ships and serves it: what is measured is that model.
+
+gptqmodel ends the whole process (``os._exit``) when one of its pool threads meets an input it
+cannot take, so every shape and family it was not checked on is refused before it is called:
+in the plan (``check``) and again on the worker (:class:`UnsupportedHere`, the job skipped
+with the reason). Importing it changes the process's environment (cache folders, allocator
+settings) and the root logger: :func:`_process_state_kept` puts them back, so later jobs on
+the worker see what they would have seen without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+from quantdask.backends.base import (
+    Backend,
+    ModelFacts,
+    missing_library,
+    named_in,
+    require_library,
+)
+from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
+from quantdask.backends.packed import dequantize_packed_layer
+from quantdask.errors import SpecError, UnsupportedHere
+from quantdask.randomness import global_generators
+
+GPTQMODEL = ("gptqmodel", "gptqmodel", "'quantdask[gptq]'")  # module, name, install
+
+GPTQ_BITS = (2, 3, 4, 8)  # what transformers reloads (gptqmodel's 5-7 bit format it does not)
+GPTQ_GROUPS = (-1, 16, 32, 64, 128, 256)
+AWQ_GROUPS = (-1, 16, 32, 64, 128)  # its torch kernel's
+# The families each method was checked on end to end (quantize, save, plain reload, the same
+# logits). Others fail in ways gptqmodel does not report: GPT-2's reload raises, Phi-3's
+# forward does, Falcon's reload leaves its layers random, AWQ on GPT-NeoX reloads to NaN.
+GPTQ_FAMILIES = ("llama", "mistral", "gemma", "qwen2", "gpt_neox", "mixtral")
+AWQ_FAMILIES = ("llama", "mistral", "gemma", "qwen2")
+log = logging.getLogger("quantdask.backends.gptq")
+
+# AWQ searches a clipping range for every layer but these (by name), in batches of 64 outputs.
+AWQ_UNCLIPPED = ("q_", "k_", "query", "key", "Wqkv")
+
+
+@dataclass(frozen=True)
+class GptqOptions(BackendOptions):
+    """GPTQ's options."""
+
+    bits: int | None = option(int, choices=GPTQ_BITS, help="bits per weight")
+    group_size: int | None = option(int, choices=GPTQ_GROUPS, default=128,
+                                    help="weights sharing one scale and zero (default 128; "
+                                         "-1: one group per output row)")
+    sym: bool | None = option(bool, default=True, help="symmetric integers (default true)")
+    desc_act: bool | None = option(bool, default=False,
+                                   help="quantize columns in order of activation size "
+                                        "(default false)")
+    damp_percent: float | None = option(
+        float, default=0.05, check=lambda v: 0 < v < 1, check_hint="must be between 0 and 1",
+        help="dampening added to the Hessian's diagonal, as a share of its mean (default 0.05)")
+    skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+
+@dataclass(frozen=True)
+class AwqOptions(BackendOptions):
+    """AWQ's options."""
+
+    bits: int | None = option(int, choices=(4,), default=4,
+                              help="bits per weight (4: the only width AWQ is sound at here)")
+    group_size: int | None = option(int, choices=AWQ_GROUPS, default=128,
+                                    help="weights sharing one scale and zero (default 128)")
+    sym: bool | None = option(bool, default=False,
+                              help="symmetric integers (default false: AWQ's zero points)")
+    skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+
+def _head_only(options):
+    """Both leave only the output head unquantized: transformers reloads a GPTQ or AWQ model
+    whose other layers were left in full precision with those layers' weights missing."""
+    if tuple(options.skip_modules or ()) != LM_HEAD:
+        raise SpecError("skip_modules", "gptqmodel's GPTQ and AWQ models reload only with every "
+                                        "decoder layer quantized: leave it out (the head alone "
+                                        "is skipped)")
+    return options
+
+
+def complete_gptq(options: GptqOptions) -> GptqOptions:
+    if options.bits is None:
+        raise SpecError("bits", f"is required for gptq: one of "
+                                f"{', '.join(map(str, GPTQ_BITS))}")
+    return _head_only(options)
+
+
+def gptq_label(options: GptqOptions) -> str:
+    label = f"gptq {options.bits}b g{options.group_size}"
+    label += " desc" if options.desc_act else ""
+    label += "" if options.sym else " asym"
+    label += "" if options.damp_percent == 0.05 else f" damp={options.damp_percent:g}"
+    return label
+
+
+def awq_label(options: AwqOptions) -> str:
+    return f"awq {options.bits}b g{options.group_size}" + (" sym" if options.sym else "")
+
+
+def _is_linear(module_class: type) -> bool:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return module_class in (torch.nn.Linear, Conv1D)
+
+
+def selects(name: str, module_class: type, options) -> bool:
+    """The linear layers of the decoder blocks but the skipped ones (never the head)."""
+    return (_is_linear(module_class) and not named_in(name, options.skip_modules)
+            and not named_in(name, LM_HEAD))
+
+
+def _shapes(facts: ModelFacts, options) -> dict[str, tuple[int, int]]:
+    """name -> (in, out) of each layer the config quantizes."""
+    shapes = {}
+    for name, module_class, count in facts.weight_modules:
+        width = facts.linear_in_features.get(name)
+        if width and selects(name, module_class, options):
+            shapes[name] = (width, count // width)
+    return shapes
+
+
+def unsupported(method: str, options, model_type: str,
+                shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why gptqmodel cannot take this config on this model (family, layer widths), or None:
+    each would end the worker's process, or reload to a wrong model."""
+    families = GPTQ_FAMILIES if method == "gptq" else AWQ_FAMILIES
+    if model_type not in families:
+        return (f"{method} through gptqmodel is checked on the families "
+                f"{', '.join(families)}, not {model_type or 'this model'!r}")
+    group = options.group_size
+    for name, (width, out) in shapes.items():
+        if group > 0 and width % group:
+            return (f"group_size={group} does not divide {name}'s {width} inputs; choose a "
+                    "group size that divides every layer's")
+        if method == "gptq" and options.bits == 4 and out % 16:
+            return (f"{name} has {out} outputs: a 4-bit GPTQ layer reloads on the CPU only with "
+                    "a multiple of 16")
+        if method == "awq":
+            clipped = not any(part in name.rsplit(".", 1)[-1] for part in AWQ_UNCLIPPED)
+            if out % (64 if clipped else 8):
+                return (f"{name} has {out} outputs: AWQ takes layers whose outputs are a "
+                        f"multiple of {64 if clipped else 8}")
+    return None
+
+
+def _check(method: str):
+    def check(options, facts: ModelFacts) -> str | None:
+        missing = missing_library(*GPTQMODEL)
+        if missing or not facts.weight_modules:
+            return missing  # without the layer shapes, the worker checks
+        return unsupported(method, options, facts.model_type, _shapes(facts, options))
+    return check
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Whatever gptqmodel's import, quantization and loading change process-wide, put back:
+    the environment (HF_HOME and the other cache folders, PYTORCH_ALLOC_CONF,
+    CUDA_DEVICE_ORDER, AWQ_BATCH_SIZE...), the root logger (a dependency calls basicConfig),
+    the warning filters and torch.compile's cache limit."""
+    import torch
+
+    environment, printed = dict(os.environ), io.StringIO()
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    filters = list(warnings.filters)
+    dynamo = torch._dynamo.config
+    cache_limit = dynamo.cache_size_limit
+    # Its CPU thread pool asks for 2 workers of a pool sized from the cores (1 on 2 cores:
+    # "requests 2 workers but parent 'cpu' only has 1"); its packing extension would compile
+    # C++ for 30 s on first use, for no gain on these layers.
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, (os.cpu_count() or 1) // 2)))
+    os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+    try:
+        # Its news (a banner, tables per layer, progress bars, the saved config) is printed:
+        # a worker's output is a log, and the job's own log says what was done.
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        if printed.getvalue():
+            log.debug("gptqmodel printed:\n%s", printed.getvalue()[-5000:])
+        os.environ.clear()
+        os.environ.update(environment)
+        root.setLevel(level)
+        for handler in set(root.handlers) - set(handlers):
+            root.removeHandler(handler)
+        warnings.filters[:] = filters
+        dynamo.cache_size_limit = cache_limit
+
+
+def _quantize(method: str, source, options, device: str, calibration):
+    """Fit on ``calibration``'s windows, save in the standard format, load that with plain
+    ``from_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = source.build(device)
+    shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+              if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
+    reason = unsupported(method, options, model.config.model_type, shapes)
+    if reason:
+        raise UnsupportedHere(reason)
+    classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
+    with torch.no_grad():  # fit a copy: AWQ rescales norms and weights in place, and the built
+        for param in model.parameters():  # model's tensors are the job's held originals
+            param.data = param.data.clone()
+    if method == "awq" and model.dtype == torch.float32:
+        # AWQ's kernels take half precision only (bfloat16 on the CPU), as AWQ models ship.
+        model = model.to(torch.bfloat16 if device == "cpu" else torch.float16)
+    with _process_state_kept():
+        require_library(*GPTQMODEL)
+        import defuser
+        from gptqmodel import BACKEND, QuantizeConfig
+        from gptqmodel.models._const import normalize_device
+        from gptqmodel.models.auto import MODEL_MAP
+        from gptqmodel.models.base import BaseQModel
+
+        logging.getLogger("logbar").setLevel(logging.ERROR)  # its logger (to stdout)
+        defuser.convert_model(model, cleanup_original=False)  # Mixtral's experts, one per layer
+        common = dict(bits=options.bits, group_size=options.group_size, sym=options.sym,
+                      offload_to_disk=False)  # it never quantizes the head
+        if method == "gptq":
+            config = QuantizeConfig(
+                desc_act=options.desc_act, damp_percent=options.damp_percent,
+                # its activation-ordered groups need groups: off for one group per row
+                act_group_aware=options.group_size > 0 and not options.desc_act, **common)
+        else:
+            config = QuantizeConfig(method="awq", format="gemm", **common)
+        config.device = normalize_device(device)
+        config.calculate_bits_per_weight()
+        windows = calibration.windows
+        model.seqlen = windows.size(1)
+        wrapped = MODEL_MAP.get(model.config.model_type, BaseQModel)(
+            model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
+            model_local_path=source.spec.location)
+        extra = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+        with global_generators(draws=True), calibration.measure():
+            # Every window counts (it drops those of 10 tokens or fewer by default).
+            wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
+        scratch = tempfile.mkdtemp(prefix=f"quantdask-{method}-")
+        try:
+            export = os.path.join(scratch, "model")
+            wrapped.save(export)  # as quantized: the checkpoint's own layout
+            del wrapped, model
+            shipped, loading = AutoModelForCausalLM.from_pretrained(
+                export, device_map=device, output_loading_info=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    missing = loading.get("missing_keys") or []
+    if missing:  # transformers would have filled them at random and said nothing
+        raise UnsupportedHere(f"the saved {method} model reloads without {len(missing)} of "
+                              f"its weights ({sorted(missing)[0]}, ...)")
+    for name, module in shipped.named_modules():
+        if name in classes and hasattr(module, "qweight"):
+            module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
+    return shipped.eval()
+
+
+def quantize_gptq(source, options: GptqOptions, device: str, calibration):
+    """GPTQ: each layer's weights rounded one column at a time, the error so far spread over
+    the columns left, from the calibration activations' Hessian."""
+    return _quantize("gptq", source, options, device, calibration)
+
+
+def quantize_awq(source, options: AwqOptions, device: str, calibration):
+    """AWQ: the input channels that carry large activations scaled up before rounding (and the
+    op before scaled down), clipping searched per layer."""
+    return _quantize("awq", source, options, device, calibration)
+
+
+def weight_bits(options, loaded_bits: int) -> float:
+    """The whole model is held as loaded while it is fitted (plus a block's activations)."""
+    return float(loaded_bits)
+
+
+gptq_backend = Backend(
+    name="gptq",
+    quantize=quantize_gptq,
+    options=GptqOptions,
+    complete=complete_gptq,
+    label=gptq_label,
+    dequantize_layer=dequantize_packed_layer,
+    check=_check("gptq"),
+    weight_bits=weight_bits,
+    selects=selects,
+    calibrated=True,
+    description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "
+                "GPTQ format (optional: pip install 'quantdask[gptq]')",
+)
+
+awq_backend = Backend(
+    name="awq",
+    quantize=quantize_awq,
+    options=AwqOptions,
+    label=awq_label,
+    complete=_head_only,
+    dequantize_layer=dequantize_packed_layer,
+    check=_check("awq"),
+    weight_bits=weight_bits,
+    selects=selects,
+    calibrated=True,
+    description="AWQ 4-bit activation-aware grouped weights fitted on calibration data, saved "
+                "in the AWQ format, run in half precision (optional: pip install "
+                "'quantdask[gptq]')",
+)
