@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from quantdask.backends.base import (
     Backend,
@@ -202,7 +203,7 @@ def _process_state_kept():
         root.setLevel(level)
         for handler in set(root.handlers) - set(handlers):
             root.removeHandler(handler)
-        warnings.filters[:] = filters
+        warnings.filters[:] = filters  # type: ignore[index]  # a list, typed as a Sequence
         dynamo.cache_size_limit = cache_limit
 
 
@@ -260,8 +261,9 @@ def _quantize(method: str, source, options, device: str, calibration):
             export = os.path.join(scratch, "model")
             wrapped.save(export)  # as quantized: the checkpoint's own layout
             del wrapped, model
-            shipped, loading = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
                 export, device_map=device, output_loading_info=True)
+            shipped, loading = loaded
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     missing = loading.get("missing_keys") or []
