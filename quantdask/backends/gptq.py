@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,10 +263,13 @@ def _quantize(method: str, source, options, device: str, calibration):
             wrapped.save(export)  # as quantized: the checkpoint's own layout
             del wrapped, model
             loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
-                export, device_map=device, output_loading_info=True)
+                export, device_map=device, output_loading_info=True,
+                quantization_config=_cpu_kernel(method, options) if device == "cpu" else None)
             shipped, loading = loaded
-        finally:
+        except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    _ships_its_export(shipped, scratch, export)
     missing = loading.get("missing_keys") or []
     if missing:  # transformers would have filled them at random and said nothing
         raise UnsupportedHere(f"the saved {method} model reloads without {len(missing)} of "
@@ -274,6 +278,29 @@ def _quantize(method: str, source, options, device: str, calibration):
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped.eval()
+
+
+def _ships_its_export(model, scratch: str, export: str) -> None:
+    """Make ``model.save_pretrained(directory)`` (the sweep's artifacts) write the checkpoint
+    gptqmodel saved, kept until the model goes. The loaded model holds its zero points in the
+    kernel's layout, and saving it writes them so (transformers reloads that as garbage: KL 5
+    on the demo model)."""
+    def save_pretrained(directory, **_):
+        shutil.copytree(export, directory, dirs_exist_ok=True)
+
+    model.save_pretrained = save_pretrained
+    weakref.finalize(model, shutil.rmtree, scratch, ignore_errors=True)
+
+
+def _cpu_kernel(method: str, options):
+    """The loading settings that pick gptqmodel's plain torch kernel on the CPU. The one it
+    picks by default repacks the weights at the first forward pass, and a model saved after
+    that (the sweep's artifacts) no longer loads."""
+    from transformers import AwqConfig, GPTQConfig
+
+    if method == "gptq":
+        return GPTQConfig(bits=options.bits, backend="torch")
+    return AwqConfig(bits=options.bits, backend="torch_awq")
 
 
 def quantize_gptq(source, options: GptqOptions, device: str, calibration):

@@ -1,0 +1,257 @@
+"""GPTQ and AWQ through gptqmodel, for real: options refused before anything runs, shapes and
+families it cannot take refused in the plan and skipped on the worker, a sweep beside
+bitsandbytes, HQQ and AutoRound on the demo model and four families on the real cluster, the
+saved models loaded by plain transformers in a fresh process and measured again there, and a
+worker's process left as it was."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from quantdask.backends import get_backend
+from quantdask.demo_model import DEMO_MODEL_DIR, generate_text
+from quantdask.driver.model_facts import model_facts
+from quantdask.driver.sweep import run_sweep
+from quantdask.errors import SpecError
+from quantdask.spec.sweep import expand_grid
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_layers
+from tests.conftest import sweep_dict
+from tests.tiny_families import build_tiny
+
+pytest.importorskip("gptqmodel")
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+FAMILIES = ("llama", "gemma", "qwen2_151k", "gpt_neox")
+METHODS = [{"backend": "gptq", "configs": [{"bits": 4, "group_size": 32}]},
+           {"backend": "awq", "configs": [{"group_size": 32}]},
+           {"backend": "autoround", "configs": [{"bits": 4, "group_size": 32, "iters": 0}]},
+           {"backend": "bitsandbytes", "configs": [{"bits": 4}]},
+           {"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
+LABELS = ("gptq 4b g32", "awq 4b g32", "autoround 4b g32 rtn", "nf4", "hqq 4b g32")
+
+
+def gptq_sweep(calibration: str, models: dict[str, str], **extra) -> dict:
+    data = sweep_dict(backends=METHODS,
+                      models=[{"name": name, "path": path} for name, path in models.items()],
+                      eval={"text": sweep_dict()["eval"]["text"], "seq_len": 64, "samples": 8,
+                            "batch_size": 8},
+                      calibration={"text": calibration, "samples": 8, "seq_len": 64}, **extra)
+    return data
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
+    path.write_text(generate_text(400, seed=7))
+    return str(path)
+
+
+@pytest.mark.parametrize("backend, options, field, words", [
+    ("gptq", {"bits": 5}, "bits", "must be 2 or 3 or 4 or 8"),
+    ("gptq", {"bits": 4, "group_size": 48}, "group_size", "must be -1 or 16 or 32"),
+    ("gptq", {"bits": 4, "damp_percent": 0}, "damp_percent", "between 0 and 1"),
+    ("gptq", {"bits": 4, "damp_percent": 1.5}, "damp_percent", "between 0 and 1"),
+    ("gptq", {"group_size": 32}, "bits", "is required for gptq"),
+    ("gptq", {"bits": 4, "skip_modules": ["lm_head", "down_proj"]}, "skip_modules",
+     "reload only with every decoder layer quantized"),
+    ("awq", {"bits": 8}, "bits", "must be 4, got 8"),
+    ("awq", {"group_size": 256}, "group_size", "must be -1 or 16 or 32 or 64 or 128"),
+    ("awq", {"desc_act": True}, "desc_act", "unknown option for backend 'awq'"),
+])
+def test_bad_options_are_refused_naming_the_field(calibration, backend, options, field, words):
+    data = gptq_sweep(calibration, {"demo": DEMO_MODEL_DIR})
+    data["backends"] = [{"backend": backend, "configs": [options]}]
+    with pytest.raises(SpecError) as err:
+        sweep_from_dict(data)
+    assert err.value.field == f"backends[0].configs[0].{field}", err.value.field
+    assert words in err.value.message
+
+
+def test_a_missing_calibration_block_is_refused():
+    data = sweep_dict(backends=[{"backend": "gptq", "configs": [{"bits": 4}]}])
+    with pytest.raises(SpecError, match="calibration"):
+        sweep_from_dict(data)
+
+
+def test_the_plan_refuses_families_and_widths_gptqmodel_cannot_take(calibration, tmp_path):
+    # gptqmodel ends the process on these (os._exit in its pool) or reloads them wrong.
+    models = {"demo": DEMO_MODEL_DIR, "llama": str(build_tiny("llama", tmp_path / "llama")),
+              "gpt2": str(build_tiny("gpt2", tmp_path / "gpt2"))}
+    jobs = [j for j in expand_grid(sweep_from_dict(gptq_sweep(calibration, models)))
+            if j.backend in ("gptq", "awq")]
+    reasons = {(j.model.label, j.backend): get_backend(j.backend).check(j.options, model_facts(j))
+               for j in jobs}
+    assert reasons[("demo", "gptq")] is None and reasons[("demo", "awq")] is None
+    assert reasons[("llama", "gptq")] is None
+    # The tiny Llama's v_proj has 2 KV heads of 16: 32 outputs.
+    assert "v_proj has 32 outputs: AWQ takes layers whose outputs are a multiple of 64" in \
+        reasons[("llama", "awq")]
+    assert "checked on the families" in reasons[("gpt2", "gptq")] and "'gpt2'" in \
+        reasons[("gpt2", "gptq")]
+
+
+@pytest.fixture(scope="module")
+def methods_run(cluster, calibration, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gptq")
+    models = {"demo": DEMO_MODEL_DIR}
+    models |= {family: str(build_tiny(family, root / family)) for family in FAMILIES}
+    data = gptq_sweep(calibration, models, layer_stats=True,
+                      artifacts={"keep": "done", "to": str(root / "models"), "verify": True})
+    results = run_sweep(sweep_from_dict(data), root / "run", cluster.client)
+    return root, results, read_layers(root / "run")
+
+
+def row(results: pl.DataFrame, model: str, label: str) -> dict:
+    [found] = results.filter((pl.col("model") == model) & (pl.col("config_label") == label)
+                             ).to_dicts()
+    return found
+
+
+def test_every_method_runs_beside_the_others_done_or_skipped_with_the_reason(methods_run):
+    _, results, layers = methods_run
+    assert set(results["status"]) <= {"done", "skipped"}, results.filter(
+        pl.col("status") == "failed").select("model", "config_label", "error_message").rows()
+    for model in ("demo", *FAMILIES):  # GPTQ on the demo model and every family here
+        gptq = row(results, model, "gptq 4b g32")
+        assert gptq["status"] == "done", (model, gptq["error_message"])
+        assert 0 < gptq["kl_divergence"] < 1
+        # The same layers as bitsandbytes: every linear of the decoder blocks, not the head.
+        assert gptq["quantized_share"] == pytest.approx(
+            row(results, model, "nf4")["quantized_share"]), model
+    awq = row(results, "demo", "awq 4b g32")
+    assert awq["status"] == "done" and 0 < awq["kl_divergence"] < 1
+    # The families' tiny attention (v_proj of 32 outputs) is no AWQ shape: skipped, why said.
+    for model in ("llama", "gemma", "qwen2_151k"):
+        skipped = row(results, model, "awq 4b g32")
+        assert (skipped["status"], skipped["failure_class"]) == ("skipped", "unsupported")
+        assert "AWQ takes layers whose outputs are a multiple of 64" in skipped["error_message"]
+    demo = results.filter(pl.col("model") == "demo")
+    assert sorted(demo["config_label"]) == sorted(("baseline", *LABELS))
+    assert set(demo["status"]) == {"done"}
+    # GPTQ's per-layer rows: every quantized layer of the demo model, a real error each.
+    gptq_layers = layers.join(results.select("job_id", "model", "config_label"), on="job_id") \
+        .filter((pl.col("model") == "demo") & (pl.col("config_label") == "gptq 4b g32"))
+    assert gptq_layers.height == 28 and (gptq_layers["weight_rel_error"] > 0.01).all()
+    assert (gptq_layers["weight_rel_error"] < 0.5).all()
+    # AWQ's rescaled layers are not compared with the original weights: counted unmeasured.
+    assert awq["layers_unmeasured"] == 28
+
+
+def test_gptq_beats_round_to_nearest_at_equal_bits_and_awq_matches_it(methods_run):
+    _, results, _ = methods_run
+    rtn = row(results, "demo", "autoround 4b g32 rtn")
+    gptq, awq = row(results, "demo", "gptq 4b g32"), row(results, "demo", "awq 4b g32")
+    assert gptq["kl_divergence"] + gptq["kl_se"] < rtn["kl_divergence"], (gptq, rtn)
+    # AWQ, run in bfloat16 as it ships, is no better than round-to-nearest here (0.00082 and
+    # 0.00083: benchmarks/RESULTS.md says why); no worse beyond their errors.
+    assert awq["kl_divergence"] < rtn["kl_divergence"] + 2 * (awq["kl_se"] + rtn["kl_se"])
+
+
+def expected_gptq_bits(model_dir: str, group: int) -> float:
+    """GPTQ's stored bits per quantized weight, from the layer shapes alone: 4-bit codes, a
+    16-bit scale and a 4-bit zero per group of ``group`` inputs and output, and a 32-bit group
+    index per input."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    weights = stored = 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            n_in, n_out = module.in_features, module.out_features
+            weights += n_in * n_out
+            stored += n_in * n_out * 4 + (n_in // group) * n_out * (16 + 4) + n_in * 32
+    return stored / weights
+
+
+def test_gptq_size_is_counted_as_stored(methods_run):
+    _, results, _ = methods_run
+    gptq = row(results, "demo", "gptq 4b g32")
+    assert gptq["bits_per_quantized_weight"] == pytest.approx(
+        expected_gptq_bits(DEMO_MODEL_DIR, 32), rel=1e-6)
+
+
+FRESH = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+windows = torch.load(sys.argv[3])
+def log_probs(path):
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), dim=-1)
+p, q = log_probs(sys.argv[1]), log_probs(sys.argv[2])
+per_token = (p.exp() * (p - q)).sum(-1).flatten()
+print(json.dumps({"kl": per_token.mean().item(),
+                  "se": (per_token.std() / per_token.numel() ** 0.5).item()}))
+"""
+
+
+def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measure_the_same(
+        methods_run):
+    import torch
+
+    from quantdask.worker.reference import compute_reference
+
+    root, results, _ = methods_run
+    demo = results.filter(pl.col("model") == "demo")
+    # The run's eval windows (the same eval block): the input, not a measurement.
+    sweep = sweep_from_dict(sweep_dict(eval={"text": sweep_dict()["eval"]["text"],
+                                             "seq_len": 64, "samples": 8, "batch_size": 8}))
+    baseline = expand_grid(sweep)[0]
+    reference = compute_reference(baseline.model, baseline.eval, baseline.eval.read_text())
+    torch.save(reference.windows, root / "windows.pt")
+    for label in ("gptq 4b g32", "awq 4b g32"):
+        saved = row(demo, "demo", label)
+        assert saved["artifact_kept"] and saved["artifact_error"] is None, saved
+        assert abs(saved["reload_kl_delta"]) < 1e-3  # the reload check, in the worker
+        config = json.loads((root / "models" / saved["job_id"] / "config.json").read_text())
+        assert config["quantization_config"]["quant_method"] == label.split()[0]
+        fresh = subprocess.run([sys.executable, "-c", FRESH, DEMO_MODEL_DIR,
+                                str(root / "models" / saved["job_id"]), str(root / "windows.pt")],
+                               capture_output=True, text=True, timeout=300, cwd=root,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert fresh.returncode == 0, fresh.stderr[-3000:]
+        measured = json.loads(fresh.stdout.strip().splitlines()[-1])
+        slack = 3 * max(saved["kl_se"], measured["se"])
+        assert abs(measured["kl"] - saved["kl_divergence"]) < slack, (label, measured, saved)
+
+
+def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibration):
+    from quantdask.worker.job import run_job
+    from quantdask.worker.reference import compute_reference
+
+    jobs = {j.config_label: j for j in expand_grid(sweep_from_dict(gptq_sweep(
+        calibration, {"demo": DEMO_MODEL_DIR})))}
+    reference = compute_reference(jobs["nf4"].model, jobs["nf4"].eval,
+                                  jobs["nf4"].eval.read_text(),
+                                  calibration=jobs["nf4"].calibration)
+    root = logging.getLogger()
+
+    def state() -> tuple:
+        return dict(os.environ), root.level, list(root.handlers), sys.stdout
+
+    seen = []
+    # A bitsandbytes job first: what the process is like with torch's own settings made; then
+    # GPTQ and AWQ (gptqmodel's import sets HF_HOME and the other caches,
+    # PYTORCH_ALLOC_CONF, CUDA_DEVICE_ORDER, ...; AWQ sets AWQ_BATCH_SIZE; a dependency calls
+    # logging.basicConfig; it prints), then bitsandbytes again.
+    for label in ("nf4", "gptq 4b g32", "awq 4b g32", "nf4"):
+        job = jobs[label]
+        record = run_job(job, get_backend(job.backend), reference=reference).record
+        assert record["status"] == "done", record["error_message"]
+        seen.append(state())
+    alone, after = seen[0], seen[-1]
+    # (torch's own flag, set when its compiler first runs: gptqmodel's kernel compiles itself
+    # in the score phase, as a torch.compile of any job's would)
+    changed = {k for k in set(alone[0]) | set(after[0]) if alone[0].get(k) != after[0].get(k)
+               and not k.startswith("_TORCHINDUCTOR_")}
+    assert not changed and after[1:] == alone[1:], (changed, after[1:], alone[1:])
