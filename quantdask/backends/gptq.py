@@ -208,6 +208,18 @@ def _process_state_kept():
         dynamo.cache_size_limit = cache_limit
 
 
+def _quantize_config(quantize_config, method: str, options):
+    """gptqmodel's ``QuantizeConfig`` for the options."""
+    common = dict(bits=options.bits, group_size=options.group_size, sym=options.sym,
+                  offload_to_disk=False)  # it never quantizes the head
+    if method == "awq":
+        return quantize_config(method="awq", format="gemm", **common)
+    return quantize_config(desc_act=options.desc_act, damp_percent=options.damp_percent,
+                           # its activation-ordered groups need groups: off for one per row
+                           act_group_aware=options.group_size > 0 and not options.desc_act,
+                           **common)
+
+
 def _quantize(method: str, source, options, device: str, calibration):
     """Fit on ``calibration``'s windows, save in the standard format, load that with plain
     ``from_pretrained``."""
@@ -237,15 +249,7 @@ def _quantize(method: str, source, options, device: str, calibration):
 
         logging.getLogger("logbar").setLevel(logging.ERROR)  # its logger (to stdout)
         defuser.convert_model(model, cleanup_original=False)  # Mixtral's experts, one per layer
-        common = dict(bits=options.bits, group_size=options.group_size, sym=options.sym,
-                      offload_to_disk=False)  # it never quantizes the head
-        if method == "gptq":
-            config = QuantizeConfig(
-                desc_act=options.desc_act, damp_percent=options.damp_percent,
-                # its activation-ordered groups need groups: off for one group per row
-                act_group_aware=options.group_size > 0 and not options.desc_act, **common)
-        else:
-            config = QuantizeConfig(method="awq", format="gemm", **common)
+        config = _quantize_config(QuantizeConfig, method, options)
         config.device = normalize_device(device)
         config.calculate_bits_per_weight()
         windows = calibration.windows
@@ -270,14 +274,20 @@ def _quantize(method: str, source, options, device: str, calibration):
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     _ships_its_export(shipped, scratch, export)
-    missing = loading.get("missing_keys") or []
-    if missing:  # transformers would have filled them at random and said nothing
-        raise UnsupportedHere(f"the saved {method} model reloads without {len(missing)} of "
-                              f"its weights ({sorted(missing)[0]}, ...)")
+    _refuse_missing(method, loading)
     for name, module in shipped.named_modules():
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped.eval()
+
+
+def _refuse_missing(method: str, loading: dict) -> None:
+    """A reload that left weights out, which transformers fills at random and says nothing
+    of (Falcon's layers, or one left unquantized), is no model to measure."""
+    missing = loading.get("missing_keys") or []
+    if missing:
+        raise UnsupportedHere(f"the saved {method} model reloads without {len(missing)} of "
+                              f"its weights ({sorted(missing)[0]}, ...)")
 
 
 def _ships_its_export(model, scratch: str, export: str) -> None:
@@ -297,10 +307,11 @@ def _cpu_kernel(method: str, options):
     picks by default repacks the weights at the first forward pass, and a model saved after
     that (the sweep's artifacts) no longer loads."""
     from transformers import AwqConfig, GPTQConfig
+    from transformers.utils.quantization_config import AwqBackend
 
     if method == "gptq":
         return GPTQConfig(bits=options.bits, backend="torch")
-    return AwqConfig(bits=options.bits, backend="torch_awq")
+    return AwqConfig(bits=options.bits, backend=AwqBackend.TORCH_AWQ)
 
 
 def quantize_gptq(source, options: GptqOptions, device: str, calibration):
