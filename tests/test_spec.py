@@ -193,7 +193,7 @@ def test_scheduling_settings_do_not_change_ids():
     (lambda: BackendBlock("bitsandbytes", grid={"bits": [3]}), "grid.bits"),
     (lambda: BackendBlock("bitsandbytes", grid={"bits": []}), "grid.bits"),
     (lambda: BackendBlock("bitsandbytes"), "grid"),
-    (lambda: BackendBlock("gptq", grid={"bits": [4]}), "backend"),
+    (lambda: BackendBlock("exl2", grid={"bits": [4]}), "backend"),
     (lambda: BackendBlock("bitsandbytes", configs=[{"bits": 8, "quant_type": "nf4"}]),
      "configs[0].quant_type"),
     (lambda: BackendBlock("bitsandbytes", configs=[{"bits": 4, "int8_threshold": 1.0}]),
