@@ -25,7 +25,7 @@ BAD_SWEEPS = {
     "models not a list": (sweep_dict(models={"path": "x"}), "models"),
     "missing model path": (sweep_dict(models=[{"path": "/nonexistent/model"}]), "models[0].path"),
     "unknown model key": (sweep_dict(models=[{"paht": "x"}]), "models[0].paht"),
-    "unknown backend": (sweep_dict(backends=[{"backend": "gptq", "grid": {"bits": [4]}}]),
+    "unknown backend": (sweep_dict(backends=[{"backend": "exl2", "grid": {"bits": [4]}}]),
                         "backends[0].backend"),
     "unknown option": (sweep_dict(backends=[{"backend": BNB, "grid": {"bits": [4],
                                                                        "group": [64]}}]),
