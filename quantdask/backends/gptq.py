@@ -194,7 +194,10 @@ def _process_state_kept():
     try:
         # Its news (a banner, tables per layer, progress bars, the saved config) is printed:
         # a worker's output is a log, and the job's own log says what was done.
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), warnings.catch_warnings():
+            # transformers' notes on its way of loading what gptqmodel saved, not the user's
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
         if printed.getvalue():
@@ -240,6 +243,7 @@ def _quantize(method: str, source, options, device: str, calibration):
         # AWQ's kernels take half precision only (bfloat16 on the CPU), as AWQ models ship.
         model = model.to(torch.bfloat16 if device == "cpu" else torch.float16)
     with _process_state_kept():
+        logging.getLogger("tokenicer").setLevel(logging.WARNING)  # its INFO notes, to stderr
         require_library(*GPTQMODEL)
         import defuser
         from gptqmodel import BACKEND, QuantizeConfig
@@ -276,6 +280,10 @@ def _quantize(method: str, source, options, device: str, calibration):
     _ships_its_export(shipped, scratch, export)
     _refuse_missing(method, loading)
     for name, module in shipped.named_modules():
+        # Its torch kernel compiles its dequantization at the first call, once per layer
+        # shape: seconds of a C++ compiler per job, past torch's recompile limit (warned on
+        # stderr); the eager function is what runs here.
+        module.__dict__.pop("dequantize_weight", None)
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped.eval()
