@@ -226,14 +226,20 @@ def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measur
 
 
 def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibration):
+    """And the GPTQ and AWQ models are scored on tasks and timed like every other."""
+    from quantdask.demo_model import DEMO_TASKS_DIR
     from quantdask.worker.job import run_job
     from quantdask.worker.reference import compute_reference
 
-    jobs = {j.config_label: j for j in expand_grid(sweep_from_dict(gptq_sweep(
-        calibration, {"demo": DEMO_MODEL_DIR})))}
+    data = gptq_sweep(calibration, {"demo": DEMO_MODEL_DIR},
+                      tasks={"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
+                             "limit": 8},
+                      speed={"prompt_length": 16, "new_tokens": 4, "batch_sizes": [1],
+                             "warmup": 1})
+    jobs = {j.config_label: j for j in expand_grid(sweep_from_dict(data))}
     reference = compute_reference(jobs["nf4"].model, jobs["nf4"].eval,
                                   jobs["nf4"].eval.read_text(),
-                                  calibration=jobs["nf4"].calibration)
+                                  calibration=jobs["nf4"].calibration, tasks=jobs["nf4"].tasks)
     root = logging.getLogger()
 
     def state() -> tuple:
@@ -246,9 +252,13 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
     # logging.basicConfig; it prints), then bitsandbytes again.
     for label in ("nf4", "gptq 4b g32", "awq 4b g32", "nf4"):
         job = jobs[label]
-        record = run_job(job, get_backend(job.backend), reference=reference).record
-        assert record["status"] == "done", record["error_message"]
+        outcome = run_job(job, get_backend(job.backend), reference=reference)
+        assert outcome.record["status"] == "done", outcome.record["error_message"]
         seen.append(state())
+        tasks, speed = outcome.rows["tasks"], outcome.rows["speed"]
+        assert {r["metric"] for r in tasks} == {"acc", "acc_norm"}, label
+        assert all(0 <= r["value"] <= 1 and r["samples"] == 8 for r in tasks), tasks
+        assert len(speed) == 1 and speed[0]["decode_tokens_per_s"] > 0, (label, speed)
     alone, after = seen[0], seen[-1]
     # (torch's own flag, set when its compiler first runs: gptqmodel's kernel compiles itself
     # in the score phase, as a torch.compile of any job's would)

@@ -223,11 +223,11 @@ def _quantize_config(quantize_config, method: str, options):
                            **common)
 
 
-def _quantize(method: str, source, options, device: str, calibration):
-    """Fit on ``calibration``'s windows, save in the standard format, load that with plain
-    ``from_pretrained``."""
+def _fittable_model(method: str, source, options, device: str):
+    """The model built for this job, refused if gptqmodel cannot take it, as a copy it may
+    write into (AWQ rescales norms and weights in place; the built model's tensors are the
+    job's held originals), in half precision for AWQ."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     model = source.build(device)
     shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
@@ -235,13 +235,22 @@ def _quantize(method: str, source, options, device: str, calibration):
     reason = unsupported(method, options, model.config.model_type, shapes)
     if reason:
         raise UnsupportedHere(reason)
-    classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
-    with torch.no_grad():  # fit a copy: AWQ rescales norms and weights in place, and the built
-        for param in model.parameters():  # model's tensors are the job's held originals
+    with torch.no_grad():
+        for param in model.parameters():
             param.data = param.data.clone()
     if method == "awq" and model.dtype == torch.float32:
         # AWQ's kernels take half precision only (bfloat16 on the CPU), as AWQ models ship.
         model = model.to(torch.bfloat16 if device == "cpu" else torch.float16)
+    return model
+
+
+def _quantize(method: str, source, options, device: str, calibration):
+    """Fit on ``calibration``'s windows, save in the standard format, load that with plain
+    ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    model = _fittable_model(method, source, options, device)
+    classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
     with _process_state_kept():
         logging.getLogger("tokenicer").setLevel(logging.WARNING)  # its INFO notes, to stderr
         require_library(*GPTQMODEL)
