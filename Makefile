@@ -37,8 +37,8 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): about 4 minutes on 2 cores, where the suite is
-# CPU-bound.
+# process), the longest files first (tests/conftest.py): 6.3 to 8 minutes on our 2-core machines,
+# where the suite is CPU-bound (more processes are slower: 12 minutes with -n 4).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 

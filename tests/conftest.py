@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # two pytest processes that take whole files in collection order (--no-loadscope-reorder):
 # starting with the long files, the last file to finish is a short one, not test_multinode.
 LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_install.py",
-                 "test_benchmarks.py", "test_cli.py", "test_backends.py",
+                 "test_benchmarks.py", "test_gptq.py", "test_cli.py", "test_backends.py",
                  "test_sweep_cluster.py", "test_families.py", "test_operator.py")
 
 
