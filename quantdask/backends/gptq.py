@@ -48,8 +48,8 @@ AWQ_GROUPS = (-1, 16, 32, 64, 128)  # its torch kernel's
 # The families each method was checked on end to end (quantize, save, plain reload, the same
 # logits). Others fail in ways gptqmodel does not report: GPT-2's reload raises, Phi-3's
 # forward does, Falcon's reload leaves its layers random, AWQ on GPT-NeoX reloads to NaN.
-GPTQ_FAMILIES = ("llama", "mistral", "gemma", "qwen2", "gpt_neox", "mixtral")
-AWQ_FAMILIES = ("llama", "mistral", "gemma", "qwen2")
+GPTQ_FAMILIES = ("llama", "gemma", "qwen2", "gpt_neox", "mixtral")
+AWQ_FAMILIES = ("llama",)  # gemma's and qwen2's tiny models here have no AWQ-sized layers
 log = logging.getLogger("quantdask.backends.gptq")
 
 # AWQ searches a clipping range for every layer but these (by name), in batches of 64 outputs.
@@ -166,8 +166,9 @@ def unsupported(method: str, options, model_type: str,
 def _check(method: str):
     def check(options, facts: ModelFacts) -> str | None:
         missing = missing_library(*GPTQMODEL)
-        if missing or not facts.weight_modules:
-            return missing  # without the layer shapes, the worker checks
+        if missing or not facts.model_type:
+            return missing  # a model whose config is not here: the worker checks
+        # (without the layer shapes, the family alone; the worker checks the widths)
         return unsupported(method, options, facts.model_type, _shapes(facts, options))
     return check
 
