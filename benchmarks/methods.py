@@ -34,6 +34,21 @@ def sweep_data(calibration: str, iters: int) -> dict:
             "calibration": {"text": calibration, "samples": 32, "seq_len": 128}}
 
 
+def cast_kl(model_dir: str, windows, dtype: str) -> tuple[float, float]:
+    """KL(float32 || the model cast to ``dtype``) per predicted token on ``windows``, exact over
+    the whole vocabulary, with its standard error."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        p = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1)
+        model = model.to(getattr(torch, dtype))
+        q = torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1)
+    per_token = (p.exp() * (p - q)).sum(-1).flatten()
+    return per_token.mean().item(), (per_token.std() / per_token.numel() ** 0.5).item()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -52,7 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     jobs = expand_grid(sweep_from_dict(sweep_data(str(calibration), args.iters)))
     reference = compute_reference(jobs[0].model, jobs[0].eval, jobs[0].eval.read_text(),
                                   calibration=jobs[0].calibration)
-    print(f"unquantized perplexity {reference.baseline.perplexity:.4f}\n")
+    print(f"unquantized perplexity {reference.baseline.perplexity:.4f}")
+    for dtype in ("bfloat16", "float16"):  # what running in half precision alone costs
+        kl, se = cast_kl(jobs[0].model.location, reference.windows, dtype)
+        print(f"the model cast to {dtype}, unquantized: KL {kl:.5f} ± {se:.5f}")
+    print()
     print("| method | config | KL ± SE | perplexity | bits per quantized weight | "
           "quantize_s (calibrate_s) |")
     print("|---|---|---:|---:|---:|---:|")

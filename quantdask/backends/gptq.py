@@ -203,8 +203,11 @@ def _process_state_kept():
     finally:
         if printed.getvalue():
             log.debug("gptqmodel printed:\n%s", printed.getvalue()[-5000:])
-        os.environ.clear()
-        os.environ.update(environment)
+        for key in set(os.environ) - set(environment):  # by difference: never empty, for
+            del os.environ[key]  # a moment, under another job of the worker
+        for key, value in environment.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         root.setLevel(level)
         for handler in set(root.handlers) - set(handlers):
             root.removeHandler(handler)
