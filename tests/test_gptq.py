@@ -234,8 +234,10 @@ def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measur
                                                                     measured, job)
 
 
-def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibration):
+def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibration, tmp_path,
+                                                                         monkeypatch):
     """And the GPTQ and AWQ models are scored on tasks and timed like every other."""
+    monkeypatch.chdir(tmp_path)  # the worker's working directory: gptqmodel wrote logs/ there
     from quantdask.demo_model import DEMO_TASKS_DIR
     from quantdask.worker.job import run_job
     from quantdask.worker.reference import compute_reference
@@ -268,6 +270,7 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
         assert {r["metric"] for r in tasks} == {"acc", "acc_norm"}, label
         assert all(0 <= r["value"] <= 1 and r["samples"] == 8 for r in tasks), tasks
         assert len(speed) == 1 and speed[0]["decode_tokens_per_s"] > 0, (label, speed)
+    assert list(tmp_path.iterdir()) == []
     alone, after = seen[0], seen[-1]
     # (torch's own flag, set when its compiler first runs: gptqmodel's kernel compiles itself
     # in the score phase, as a torch.compile of any job's would)

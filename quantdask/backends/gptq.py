@@ -21,6 +21,7 @@ import contextlib
 import io
 import logging
 import os
+import pathlib
 import shutil
 import tempfile
 import warnings
@@ -248,6 +249,20 @@ def _fittable_model(method: str, source, options, device: str):
     return model
 
 
+@contextlib.contextmanager
+def _logs_in(folder: str):
+    """gptqmodel writes a log file per quantization into ``./logs``, the worker's working
+    directory (a user's project folder): into ``folder`` instead."""
+    from gptqmodel.looper import loop_processor
+
+    where = loop_processor._PROJECT_LOG_DIR
+    loop_processor._PROJECT_LOG_DIR = pathlib.Path(folder)
+    try:
+        yield
+    finally:
+        loop_processor._PROJECT_LOG_DIR = where
+
+
 def _quantize(method: str, source, options, device: str, calibration):
     """Fit on ``calibration``'s windows, save in the standard format, load that with plain
     ``from_pretrained``."""
@@ -275,11 +290,13 @@ def _quantize(method: str, source, options, device: str, calibration):
             model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
             model_local_path=source.spec.location)
         extra = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
-        with global_generators(draws=True), calibration.measure():
-            # Every window counts (it drops those of 10 tokens or fewer by default).
-            wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
         scratch = tempfile.mkdtemp(prefix=f"quantdask-{method}-")
         try:
+            # (alone among the worker's jobs: global_generators holds the others' tuning)
+            with global_generators(draws=True), calibration.measure(), \
+                    _logs_in(os.path.join(scratch, "logs")):
+                # Every window counts (it drops those of 10 tokens or fewer by default).
+                wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
             export = os.path.join(scratch, "model")
             wrapped.save(export)  # as quantized: the checkpoint's own layout
             del wrapped, model
