@@ -10,21 +10,18 @@ config.json, packed ``qweight``/``qzeros``/``scales``) and load it back with pla
 gptqmodel ends the whole process (``os._exit``) when one of its pool threads meets an input it
 cannot take, so every shape and family it was not checked on is refused before it is called:
 in the plan (``check``) and again on the worker (:class:`UnsupportedHere`, the job skipped
-with the reason). Importing it changes the process's environment (cache folders, allocator
-settings) and the root logger: :func:`_process_state_kept` puts them back, so later jobs on
-the worker see what they would have seen without it.
+with the reason). What it changes in the process (its environment, the root logger, printing,
+log files in the working directory) is put back after each job
+(``quantdask.backends.gptq_process``): later jobs on the worker see what they would have seen
+without it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
-import pathlib
 import shutil
 import tempfile
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +33,7 @@ from quantdask.backends.base import (
     named_in,
     require_library,
 )
+from quantdask.backends.gptq_process import logs_in, process_state_kept
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere
@@ -51,7 +49,6 @@ AWQ_GROUPS = (-1, 16, 32, 64, 128)  # its torch kernel's
 # forward does, Falcon's reload leaves its layers random, AWQ on GPT-NeoX reloads to NaN.
 GPTQ_FAMILIES = ("llama", "gemma", "qwen2", "gpt_neox", "mixtral")
 AWQ_FAMILIES = ("llama",)  # gemma's and qwen2's tiny models here have no AWQ-sized layers
-log = logging.getLogger("quantdask.backends.gptq")
 
 # AWQ searches a clipping range for every layer but these (by name), in batches of 64 outputs.
 AWQ_UNCLIPPED = ("q_", "k_", "query", "key", "Wqkv")
@@ -174,48 +171,6 @@ def _check(method: str):
     return check
 
 
-@contextlib.contextmanager
-def _process_state_kept():
-    """Whatever gptqmodel's import, quantization and loading change process-wide, put back:
-    the environment (HF_HOME and the other cache folders, PYTORCH_ALLOC_CONF,
-    CUDA_DEVICE_ORDER, AWQ_BATCH_SIZE...), the root logger (a dependency calls basicConfig),
-    the warning filters and torch.compile's cache limit."""
-    import torch
-
-    environment, printed = dict(os.environ), io.StringIO()
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    filters = list(warnings.filters)
-    dynamo = torch._dynamo.config
-    cache_limit = dynamo.cache_size_limit
-    # Its CPU thread pool asks for 2 workers of a pool sized from the cores (1 on 2 cores:
-    # "requests 2 workers but parent 'cpu' only has 1"); its packing extension would compile
-    # C++ for 30 s on first use, for no gain on these layers.
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, (os.cpu_count() or 1) // 2)))
-    os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
-    try:
-        # Its news (a banner, tables per layer, progress bars, the saved config) is printed:
-        # a worker's output is a log, and the job's own log says what was done.
-        with contextlib.redirect_stdout(printed), warnings.catch_warnings():
-            # transformers' notes on its way of loading what gptqmodel saved, not the user's
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        if printed.getvalue():
-            log.debug("gptqmodel printed:\n%s", printed.getvalue()[-5000:])
-        for key in set(os.environ) - set(environment):  # by difference: never empty, for
-            del os.environ[key]  # a moment, under another job of the worker
-        for key, value in environment.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
-        root.setLevel(level)
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-        warnings.filters[:] = filters  # type: ignore[index]  # a list, typed as a Sequence
-        dynamo.cache_size_limit = cache_limit
-
-
 def _quantize_config(quantize_config, method: str, options):
     """gptqmodel's ``QuantizeConfig`` for the options."""
     common = dict(bits=options.bits, group_size=options.group_size, sym=options.sym,
@@ -249,20 +204,6 @@ def _fittable_model(method: str, source, options, device: str):
     return model
 
 
-@contextlib.contextmanager
-def _logs_in(folder: str):
-    """gptqmodel writes a log file per quantization into ``./logs``, the worker's working
-    directory (a user's project folder): into ``folder`` instead."""
-    from gptqmodel.looper import loop_processor
-
-    where = loop_processor._PROJECT_LOG_DIR
-    loop_processor._PROJECT_LOG_DIR = pathlib.Path(folder)
-    try:
-        yield
-    finally:
-        loop_processor._PROJECT_LOG_DIR = where
-
-
 def _quantize(method: str, source, options, device: str, calibration):
     """Fit on ``calibration``'s windows, save in the standard format, load that with plain
     ``from_pretrained``."""
@@ -270,7 +211,7 @@ def _quantize(method: str, source, options, device: str, calibration):
 
     model = _fittable_model(method, source, options, device)
     classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
-    with _process_state_kept():
+    with process_state_kept():
         logging.getLogger("tokenicer").setLevel(logging.WARNING)  # its INFO notes, to stderr
         require_library(*GPTQMODEL)
         import defuser
@@ -294,7 +235,7 @@ def _quantize(method: str, source, options, device: str, calibration):
         try:
             # (alone among the worker's jobs: global_generators holds the others' tuning)
             with global_generators(draws=True), calibration.measure(), \
-                    _logs_in(os.path.join(scratch, "logs")):
+                    logs_in(os.path.join(scratch, "logs")):
                 # Every window counts (it drops those of 10 tokens or fewer by default).
                 wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
             export = os.path.join(scratch, "model")
