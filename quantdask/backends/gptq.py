@@ -195,12 +195,13 @@ def _fittable_model(method: str, source, options, device: str):
     reason = unsupported(method, options, model.config.model_type, shapes)
     if reason:
         raise UnsupportedHere(reason)
+    if method == "awq" and model.dtype == torch.float32:
+        # AWQ's kernels take half precision only (bfloat16 on the CPU), as AWQ models ship;
+        # the cast makes new tensors, a copy already.
+        return model.to(torch.bfloat16 if device == "cpu" else torch.float16)
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
-    if method == "awq" and model.dtype == torch.float32:
-        # AWQ's kernels take half precision only (bfloat16 on the CPU), as AWQ models ship.
-        model = model.to(torch.bfloat16 if device == "cpu" else torch.float16)
     return model
 
 
@@ -305,11 +306,6 @@ def quantize_awq(source, options: AwqOptions, device: str, calibration):
     return _quantize("awq", source, options, device, calibration)
 
 
-def weight_bits(options, loaded_bits: int) -> float:
-    """The whole model is held as loaded while it is fitted (plus a block's activations)."""
-    return float(loaded_bits)
-
-
 gptq_backend = Backend(
     name="gptq",
     quantize=quantize_gptq,
@@ -318,7 +314,6 @@ gptq_backend = Backend(
     label=gptq_label,
     dequantize_layer=dequantize_packed_layer,
     check=_check("gptq"),
-    weight_bits=weight_bits,
     selects=selects,
     calibrated=True,
     description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "
@@ -333,7 +328,6 @@ awq_backend = Backend(
     complete=_head_only,
     dequantize_layer=dequantize_packed_layer,
     check=_check("awq"),
-    weight_bits=weight_bits,
     selects=selects,
     calibrated=True,
     description="AWQ 4-bit activation-aware grouped weights fitted on calibration data, saved "
