@@ -116,10 +116,22 @@ NOT_CARRIED = {
 
 EXTRAS = ("gpu-cu13", "torchao", "tasks", "datasets", "autoround")
 """quantdask's extras (pyproject.toml) on the smoke path: a GPU sweep there can quantize with
-torchao and auto-round, score lm-eval tasks and read eval text from local datasets. Not
-walked: gpu and gpu-cu12 (other CUDA bindings), hqq (published as source only: no wheel to
-pin), slurm (no SLURM there), mlflow (an export, run here from the run directory that comes
-back) and test."""
+torchao and auto-round, score lm-eval tasks and read eval text from local datasets."""
+
+NOT_WALKED = {
+    "gpu": "other CUDA bindings (the machine's torch is CUDA 13: gpu-cu13)",
+    "gpu-cu12": "CUDA 12 bindings (the machine's torch is CUDA 13: gpu-cu13)",
+    "hqq": "hqq is published as source only: no wheel to pin",
+    "gptq": "gptqmodel 7.6.0 is published as source only, and so are five of its requirements "
+            "(pypcre, compiled against PCRE2, device-smi, tokenicer, logbar, defuser): no wheel "
+            "to pin, and a pypcre built here for 3.12 would link this machine's glibc, newer "
+            "than the lent machine's; it also pins numpy==2.2.6 below the machine's 2.5.2",
+    "slurm": "dask-jobqueue submits to SLURM, which the lent machine has none of",
+    "mlflow": "an export, run here from the run directory that comes back",
+    "test": "the test tools the machine lacks are not needed by the smoke (pytest is there)",
+}
+"""quantdask's other extras, each with why the bundle does not carry it: a GPU sweep there
+that needs one is refused before it runs, with the install command, like anywhere else."""
 
 KEEP_LIBRARIES = {"bitsandbytes": ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")}
 """Of a package's native libraries (``lib*.so`` in its top folder), the ones a CUDA 13 torch

@@ -363,6 +363,16 @@ def task_stack_versions() -> str:
     return "task path: " + ", ".join(found)
 
 
+def backends_left_out() -> str:
+    """The backends' extras that the bundle leaves out (``gpu_bundle.NOT_WALKED`` says why):
+    their sweeps are refused there, with the install command."""
+    from gpu_bundle import NOT_WALKED
+
+    backends = [extra for extra in ("hqq", "gptq") if extra in NOT_WALKED]
+    return (f"backends the bundle leaves out: {', '.join(backends) or 'none'} (source-only "
+            "releases; scripts/gpu_bundle.py NOT_WALKED)")
+
+
 def host_memory() -> str:
     """The host's memory now: a GPU worker has no host-memory limit, but the figure is the
     first thing to look at when a worker is lost."""
@@ -443,6 +453,7 @@ def main() -> int:
         print(f"smoke: {line}", flush=True)
     print(f"smoke: {task_stack_versions()}", flush=True)
     print(f"smoke: {host_memory()}", flush=True)
+    print(f"smoke: {backends_left_out()}", flush=True)
     out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
     stages = Stages()
     with stages("imports"):

@@ -182,6 +182,7 @@ def test_gpu_smoke_cut_by_its_time_limit_still_packs_what_finished(tmp_path):
     assert lines[0] == "smoke: cuda-core missing, cuda-bindings missing" or \
         lines[0].startswith("smoke: cuda-core "), log
     assert "smoke: host memory " in log and " GiB available" in log
+    assert "smoke: backends the bundle leaves out: hqq, gptq (source-only releases" in log
     for stage in ("imports", "cluster start", "bitsandbytes sweep"):
         assert re.search(rf"^smoke: stage {re.escape(stage)}: \d+\.\ds \(at \d+s\)$", log,
                          re.MULTILINE), stage

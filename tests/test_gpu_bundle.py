@@ -47,6 +47,18 @@ def test_every_requirement_is_bundled_or_on_the_lent_machine_and_nothing_more():
     assert {"rouge-score", "sqlitedict", "word2number"} <= set(gpu_bundle.NOT_CARRIED)
 
 
+def test_every_extra_is_carried_or_left_out_with_its_reason():
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+                 ["optional-dependencies"])
+    assert set(gpu_bundle.EXTRAS) | set(gpu_bundle.NOT_WALKED) == extras
+    assert not set(gpu_bundle.EXTRAS) & set(gpu_bundle.NOT_WALKED)
+    assert all(len(reason) > 20 for reason in gpu_bundle.NOT_WALKED.values())
+    # gptq's requirements published as source only: the bundle carries wheels alone.
+    assert "source only" in gpu_bundle.NOT_WALKED["gptq"]
+
+
 def test_the_bundle_and_the_tree_fit_one_device_call():
     bundle, tree = LOCK["archive"]["bytes"], gpu_bundle.tree_bytes()
     assert tree < 8 * 2**20  # the tree travels with it: no stray data files
