@@ -114,9 +114,10 @@ NOT_CARRIED = {
 }
 """Requirements the smoke run does without, and why."""
 
-EXTRAS = ("gpu-cu13", "torchao", "tasks", "datasets", "autoround")
+EXTRAS = ("gpu-cu13", "torchao", "tasks", "datasets", "autoround", "search")
 """quantdask's extras (pyproject.toml) on the smoke path: a GPU sweep there can quantize with
-torchao and auto-round, score lm-eval tasks and read eval text from local datasets."""
+torchao and auto-round, score lm-eval tasks, read eval text from local datasets and solve a
+search's allocation exactly (scipy is the machine's own)."""
 
 NOT_WALKED = {
     "gpu": "other CUDA bindings (the machine's torch is CUDA 13: gpu-cu13)",
