@@ -82,9 +82,17 @@ def test_a_missing_library_skips_the_job_with_an_install_hint(demo_model, llama_
     assert "pip install 'quantdask[torchao]'" in record["error_message"]
 
 
+MIXED = {"model.layers.0.mlp.down_proj": {"bits": 8},
+         "model.layers.0.self_attn.q_proj": None,
+         "model.layers.1.mlp.up_proj": {"bits": 2, "group_size": 32}}
+"""Per-module formats (a search's candidate): one module up, one kept, one down and finer."""
+
+
 @pytest.fixture(scope="module")
 def hqq_outcomes(demo_model):
-    sweep = sweep_of(demo_model, BackendBlock("hqq", grid={"bits": [2, 4], "group_size": [64]}))
+    sweep = sweep_of(demo_model, BackendBlock("hqq", configs=[
+        {"bits": 2, "group_size": 64}, {"bits": 4, "group_size": 64},
+        {"bits": 4, "group_size": 64, "modules": MIXED}]))
     jobs = expand_grid(sweep)
     with open(jobs[0].eval.text_path) as f:
         reference = compute_reference(jobs[0].model, jobs[0].eval, f.read())
@@ -98,7 +106,8 @@ def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_outcomes, de
 
     r = hqq_outcomes
     assert {k: v.status for k, v in r.items()} == {
-        "baseline": "done", "hqq 2b g64": "done", "hqq 4b g64": "done"}
+        "baseline": "done", "hqq 2b g64": "done", "hqq 4b g64": "done",
+        "hqq 4b g64 mixed(3 modules)": "done"}
     # Counted independently: the demo model's linear layers but lm_head, from its config.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_model))
@@ -122,13 +131,75 @@ def test_hqq_quantizes_every_linear_layer_but_the_head_for_real(hqq_outcomes, de
     assert all(0 < four[name] < two[name] < 1 for name in linear)  # fewer bits, more error
 
 
-def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
-    from quantdask.backends.hqq import ungroupable
+def test_hqq_per_module_formats_quantize_each_module_as_named(hqq_outcomes, demo_model):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    assert ungroupable(64, {"a": 128 * 64, "b": 96}) == (
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_model))
+    linear = {name: m.weight.numel() for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    total = sum(p.numel() for p in model.parameters())
+    formats = {name: (4, 64) for name in linear}  # (bits, group size) of each quantized one
+    for name, own in MIXED.items():
+        if own is None:
+            del formats[name]
+        else:
+            formats[name] = (own.get("bits", 4), own.get("group_size", 64))
+    mixed = hqq_outcomes["hqq 4b g64 mixed(3 modules)"]
+    record = mixed.record
+    # Counted independently from the names and each one's format.
+    assert record["quantized_params"] == sum(linear[n] for n in formats)
+    expected = (sum(linear[n] * bits // 8 + 2 * (linear[n] // group) * 4
+                    for n, (bits, group) in formats.items())
+                + 4 * (total - sum(linear[n] for n in formats)))
+    assert expected <= record["size_bytes"] <= expected + 200 * len(formats)
+    assert [row["layer"] for row in mixed.rows["layers"]] == list(formats)
+    error = {row["layer"]: row["weight_rel_error"] for row in mixed.rows["layers"]}
+    four = {row["layer"]: row["weight_rel_error"]
+            for row in hqq_outcomes["hqq 4b g64"].rows["layers"]}
+    assert error["model.layers.0.mlp.down_proj"] < four["model.layers.0.mlp.down_proj"] / 4
+    assert error["model.layers.1.mlp.up_proj"] > four["model.layers.1.mlp.up_proj"]
+    untouched = set(formats) - set(MIXED)
+    assert all(error[n] == pytest.approx(four[n]) for n in untouched)
+
+
+def test_hqq_per_module_formats_are_checked_before_anything_runs(demo_model):
+    from quantdask.backends.base import ModelFacts
+    from quantdask.backends.hqq import HqqOptions, check_hqq
+
+    with pytest.raises(SpecError) as error:
+        BackendBlock("hqq", configs=[{"bits": 4, "modules": {"a.b": {"bits": 5}}}])
+    assert error.value.field == "configs[0].modules.a.b.bits"
+    with pytest.raises(SpecError) as error:
+        BackendBlock("hqq", configs=[{"bits": 4, "modules": {"a.b": {"width": 5}}}])
+    assert error.value.field == "configs[0].modules.a.b.width"
+    with pytest.raises(SpecError, match="must be a mapping"):
+        BackendBlock("hqq", configs=[{"bits": 4, "modules": ["a.b"]}])
+    facts = ModelFacts({}, 0, False, weight_modules=(
+        ("model.layers.0.mlp.down_proj", __import__("torch").nn.Linear, 4096),))
+    reason = check_hqq(HqqOptions(bits=4, group_size=64, skip_modules=("lm_head",),
+                                  modules={"model.layers.9.mlp": None}),
+                       facts)
+    assert reason and "not linear layers hqq quantizes" in reason
+    # The id hashes the formats; the options stay hashable and read back as given.
+    a, b = (expand_grid(sweep_of(demo_model, BackendBlock("hqq", configs=[
+        {"bits": 4, "modules": {"model.layers.0.mlp.down_proj": {"bits": bits}}}])))[1]
+        for bits in (8, 2))
+    assert a.id != b.id and hash(a.options) != hash(b.options)
+    assert a.options.as_dict()["modules"] == {"model.layers.0.mlp.down_proj": {"bits": 8}}
+
+
+def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
+    from quantdask.backends.hqq import HqqOptions, ungroupable
+
+    assert ungroupable(HqqOptions(bits=4, group_size=64), {"a": 128 * 64, "b": 96}) == (
         "group_size=64 does not divide the 96 weights of b; choose a group size that divides "
         "every layer's")
-    assert ungroupable(32, {"a": 128 * 64}) is None
+    assert ungroupable(HqqOptions(bits=4, group_size=32), {"a": 128 * 64}) is None
+    # A module's own group size is the one that must divide it.
+    assert ungroupable(HqqOptions(bits=4, group_size=32, modules={"b": {"group_size": 32}}),
+                       {"b": 96}) is None
     with pytest.raises(SpecError, match="bits: is required for hqq"):
         BackendBlock("hqq", configs=[{"group_size": 64}])
     with pytest.raises(SpecError, match="group_size"):

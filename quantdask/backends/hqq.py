@@ -35,18 +35,51 @@ class HqqOptions(BackendOptions):
         int, choices=(0, 1), default=1,
         help="1 (default): groups along the input features; 0: along the outputs")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
+    modules: dict | None = option(
+        dict, help="per-module formats, by full module name: {bits: B, group_size: G} (each "
+                   "left out: the config's own), or null to keep that module unquantized "
+                   "(a mixed-precision search's candidates)")
+
+
+MODULE_KEYS = ("bits", "group_size")
 
 
 def complete_options(options: HqqOptions) -> HqqOptions:
     if options.bits is None:
         raise SpecError("bits", f"is required for hqq: one of {', '.join(map(str, BITS))}")
+    for name, format in (options.modules or {}).items():
+        where = f"modules.{name}"
+        if format is None:
+            continue
+        if not isinstance(format, dict) or not format:
+            raise SpecError(where, "must be {bits: B, group_size: G} (either may be left "
+                                   f"out) or null to keep the module unquantized, got {format!r}")
+        for key, value in format.items():
+            if key not in MODULE_KEYS:
+                raise SpecError(f"{where}.{key}", f"unknown key; a module's format takes "
+                                                  f"{' and '.join(MODULE_KEYS)}")
+            HqqOptions.declared()[key].validate(f"{where}.{key}", value)
     return options
+
+
+def module_format(name: str, options: HqqOptions) -> tuple[int, int] | None:
+    """The (bits, group_size) module ``name`` is quantized with: its own from ``modules``,
+    else the config's; None where ``modules`` keeps it unquantized."""
+    modules = options.modules or {}
+    if name not in modules:
+        return options.bits or 0, options.group_size or 0
+    own = modules[name]
+    if own is None:
+        return None
+    return own.get("bits", options.bits), own.get("group_size", options.group_size)
 
 
 def config_label(options: HqqOptions) -> str:
     label = f"hqq {options.bits}b g{options.group_size}"
     if options.axis != 1:
         label += f" axis{options.axis}"
+    if options.modules:
+        label += f" mixed({len(options.modules)} modules)"
     return label + skip_label(options.skip_modules, LM_HEAD)
 
 
@@ -61,27 +94,46 @@ def _is_linear(module_class: type) -> bool:
 
 
 def selects(name: str, module_class: type, options: HqqOptions) -> bool:
-    """Every linear layer (subclasses and ``Conv1D`` too) but the skipped modules."""
-    return _is_linear(module_class) and not named_in(name, options.skip_modules)
+    """Every linear layer (subclasses and ``Conv1D`` too) but the skipped modules and those
+    ``modules`` keeps."""
+    return (_is_linear(module_class) and not named_in(name, options.skip_modules)
+            and module_format(name, options) is not None)
 
 
-def ungroupable(group: int | None, sizes: dict[str, int]) -> str | None:
-    """Why HQQ cannot group the weights of layers of these element counts by ``group``, or None
-    (HQQ groups the flattened weight: its size must be a multiple of the group)."""
-    if group is None:  # Backend.normalize fills in the default
-        return "hqq needs a group_size"
+def ungroupable(options: HqqOptions, sizes: dict[str, int]) -> str | None:
+    """Why HQQ cannot group the weights of layers of these element counts (by name) with
+    each one's group size, or None (HQQ groups the flattened weight: its size must be a
+    multiple of the group)."""
     for name, size in sizes.items():
+        _, group = module_format(name, options) or (0, 0)
+        if not group:  # Backend.normalize fills in the default
+            return "hqq needs a group_size"
         if size % group:
             return (f"group_size={group} does not divide the {size:,} weights of {name}; choose "
                     "a group size that divides every layer's")
     return None
 
 
+def unknown_modules(options: HqqOptions, linears: set[str]) -> str | None:
+    """Why ``modules`` cannot apply: a name that is no quantized linear layer here."""
+    unknown = sorted(set(options.modules or {}) - linears)
+    if unknown:
+        return (f"modules names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, which are "
+                "not linear layers hqq quantizes in this model (full module names, as "
+                "model.named_modules() gives them)")
+    return None
+
+
 def check_hqq(options: HqqOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
-    return missing_library(*HQQ) or ungroupable(
-        options.group_size, {name: size for name, module_class, size in facts.weight_modules
-                                if selects(name, module_class, options)})
+    missing = missing_library(*HQQ)
+    if missing or not facts.weight_modules:  # unknown modules: the worker looks again
+        return missing
+    linears = {name for name, module_class, _ in facts.weight_modules
+               if _is_linear(module_class) and not named_in(name, options.skip_modules)}
+    return unknown_modules(options, linears) or ungroupable(
+        options, {name: size for name, module_class, size in facts.weight_modules
+                  if selects(name, module_class, options)})
 
 
 def _as_linear(module):
@@ -105,16 +157,18 @@ def _as_linear(module):
 def quantize_hqq(source, options: HqqOptions, device: str):
     hqq = require_library(*HQQ)
     model = source.build(device)
+    linears = {name for name, module in model.named_modules() if _is_linear(type(module))
+               and not named_in(name, options.skip_modules)}
     targets = {name: module for name, module in model.named_modules()
                if selects(name, type(module), options)}
-    reason = ungroupable(options.group_size,
-                         {name: m.weight.numel() for name, m in targets.items()})
+    reason = unknown_modules(options, linears) or ungroupable(
+        options, {name: m.weight.numel() for name, m in targets.items()})
     if reason:
         raise UnsupportedHere(reason)
-    config = hqq.BaseQuantizeConfig(nbits=options.bits, group_size=options.group_size,
-                                    axis=options.axis)
     dtype = next(model.parameters()).dtype
     for name, module in targets.items():
+        bits, group = module_format(name, options) or (0, 0)
+        config = hqq.BaseQuantizeConfig(nbits=bits, group_size=group, axis=options.axis)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         layer = hqq.HQQLinear(_as_linear(module), config, compute_dtype=dtype, device=device,

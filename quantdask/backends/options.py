@@ -64,7 +64,7 @@ class Option:
 
 def _kind_names(kinds: tuple[type, ...]) -> str:
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-             list: "a list", tuple: "a list"}
+             list: "a list", tuple: "a list", dict: "a mapping"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -106,8 +106,8 @@ class BackendOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
+            if isinstance(value, list | dict):
+                object.__setattr__(self, f.name, _frozen(value))
 
     @classmethod
     def declared(cls) -> dict[str, Option]:
@@ -119,10 +119,10 @@ class BackendOptions:
         return {f.name: f.metadata[_OPTION] for f in fields(cls)}
 
     def as_dict(self) -> dict[str, Any]:
-        """The options set, by sorted name, with tuples as the lists a config gives."""
+        """The options set, by sorted name, with tuples as the lists and frozen mappings as
+        the dicts a config gives."""
         values = sorted((f.name, getattr(self, f.name)) for f in fields(self))
-        return {name: list(value) if isinstance(value, tuple) else value
-                for name, value in values if value is not None}
+        return {name: _thawed(value) for name, value in values if value is not None}
 
     def with_defaults(self, **defaults: Any) -> Self:
         """A copy with each of ``defaults`` that is unset here set (for ``complete``)."""
@@ -147,6 +147,30 @@ class BackendOptions:
 
     def keys(self) -> KeysView[str]:
         return self.as_dict().keys()
+
+
+class FrozenMapping(dict):
+    """A mapping option's value as the options hold it: hashable (by its sorted items), its
+    values frozen too. Read it like a dict; it is not meant to be changed."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return FrozenMapping({key: _frozen(v) for key, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _thawed(v) for key, v in sorted(value.items())}
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value
 
 
 def options_class(backend: str, declared: Mapping[str, Option]) -> type[BackendOptions]:
