@@ -229,6 +229,14 @@ class Backend(Generic[OptionsT]):
     Called on the worker in the artifacts phase, just before the save, after every
     measurement of the model. An exception is recorded as a failed save."""
 
+    quantize_module: Callable[[torch.nn.Module, OptionsT], torch.nn.Module] | None = None
+    """``quantize_module(module, options) -> module``: one linear layer quantized alone, as
+    ``quantize`` would quantize it with ``options``, on the layer's device, leaving ``module``
+    as it was. Called on the worker by a mixed-precision search's probes, for each (unit,
+    format) cell: ``dequantize_layer`` gives the weight the probe swaps in, and the returned
+    module's state the cell's stored bytes. Backends without it cannot be searched (the
+    search is refused before it runs)."""
+
     options_type: type[OptionsT] | None = None
     """The options dataclass, set from ``options`` (not given)."""
 

@@ -178,6 +178,30 @@ def quantize_hqq(source, options: HqqOptions, device: str):
     return model
 
 
+def quantize_module(module, options: HqqOptions):
+    """One linear layer as the ``HQQLinear`` that ``quantize_hqq`` makes of it with
+    ``options`` (a search's probe); ``module`` keeps its weight."""
+    import torch
+
+    hqq = require_library(*HQQ)
+    linear = _as_linear(module)
+    weight = linear.weight.detach()
+    copy = torch.nn.Linear(weight.size(1), weight.size(0), bias=linear.bias is not None,
+                           device="meta")
+    copy.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    if linear.bias is not None:
+        copy.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    reason = ungroupable(options, {"the layer": weight.numel()})
+    if reason:
+        raise UnsupportedHere(reason)
+    config = hqq.BaseQuantizeConfig(nbits=options.bits, group_size=options.group_size,
+                                    axis=options.axis)
+    layer = hqq.HQQLinear(copy, config, compute_dtype=weight.dtype, device=str(weight.device),
+                          del_orig=True)
+    layer.source_cls = type(module)
+    return layer
+
+
 def weight_bits(options: HqqOptions, loaded_bits: int) -> float:
     """The model is loaded onto the device whole and then quantized layer by layer, so the
     peak holds the weights as loaded."""
@@ -205,6 +229,7 @@ hqq_backend = Backend(
     check=check_hqq,
     weight_bits=weight_bits,
     selects=selects,
+    quantize_module=quantize_module,
     saves=False,  # layer-by-layer HQQLinear models: no from_pretrained format (artifacts)
     description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
                 "pip install 'quantdask[hqq]')",
