@@ -138,3 +138,13 @@ def cluster():
 
     with start_cluster(workers=2) as handle:
         yield handle
+
+
+def calibration_file(tmp_path_factory, sentences: int, seed: int) -> str:
+    """A calibration text of ``sentences`` sentences of the demo's language (``seed``: not
+    the eval text's), written once for a module."""
+    from quantdask.demo_model import generate_text
+
+    path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
+    path.write_text(generate_text(sentences, seed=seed))
+    return str(path)

@@ -16,14 +16,14 @@ import polars as pl
 import pytest
 
 from quantdask.backends import get_backend
-from quantdask.demo_model import DEMO_MODEL_DIR, generate_text
+from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.driver.model_facts import model_facts
 from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
 from quantdask.spec.sweep import expand_grid
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.store.run_store import read_layers
-from tests.conftest import sweep_dict
+from tests.conftest import calibration_file, sweep_dict
 from tests.tiny_families import build_tiny
 
 pytest.importorskip("gptqmodel")
@@ -49,9 +49,7 @@ def gptq_sweep(calibration: str, models: dict[str, str], **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
-    path.write_text(generate_text(400, seed=7))
-    return str(path)
+    return calibration_file(tmp_path_factory, 400, seed=7)
 
 
 @pytest.mark.parametrize("backend, options, field, words", [

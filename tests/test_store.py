@@ -217,11 +217,13 @@ DRIVER_COLUMNS = ("job_id", "sweep", "model", "backend", "config", "config_label
 def test_every_result_column_comes_from_exactly_one_place():
     import typing
 
+    from quantdask.spec.search import SearchRole
     from quantdask.store.schema import FRAME, RESULT_SCHEMA
     from quantdask.worker.phases import PHASES
     from quantdask.worker.records import NotDone, PhaseRecord, Span, Where
 
-    producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS}
+    producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS,
+                                             "SearchRole": SearchRole.column_names()}
     frames: dict[str, list[str]] = {}
     for record_type in (Where, Span, NotDone):
         producers[record_type.__name__] = record_type.column_names()

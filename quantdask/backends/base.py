@@ -270,7 +270,7 @@ class Backend(Generic[OptionsT]):
 
         >>> from quantdask.backends import get_backend
         >>> get_backend("hqq").normalize({"bits": 4}, "options")
-        HqqOptions(bits=4, group_size=64, axis=1, skip_modules=('lm_head',))
+        HqqOptions(bits=4, group_size=64, axis=1, skip_modules=('lm_head',), modules=None)
         """
         if not isinstance(options, dict):
             raise SpecError(where, f"must be a mapping of option to value, got {options!r}")

@@ -67,6 +67,7 @@ class Recorder:
             backend=job.backend,
             config=json.dumps(job.options.as_dict(), sort_keys=True), config_label=job.config_label,
             priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
+            **(job.search.columns() if job.search is not None else {}),
         )
         if record["status"] == Status.DONE:
             record.update(gate_columns(self.gates, record, outcome.rows.get("tasks", []),

@@ -12,6 +12,7 @@ finished yet in a background thread, behind a :class:`~quantdask.driver.handle.S
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -31,6 +32,7 @@ from quantdask.driver.lengths import check_lengths
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
+from quantdask.driver.search import run_searches
 from quantdask.driver.widget import progress_view
 from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
@@ -92,12 +94,16 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     sweep.check_workers(workers_elsewhere(client))
     check_lengths(sweep)
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
-    placement = place_jobs(expand_grid(sweep), client, run_dir, finished=finished_before)
-    jobs = placement.jobs
+    jobs = expand_grid(sweep)
+    placement = place_jobs(jobs, client, run_dir, finished=finished_before)
     store = RunStore(run_dir).create()
     lock = contextlib.ExitStack()
     lock.enter_context(store.lock())
     try:
+        if sweep.searches:  # their jobs exist once their probes have run: placed after
+            jobs = with_search_jobs(jobs, run_searches(sweep, store, client))
+            placement = place_jobs(jobs, client, run_dir, finished=finished_before)
+        jobs = placement.jobs
         store.set_aside_unreadable()
         store.write_plan(plan_rows(jobs))
         finished = store.finished_job_ids()
@@ -122,6 +128,16 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
         lock.close()
         raise
     return SweepSession(sweep, store, jobs, todo, driver, row, lock)
+
+
+def with_search_jobs(jobs: list[Job], searched: list[Job]) -> list[Job]:
+    """The sweep's jobs and its searches' (a search's job that is also one of the sweep's
+    configs is that config, with its search role)."""
+    by_id = {job.id: job for job in jobs}
+    for job in searched:
+        known = by_id.get(job.id)
+        by_id[job.id] = job if known is None else dataclasses.replace(known, search=job.search)
+    return list(by_id.values())
 
 
 def submit_sweep(sweep: Sweep, run_dir: str | os.PathLike, client: Client,

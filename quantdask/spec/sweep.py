@@ -27,6 +27,7 @@ from quantdask.errors import SpecError
 from quantdask.spec.fields import NAME, keyed, positive_int, require
 from quantdask.spec.gates import Gate, parse_gates
 from quantdask.spec.model import ModelSpec
+from quantdask.spec.search import SearchRole, SearchSpec, check_searches
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.tasks import TaskSettings
@@ -106,6 +107,7 @@ class Sweep:
     tasks: TaskSettings | None = None  # lm-eval task accuracy of every job (spec.tasks)
     gates: list[str | dict | Gate] = field(default_factory=list)  # thresholds (spec.gates)
     speed: SpeedSettings | None = None  # generation speed of every job (spec.speed)
+    searches: list[SearchSpec] = field(default_factory=list)  # mixed precision (spec.search)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and NAME.match(self.name)):
@@ -114,7 +116,7 @@ class Sweep:
                                  ("backends", BackendBlock, "backend block")):
             items = getattr(self, attr)
             require(attr, items, (list, tuple), f"a non-empty list of {what}s")
-            if not items:
+            if not items and not (attr == "backends" and self.searches):
                 raise SpecError(attr, f"is empty; give at least one {what}")
             for i, item in enumerate(items):
                 require(f"{attr}[{i}]", item, kind, f"a {kind.__name__}")
@@ -185,8 +187,13 @@ class Sweep:
                 require(name, getattr(self, name), kind, f"the {name} settings")
         object.__setattr__(self, "gates", parse_gates(
             self.gates, set(labels), self.tasks.names if self.tasks else None))
+        require("searches", self.searches, (list, tuple), "a list of searches")
+        object.__setattr__(self, "searches", tuple(
+            SearchSpec(**search) if isinstance(search, dict) else search
+            for search in self.searches))
+        check_searches(list(self.searches), labels, self.calibration)
         calibrated = [get_backend(b.backend).calibrated for b in self.backends]
-        if self.calibration is not None and not any(calibrated):
+        if self.calibration is not None and not any(calibrated) and not self.searches:
             log.warning("calibration: no backend of this sweep calibrates on data (autoround "
                         "does), so the calibration block is not used; remove it, or add such "
                         "a backend")
@@ -246,6 +253,7 @@ class Job:
     artifacts: ArtifactSettings | None = None  # keep the quantized model; not part of the id
     tasks: TaskSettings | None = None  # lm-eval tasks to score; part of the id when given
     speed: SpeedSettings | None = None  # generation to time; part of the id when given
+    search: SearchRole | None = None  # the search that made it a candidate; not in the id
 
     @property
     def is_baseline(self) -> bool:
@@ -293,8 +301,6 @@ def expand_grid(sweep: Sweep) -> list[Job]:
     out) are one job.
     """
     jobs: dict[str, Job] = {}
-    # A job timing generation holds its whole device: packed jobs would time each other.
-    share = 1.0 if sweep.speed is not None else 1.0 / sweep.jobs_per_gpu
     for model in sweep.models:
         # The baseline is what every config is compared to: it goes first.
         entries = [(BASELINE, get_backend(BASELINE).normalize({}, "options"), sweep.priority + 1)]
@@ -302,23 +308,31 @@ def expand_grid(sweep: Sweep) -> list[Job]:
             priority = sweep.priority if block.priority is None else block.priority
             entries += [(block.backend, options, priority) for options in block.option_sets()]
         for backend, options, priority in entries:
-            calibration = sweep.calibration if get_backend(backend).calibrated else None
-            identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration,
-                                    sweep.tasks, sweep.speed)
-            jid = job_id(identity)
-            if jid not in jobs:
-                jobs[jid] = Job(
-                    id=jid, sweep=sweep.name, model=model, backend=backend, options=options,
-                    config_label=get_backend(backend).config_label(options), eval=sweep.eval,
-                    seed=sweep.seed, priority=priority, retries=sweep.retries,
-                    timeout_s=float(sweep.timeout_s), gpu_share=share,
-                    layer_stats=sweep.layer_stats, calibration=sweep.calibration,
-                    artifacts=sweep.artifacts, tasks=sweep.tasks, speed=sweep.speed,
-                    faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
-                                 if f["config"] == get_backend(backend).config_label(options)
-                                 and f.get("model", model.label) == model.label),
-                )
+            job = make_job(sweep, model, backend, options, priority)
+            jobs.setdefault(job.id, job)
     return list(jobs.values())
+
+
+def make_job(sweep: Sweep, model: ModelSpec, backend: str, options: BackendOptions,
+             priority: int, config_label: str | None = None,
+             search: SearchRole | None = None) -> Job:
+    """The job of ``model`` quantized by ``backend`` with ``options`` in ``sweep`` (its
+    ``config_label`` the backend's label unless given; ``search``: the search that made it)."""
+    # A job timing generation holds its whole device: packed jobs would time each other.
+    share = 1.0 if sweep.speed is not None else 1.0 / sweep.jobs_per_gpu
+    calibration = sweep.calibration if get_backend(backend).calibrated else None
+    identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration,
+                            sweep.tasks, sweep.speed)
+    label = config_label or get_backend(backend).config_label(options)
+    return Job(
+        id=job_id(identity), sweep=sweep.name, model=model, backend=backend, options=options,
+        config_label=label, eval=sweep.eval, seed=sweep.seed, priority=priority,
+        retries=sweep.retries, timeout_s=float(sweep.timeout_s), gpu_share=share,
+        layer_stats=sweep.layer_stats, calibration=sweep.calibration,
+        artifacts=sweep.artifacts, tasks=sweep.tasks, speed=sweep.speed, search=search,
+        faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
+                     if f["config"] == label and f.get("model", model.label) == model.label),
+    )
 
 
 def field_names(cls) -> list[str]:

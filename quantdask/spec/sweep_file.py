@@ -13,6 +13,7 @@ from typing import Any
 
 from quantdask.errors import SpecError
 from quantdask.spec.model import ModelSpec
+from quantdask.spec.search import SearchSpec
 from quantdask.spec.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.spec.speed import SpeedSettings
 from quantdask.spec.sweep import BackendBlock, Sweep, field_names
@@ -53,14 +54,17 @@ def _list(where: str, value: Any, what: str) -> list:
 
 def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
     """A :class:`Sweep` from plain data (a parsed YAML file); paths are relative to ``root``."""
-    data = _mapping("", data, Sweep, required=("name", "models", "backends", "eval"))
+    data = _mapping("", data, Sweep, required=("name", "models", "eval"))
+    if "backends" not in data and not data.get("searches"):
+        raise SpecError("backends", "is required (or searches)")
     models = []
     for i, raw in enumerate(_list("models", data["models"], "models")):
         where = f"models[{i}]"
         with _under(where):
             models.append(ModelSpec(**_mapping("", raw, ModelSpec), root=root))
     blocks = []
-    for i, raw in enumerate(_list("backends", data["backends"], "backend blocks")):
+    given = data.get("backends") or []
+    for i, raw in enumerate(_list("backends", given, "backend blocks") if given else []):
         where = f"backends[{i}]"
         with _under(where):
             blocks.append(BackendBlock(**_mapping("", raw, BackendBlock, required=("backend",))))
@@ -85,11 +89,17 @@ def sweep_from_dict(data: Any, root: str = ".") -> Sweep:
     if data.get("speed") is not None:
         with _under("speed"):
             speed = SpeedSettings(**_mapping("", data["speed"], SpeedSettings))
+    searches = []
+    for i, raw in enumerate(_list("searches", data["searches"], "searches")
+                            if data.get("searches") is not None else []):
+        with _under(f"searches[{i}]"):
+            searches.append(SearchSpec(**_mapping("", raw, SearchSpec, required=(
+                "name", "model", "backend", "formats", "budget"))))
     rest = {k: v for k, v in data.items() if k not in (
-        "models", "backends", "eval", "calibration", "artifacts", "tasks", "speed")}
+        "models", "backends", "eval", "calibration", "artifacts", "tasks", "speed", "searches")}
     with _under(""):
         return Sweep(models=models, backends=blocks, eval=evaluation, calibration=calibration,
-                     artifacts=artifacts, tasks=tasks, speed=speed, **rest)
+                     artifacts=artifacts, tasks=tasks, speed=speed, searches=searches, **rest)
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:

@@ -130,6 +130,17 @@ class RunStore:
         write_parquet(path, table)
         return path
 
+    def write_rows(self, name: str, key: str, rows: list[dict[str, Any]]) -> Path:
+        """Persist ``rows`` of the frame ``name`` (one not kept per done job: a search's) as
+        one file named ``key``, atomically: a rerun finds each part whole or not at all."""
+        frame = FRAME[name]
+        if frame.per_done_job:
+            raise SchemaError(f"{name} is a frame of one file per done job: write_job_rows")
+        table = rows_to_frame(rows, frame.stored, name, frame.optional)
+        path = self.frame_dir(name) / f"{key}.parquet"
+        write_parquet(path, table)
+        return path
+
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
         """Persist a batch of device samples (one worker's drain) as a new file."""
         if not samples:

@@ -133,6 +133,15 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "gates_passed": pl.Boolean(),
     "gates_met": pl.String(),
     "gates_failed": pl.String(),
+    # A mixed-precision search's job (null for the sweep's own configs): its search, its role
+    # (mixed, equal-bytes or uniform), its rank among its budget's candidates, that budget,
+    # and the KL and stored bytes the probes predicted (the allocation frame has its formats).
+    "search": pl.String(),
+    "search_role": pl.String(),
+    "search_candidate": pl.Int64(),
+    "search_budget_bits_per_weight": pl.Float64(),
+    "predicted_kl": pl.Float64(),
+    "predicted_bytes": pl.Int64(),
     "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
     "error_class": pl.String(),  # the exception's type
     "error_message": pl.String(),
@@ -251,6 +260,39 @@ SESSION_SCHEMA: dict[str, pl.DataType] = {
     "jobs_run": pl.Int64(),  # jobs not yet finished at the start, so submitted this session
 }
 
+SENSITIVITY_SCHEMA: dict[str, pl.DataType] = {
+    "search": pl.String(),
+    "search_key": pl.String(),  # what the cell's figures depend on (model, formats, windows)
+    "model": pl.String(),
+    "unit": pl.String(),  # a linear (model.layers.3.mlp.up_proj) or a block (model.layers.3)
+    "layer": pl.Int64(),  # its decoder layer
+    "format": pl.String(),  # a label of the search's formats
+    "params": pl.Int64(),  # the unit's weights
+    "kl": pl.Float64(),  # the KL it adds alone on the calibration windows (nats per token)
+    "kl_se": pl.Float64(),  # its standard error over the windows
+    "bytes": pl.Int64(),  # the unit's stored bytes in this format
+    "error": pl.String(),  # why the format cannot take the unit (then kl and bytes are null)
+    "worker": pl.String(),
+    "seconds": pl.Float64(),
+}
+"""One row per (search, unit, format) cell, from the probes (null kl: infeasible)."""
+
+ALLOCATION_SCHEMA: dict[str, pl.DataType] = {
+    "search": pl.String(),
+    "model": pl.String(),
+    "job_id": pl.String(),  # the job that verifies it
+    "role": pl.String(),  # mixed, equal-bytes or uniform
+    "candidate": pl.Int64(),  # its rank among its budget's (1: the best)
+    "budget_bits_per_weight": pl.Float64(),
+    "budget_bytes": pl.Int64(),
+    "unit": pl.String(),
+    "format": pl.String(),
+    "predicted_kl": pl.Float64(),  # the allocation's: the sum of its cells'
+    "predicted_bytes": pl.Int64(),  # the allocation's whole model as stored
+    "solver": pl.String(),  # milp or fallback
+}
+"""One row per (allocation, unit): the format each verified allocation gives each unit."""
+
 SAMPLE_SCHEMA: dict[str, pl.DataType] = {
     "worker": pl.String(),
     "device": pl.String(),  # cuda:<physical id> or cpu
@@ -322,6 +364,10 @@ FRAMES: tuple[Frame, ...] = (
     Frame("sessions", SESSION_SCHEMA, "Sessions frame", ("started_at",), ("finished_at",)),
     Frame("samples", SAMPLE_SCHEMA, "Device samples frame", ("worker", "time"), ("job_id",),
           exported=False),
+    Frame("sensitivity", SENSITIVITY_SCHEMA, "Sensitivity frame",
+          ("search", "layer", "unit", "format"), ("kl", "kl_se", "bytes", "error", "worker")),
+    Frame("allocation", ALLOCATION_SCHEMA, "Allocation frame",
+          ("search", "budget_bits_per_weight", "role", "candidate", "unit")),
 )
 """Every frame of a run directory."""
 FRAME = {frame.name: frame for frame in FRAMES}

@@ -1,0 +1,86 @@
+"""A search's probe task on a worker: a chunk of (unit, format) cells measured by one
+:class:`~quantdask.worker.probes.Prober`, which the worker keeps between the chunks of the same
+model and calibration reference (the model built, the hidden states captured once)."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from quantdask.backends import get_backend
+from quantdask.errors import UnsupportedHere
+from quantdask.spec.search import ALL_UNITS
+from quantdask.worker.model_source import cached_model_source
+from quantdask.worker.probes import Prober, layer_index
+
+if TYPE_CHECKING:
+    from quantdask.backends.options import BackendOptions
+    from quantdask.spec.model import ModelSpec
+    from quantdask.worker.reference import Reference
+
+_kept: dict[str, Prober] = {}  # one prober per worker: the last model and reference probed
+_lock = threading.RLock()
+
+
+def prober_for(model: ModelSpec, reference: Reference, batch_size: int) -> Prober:
+    """This worker's prober of ``model`` on ``reference``'s windows, made on a miss (the one
+    kept before it is dropped: a worker holds one full-precision model for probing)."""
+    from quantdask.worker.runtime import torch_device
+
+    with _lock:
+        prober = _kept.get(reference.key)
+        if prober is None:
+            _kept.clear()
+            device, _, _ = torch_device()
+            source, _ = cached_model_source(model)
+            prober = Prober(source.build(device), reference.windows, reference.distribution,
+                            batch_size, device)
+            _kept[reference.key] = prober
+        return prober
+
+
+def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
+    """The search's units of ``model`` (name -> its linear modules), each unit's weights and
+    the model's parameter count, read from the model as a probe builds it."""
+    from quantdask.worker.model_source import count_parameters
+    from quantdask.worker.probes import linear_units
+
+    source, _ = cached_model_source(model)
+    built = source.build("cpu")
+    return {"units": linear_units(built, granularity), "param_count": count_parameters(built)}
+
+
+def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
+                formats: dict[str, BackendOptions | None],
+                cells: list[tuple[str, tuple[str, ...], str]],
+                units: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """Measure ``cells`` ((unit, its modules, format label)); returns the sensitivity rows
+    (without the search's columns) and the bytes the model stores outside ``units``. A format
+    the backend cannot apply to a unit (``UnsupportedHere``: a group size that does not divide
+    it) is a row with its reason and no figures; any other error fails the task (retried)."""
+    from distributed import get_worker
+
+    chosen = get_backend(backend)
+    with _lock:  # one probe at a time per worker: they swap weights of one shared model
+        prober = prober_for(model, reference, batch_size)
+        rows = []
+        for unit, modules, label in cells:
+            row: dict[str, Any] = {
+                "unit": unit, "format": label,
+                "layer": -1 if unit == ALL_UNITS else layer_index(modules[0], prober.prefix),
+                "params": sum(_weights(prober.model, m) for m in modules),
+                "worker": get_worker().address, "kl": None, "kl_se": None, "bytes": None,
+                "error": None, "seconds": 0.0}
+            try:
+                cell = prober.probe(unit, modules, label, chosen, formats[label])
+            except UnsupportedHere as error:
+                row["error"] = str(error)
+            else:
+                row.update(kl=cell.kl, kl_se=cell.kl_se, bytes=cell.bytes, seconds=cell.seconds)
+            rows.append(row)
+        return {"rows": rows, "rest_bytes": prober.rest_bytes(units)}
+
+
+def _weights(model, name: str) -> int:
+    """How many weights module ``name`` of ``model`` holds."""
+    return int(model.get_submodule(name).weight.numel())

@@ -1,0 +1,142 @@
+"""A sweep's mixed-precision search end to end on a real 2-slot cluster: probes on every
+worker, the sensitivity and allocation frames, the verifying jobs beside the uniform configs,
+predictions against measurements, and a rerun that probes nothing again."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from quantdask.demo_model import DEMO_MODEL_DIR
+from quantdask.driver.sweep import run_sweep
+from quantdask.errors import SpecError
+from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.store.run_store import read_frame, read_results
+from tests.conftest import calibration_file, sweep_dict
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def search_sweep(calibration: str, **search) -> dict:
+    data = sweep_dict(calibration={"text": calibration, "samples": 8, "seq_len": 32})
+    data["eval"].update(samples=32)
+    data.pop("backends")
+    data["searches"] = [{
+        "name": "mix", "model": "demo", "backend": "hqq", "base": {"group_size": 32},
+        "formats": {"b2": {"bits": 2}, "b3": {"bits": 3}, "b4": {"bits": 4}, "keep": None},
+        # The demo model stores 6.69 bits per weight at 2 bits, 7.79 at 3 (its embeddings and
+        # head stay float32).
+        "budget": {"bits_per_weight": 7.2}, "windows": 32, "cells_per_task": 10,
+        "tie": [["q_proj", "k_proj", "v_proj"]], **search}]
+    return data
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory) -> str:
+    return calibration_file(tmp_path_factory, 300, seed=11)
+
+
+@pytest.fixture(scope="module")
+def searched(cluster, calibration, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("search") / "run"
+    results = run_sweep(sweep_from_dict(search_sweep(calibration)), run_dir, cluster.client)
+    return run_dir, results
+
+
+def test_every_cell_is_probed_once_on_the_workers(searched, cluster):
+    run_dir, _ = searched
+    frame = read_frame(run_dir, "sensitivity")
+    cells = frame.filter((pl.col("format") != "rest") & (pl.col("unit") != "(all)"))
+    units = cells["unit"].unique().to_list()
+    assert len(units) == 28  # the demo model's 4 layers x 7 linears
+    assert cells.height == len(units) * 4 and cells.select("unit", "format").is_unique().all()
+    probed = cells.filter(pl.col("format") != "keep")
+    assert (probed["kl"] > 0).all() and (probed["kl_se"] > 0).all()
+    assert set(cells["worker"]) <= set(cluster.client.scheduler_info()["workers"])
+    # Fewer bits, more KL and fewer bytes, unit by unit.
+    wide = cells.pivot(on="format", index="unit", values=["kl", "bytes"])
+    assert (wide["kl_b2"] > wide["kl_b3"]).all() and (wide["kl_b3"] > wide["kl_b4"]).all()
+    assert (wide["bytes_b2"] < wide["bytes_b3"]).all()
+    assert (wide["bytes_b4"] < wide["bytes_keep"]).all()
+
+
+def test_the_verifying_jobs_keep_their_budget_and_their_prediction(searched):
+    run_dir, results = searched
+    ours = results.filter(pl.col("search") == "mix")
+    assert set(ours["status"]) == {"done"}, ours.select("config_label", "error_message").rows()
+    roles = ours.group_by("search_role").len().sort("search_role")
+    assert dict(roles.rows())["uniform"] == 3 and dict(roles.rows())["mixed"] == 1
+    for row in ours.to_dicts():
+        # The stored size is what the probes predicted, byte for byte, within the budget.
+        assert row["size_bytes"] == row["predicted_bytes"], row["config_label"]
+        assert row["bits_per_weight"] <= row["search_budget_bits_per_weight"] + 1e-9
+    mixed = ours.filter(pl.col("search_role") == "mixed").row(0, named=True)
+    assert mixed["search_budget_bits_per_weight"] == 7.2
+    # Predicted (calibration windows) and measured (eval windows) agree within 30 %.
+    for row in ours.filter(pl.col("search_role") != "uniform").to_dicts():
+        assert row["predicted_kl"] == pytest.approx(row["kl_divergence"], rel=0.3), row
+    allocation = read_frame(run_dir, "allocation")
+    assert set(allocation["job_id"]) == set(ours["job_id"])
+    tied = allocation.filter(pl.col("unit").str.contains(r"\.(q|k|v)_proj$"))
+    per_layer = tied.with_columns(pl.col("unit").str.extract(r"layers\.(\d+)").alias("layer"))
+    assert (per_layer.group_by("job_id", "layer").agg(pl.col("format").n_unique())
+            ["format"] == 1).all()
+
+
+def test_mixed_is_never_worse_than_uniform_at_equal_bytes(searched):
+    run_dir, results = searched
+    by_id = {row["job_id"]: row for row in results.to_dicts()}
+    allocation = read_frame(run_dir, "allocation")
+    equal = allocation.filter(pl.col("role") == "equal-bytes")
+    uniform = allocation.filter(pl.col("role") == "uniform")
+    assert equal["budget_bytes"].n_unique() == uniform["job_id"].n_unique() == 3
+    for budget in uniform["budget_bytes"].unique().to_list():
+        [plain] = uniform.filter(pl.col("budget_bytes") == budget)["job_id"].unique()
+        [mixed] = equal.filter(pl.col("budget_bytes") == budget)["job_id"].unique()
+        plain_row, mixed_row = by_id[plain], by_id[mixed]  # the same job where it chose so
+        assert mixed_row["size_bytes"] <= plain_row["size_bytes"] == budget
+        assert mixed_row["predicted_kl"] <= plain_row["predicted_kl"] + 1e-12
+        # Measured on the eval windows: not worse beyond the two error bars.
+        slack = 2 * (mixed_row["kl_se"] ** 2 + plain_row["kl_se"] ** 2) ** 0.5
+        assert mixed_row["kl_divergence"] <= plain_row["kl_divergence"] + slack
+
+
+def test_a_rerun_probes_only_what_is_missing_and_picks_the_same_allocation(
+        searched, cluster, calibration):
+    run_dir, results = searched
+    before = read_frame(run_dir, "sensitivity")
+    again = run_sweep(sweep_from_dict(search_sweep(calibration)), run_dir, cluster.client)
+    assert read_frame(run_dir, "sensitivity").equals(before)  # nothing probed again
+    assert sorted(again["job_id"]) == sorted(results["job_id"])
+    # A search stopped mid-probing leaves some chunks written whole and others not at all.
+    parts = sorted((run_dir / "sensitivity").glob("mix-*.parquet"))
+    lost, kept = parts[:2], parts[2:]
+    stamps = {p: p.stat().st_mtime_ns for p in kept}
+    missing = pl.concat([pl.read_parquet(p) for p in lost]).select("unit", "format")
+    for part in lost:
+        part.unlink()
+    rerun = run_sweep(sweep_from_dict(search_sweep(calibration)), run_dir, cluster.client)
+    assert {p: p.stat().st_mtime_ns for p in kept} == stamps
+    after = read_frame(run_dir, "sensitivity")
+    new = set(after.select("unit", "format").rows()) - set(
+        before.join(missing, on=["unit", "format"], how="anti").select("unit", "format").rows())
+    assert new == set(missing.rows())
+    assert after.height == before.height
+    assert sorted(rerun["job_id"]) == sorted(results["job_id"])
+    assert read_results(run_dir).height == results.height
+
+
+def test_bad_searches_are_refused_naming_the_field(calibration):
+    for bad, field in (({"formats": {"b5": {"bits": 5}}}, "searches[0].formats.b5.bits"),
+                       ({"budget": {"bits_per_weight": -1}}, "searches[0].budget.bits_per_weight"),
+                       ({"model": "nope"}, "searches[0].model"),
+                       ({"granularity": "block"}, "searches[0].tie"),
+                       ({"backend": "bitsandbytes"}, "searches[0].backend")):
+        with pytest.raises(SpecError) as error:
+            sweep_from_dict(search_sweep(calibration, **bad))
+        assert error.value.field == field, (bad, error.value.field)
+    data = search_sweep(calibration)
+    data.pop("calibration")
+    with pytest.raises(SpecError, match="add a calibration block"):
+        sweep_from_dict(data)
+    assert DEMO_MODEL_DIR
