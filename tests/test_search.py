@@ -126,6 +126,79 @@ def test_a_rerun_probes_only_what_is_missing_and_picks_the_same_allocation(
     assert read_results(run_dir).height == results.height
 
 
+def test_the_report_shows_the_search(searched, tmp_path):
+    import quantdask as qd
+
+    run_dir, _ = searched
+    html = qd.write_report(run_dir, tmp_path / "report.html").read_text(encoding="utf-8")
+    for title in ("Sensitivity by depth and format", "Mixed against uniform, by size",
+                  "Predicted against measured KL", "measured_over_predicted"):
+        assert title in html, title
+    assert "no search in this run" not in html
+
+
+def fragile_model(directory) -> str:
+    """The demo model with one fragile unit made without changing its function (the design
+    note's construction): in layer 2's MLP, one input column of down_proj per group of 32 times
+    64, and the matching output row of up_proj divided by 64. The logits stay the same; the
+    group that column falls in is quantized 64 times coarser."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_families import copy_demo_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR)
+    probe = torch.arange(40).reshape(2, 20) + 5
+    with torch.no_grad():
+        before = model(input_ids=probe).logits
+        mlp = model.model.layers[2].mlp
+        columns = torch.arange(0, mlp.down_proj.in_features, 32)
+        mlp.down_proj.weight[:, columns] *= 64
+        mlp.up_proj.weight[columns, :] /= 64
+        assert torch.allclose(model(input_ids=probe).logits, before, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(directory)
+    copy_demo_tokenizer(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def fragile(cluster, calibration, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fragile")
+    data = search_sweep(calibration, model="fragile", tie=[],
+                        formats={"b2": {"bits": 2}, "b3": {"bits": 3}, "b4": {"bits": 4},
+                                 "b8": {"bits": 8}})
+    data["models"] = [{"name": "fragile", "path": fragile_model(root / "model")}]
+    results = run_sweep(sweep_from_dict(data), root / "run", cluster.client)
+    return root / "run", results
+
+
+def test_a_fragile_unit_ranks_first_gets_more_bits_and_halves_the_kl(fragile):
+    run_dir, results = fragile
+    unit = "model.layers.2.mlp.down_proj"
+    cells = read_frame(run_dir, "sensitivity").filter(pl.col("layer") >= 0)
+    for label in ("b2", "b3"):
+        ranked = cells.filter(pl.col("format") == label).sort("kl", descending=True)
+        assert ranked["unit"][0] == unit, ranked.head(3)
+    allocation = read_frame(run_dir, "allocation")
+    by_id = {row["job_id"]: row for row in results.to_dicts()}
+    for label in ("b3", "b4"):
+        uniform = allocation.filter((pl.col("role") == "uniform")
+                                    & (pl.col("format") == label))
+        [plain] = uniform["job_id"].unique()
+        budget = by_id[plain]["size_bytes"]
+        mixed = allocation.filter((pl.col("role") == "equal-bytes")
+                                  & (pl.col("budget_bytes") == budget))
+        formats = dict(mixed.select("unit", "format").rows())
+        bits = {"b2": 2, "b3": 3, "b4": 4, "b8": 8}
+        assert bits[formats[unit]] > bits[label]  # the fragile unit gets more bits
+        mixed_row, plain_row = by_id[mixed["job_id"][0]], by_id[plain]
+        assert mixed_row["size_bytes"] <= budget  # the budget held
+        assert mixed_row["kl_divergence"] <= 0.5 * plain_row["kl_divergence"], label
+        # Not a tie: apart by more than twice their joint standard error.
+        gap = plain_row["kl_divergence"] - mixed_row["kl_divergence"]
+        assert gap > 2 * (mixed_row["kl_se"] ** 2 + plain_row["kl_se"] ** 2) ** 0.5
+
+
 def test_bad_searches_are_refused_naming_the_field(calibration):
     for bad, field in (({"formats": {"b5": {"bits": 5}}}, "searches[0].formats.b5.bits"),
                        ({"budget": {"bits_per_weight": -1}}, "searches[0].budget.bits_per_weight"),

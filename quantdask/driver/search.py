@@ -75,25 +75,33 @@ class Probed:
     units: dict[str, tuple[str, ...]]
 
 
-def run_searches(sweep: Sweep, store: RunStore, client: Client) -> list[Job]:
-    """Probe, allocate and make the verifying jobs of every search of ``sweep``."""
+def run_searches(sweep: Sweep, store: RunStore, client: Client,
+                 placed: list[Job] | None = None) -> list[Job]:
+    """Probe, allocate and make the verifying jobs of every search of ``sweep``; the probe
+    tasks hold what the model's baseline job holds among ``placed`` (its device memory: a
+    probe holds the full-precision model too)."""
     jobs: list[Job] = []
     for search in sweep.searches:
-        probed = probe(sweep, search, store, client)
+        baseline = next((job for job in placed or [] if job.is_baseline
+                         and job.model.label == search.model), None)
+        probed = probe(sweep, search, store, client,
+                       baseline.resources if baseline is not None else None)
         jobs += verifying_jobs(sweep, search, probed, store)
     return jobs
 
 
-def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client) -> Probed:
+def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
+          resources: dict[str, float] | None = None) -> Probed:
     """Every cell of ``search`` measured: those already in ``store`` read back, the rest
-    probed on the cluster (see the module)."""
+    probed on the cluster (see the module), each task holding ``resources`` (default: a
+    job's share of a GPU)."""
     from quantdask.worker.probe_task import probe_chunk, search_units
     from quantdask.worker.reference import compute_reference
 
     model = next(m for m in sweep.models if m.label == search.model)
     settings, key = probe_settings(sweep, search), search_key(sweep, search)
     session = uuid.uuid4().hex[:8]  # this driver's own Dask keys (a key is global to Dask)
-    share = {"GPU": 1.0 / sweep.jobs_per_gpu}
+    share = resources or {"GPU": 1.0 / sweep.jobs_per_gpu}
     found = client.submit(search_units, model, search.granularity, resources=share,
                           retries=sweep.retries, key=f"search-units-{search.name}-{session}",
                           pure=False).result()

@@ -101,7 +101,7 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     lock.enter_context(store.lock())
     try:
         if sweep.searches:  # their jobs exist once their probes have run: placed after
-            jobs = with_search_jobs(jobs, run_searches(sweep, store, client))
+            jobs = with_search_jobs(jobs, run_searches(sweep, store, client, placement.jobs))
             placement = place_jobs(jobs, client, run_dir, finished=finished_before)
         jobs = placement.jobs
         store.set_aside_unreadable()

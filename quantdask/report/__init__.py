@@ -1,5 +1,6 @@
 """Reports: interactive Altair charts over the run's frames (``charts``; task accuracy and gates:
-``tasks``; generation speed: ``speed``; charts that follow a running sweep: ``live_charts``),
+``tasks``; generation speed: ``speed``; mixed-precision searches: ``search``; charts that
+follow a running sweep: ``live_charts``),
 tables for people (``tables``), and the notebooks run and exported to one self-contained HTML
 file (``html``, with its kernel and template).
 
@@ -17,6 +18,8 @@ _MODULES = {
         "with_job_label"),
     "quantdask.report.tasks": ("gates_banner", "recovery_table", "task_chart"),
     "quantdask.report.speed": ("speed_chart", "speedup_table"),
+    "quantdask.report.search": ("prediction_chart", "search_frontier_chart", "search_table",
+                                "sensitivity_chart"),
     "quantdask.report.live_charts": ("live",),
     "quantdask.report.tables": ("table",),
     "quantdask.store.summary": ("device_summary", "failures_table", "phases_table",
