@@ -2,13 +2,13 @@
 cell at its unit's decoder layer (from the captured hidden states) saves against running the
 whole model for every cell.
 
-    .venv/bin/python -m benchmarks.search_probes [--windows 32] [--seq-len 64]
+    .venv/bin/python -m benchmarks.search_probes [--windows 64] [--seq-len 128]
 
 On the demo model (4 layers, 28 linears) with HQQ at 2, 3, 4 and 8 bits, group 32, plus each
 format on every unit at once: 116 probed cells and 28 kept ones. ``driver.search.probe`` runs
 them as Dask tasks on a fresh local cluster of 1 slot, then of 2 (each time: the probe
 reference, the units' task and every chunk; the cluster's start is not counted; a fresh run
-directory, so nothing is reused). Then in this process, one ``Prober``: every cell timed as
+directory, so nothing is reused), each slot computing on one thread (one core). Then in this process, one ``Prober``: every cell timed as
 the search runs it (from its layer) and from the first layer. Run it on an idle machine.
 """
 
@@ -46,7 +46,9 @@ def on_slots(spec, work: Path, slots: int) -> tuple[float, int]:
     from quantdask.driver.search import probe
     from quantdask.store.run_store import RunStore
 
-    with qd.start_cluster(workers=slots, dashboard_address=None) as cluster:
+    # One torch thread per slot: one slot computes on one core, as a GPU worker on one GPU (a
+    # lone CPU slot would otherwise take both cores, and 2 slots would only share them).
+    with qd.start_cluster(workers=slots, torch_threads=1, dashboard_address=None) as cluster:
         store = RunStore(work / f"run-{slots}").create()
         began = time.perf_counter()
         probed = probe(spec, spec.searches[0], store, cluster.client)
@@ -89,8 +91,8 @@ def in_process(spec) -> tuple[float, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
