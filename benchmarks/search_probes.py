@@ -8,8 +8,9 @@ On the demo model (4 layers, 28 linears) with HQQ at 2, 3, 4 and 8 bits, group 3
 format on every unit at once: 116 probed cells and 28 kept ones. ``driver.search.probe`` runs
 them as Dask tasks on a fresh local cluster of 1 slot, then of 2 (each time: the probe
 reference, the units' task and every chunk; the cluster's start is not counted; a fresh run
-directory, so nothing is reused), each slot computing on one thread (one core). Then in this process, one ``Prober``: every cell timed as
-the search runs it (from its layer) and from the first layer. Run it on an idle machine.
+directory, so nothing is reused), each slot computing on one thread (one core). Then in this
+process, one ``Prober``: every cell timed as the search runs it (from its layer) and from the
+first layer. Run it on an idle machine.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def search_sweep(calibration: str, **search) -> dict:
         "formats": {"b2": {"bits": 2}, "b3": {"bits": 3}, "b4": {"bits": 4}, "keep": None},
         # The demo model stores 6.69 bits per weight at 2 bits, 7.79 at 3 (its embeddings and
         # head stay float32).
-        "budget": {"bits_per_weight": 7.2}, "windows": 32, "cells_per_task": 10,
+        "budget": {"bits_per_weight": 7.2}, "frontier": [7.5], "candidates": 2,
+        "windows": 32, "cells_per_task": 10,
         "tie": [["q_proj", "k_proj", "v_proj"]], **search}]
     return data
 
@@ -64,14 +65,21 @@ def test_the_verifying_jobs_keep_their_budget_and_their_prediction(searched):
     run_dir, results = searched
     ours = results.filter(pl.col("search") == "mix")
     assert set(ours["status"]) == {"done"}, ours.select("config_label", "error_message").rows()
-    roles = ours.group_by("search_role").len().sort("search_role")
-    assert dict(roles.rows())["uniform"] == 3 and dict(roles.rows())["mixed"] == 1
+    roles = dict(ours.group_by("search_role").len().rows())
+    assert roles["uniform"] == 3 and roles["mixed"] == 4  # 2 budgets x 2 candidates
     for row in ours.to_dicts():
         # The stored size is what the probes predicted, byte for byte, within the budget.
         assert row["size_bytes"] == row["predicted_bytes"], row["config_label"]
         assert row["bits_per_weight"] <= row["search_budget_bits_per_weight"] + 1e-9
-    mixed = ours.filter(pl.col("search_role") == "mixed").row(0, named=True)
-    assert mixed["search_budget_bits_per_weight"] == 7.2
+    mixed = ours.filter(pl.col("search_role") == "mixed").sort("search_budget_bits_per_weight",
+                                                                "search_candidate")
+    assert mixed.select("search_budget_bits_per_weight", "search_candidate").rows() == [
+        (7.2, 1), (7.2, 2), (7.5, 1), (7.5, 2)]
+    for budget in (7.2, 7.5):  # the second candidate is another allocation, predicted worse
+        first, second = mixed.filter(pl.col("search_budget_bits_per_weight") == budget
+                                     ).to_dicts()
+        assert first["job_id"] != second["job_id"]
+        assert first["predicted_kl"] <= second["predicted_kl"]
     # Predicted (calibration windows) and measured (eval windows) agree within 30 %.
     for row in ours.filter(pl.col("search_role") != "uniform").to_dicts():
         assert row["predicted_kl"] == pytest.approx(row["kl_divergence"], rel=0.3), row
