@@ -207,6 +207,15 @@ def test_a_fragile_unit_ranks_first_gets_more_bits_and_halves_the_kl(fragile):
         assert gap > 2 * (mixed_row["kl_se"] ** 2 + plain_row["kl_se"] ** 2) ** 0.5
 
 
+def test_plan_says_what_the_search_will_do(calibration, write_sweep, capsys):
+    from quantdask.cli.main import main
+
+    assert main(["plan", write_sweep(search_sweep(calibration))]) == 0
+    shown = capsys.readouterr().out
+    assert ("search mix: demo, hqq formats b2, b3, b4, keep per linear unit, on 32 calibration "
+            "windows; budget 7.2 bits per weight (frontier: 7.5), 2 candidate(s) each") in shown
+
+
 def test_bad_searches_are_refused_naming_the_field(calibration):
     for bad, field in (({"formats": {"b5": {"bits": 5}}}, "searches[0].formats.b5.bits"),
                        ({"budget": {"bits_per_weight": -1}}, "searches[0].budget.bits_per_weight"),

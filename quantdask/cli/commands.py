@@ -72,6 +72,7 @@ def cmd_plan(args) -> int:
     known = to_run["est_duration_s"].drop_nulls()
     if args.json:
         print(json.dumps({"sweep": sweep.name, "run_dir": run_dir, "jobs": plan.to_dicts(),
+                          "searches": [s.describe() for s in sweep.searches],
                           "counts": states,
                           "est_work_s": float(known.sum()) if len(known) else None},
                          indent=1))
@@ -87,6 +88,8 @@ def cmd_plan(args) -> int:
         print(f"positions: {row['model']}: {row['positions_from']}; its lengths are not checked")
     for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
+    for search in sweep.searches:
+        print(search.describe())
     work = (f"; about {format_duration(float(known.sum()))} of job time for the {len(known)} "
             "with an estimate" if len(known) else "")
     print(f"{plan.height} jobs: {states[PlanState.TO_RUN]} to run, "

@@ -125,6 +125,18 @@ class SearchSpec:
             if not (bits > 0 and math.isfinite(bits)):
                 raise SpecError(f"frontier[{i}]", f"must be a positive number, got {bits!r}")
 
+    def describe(self) -> str:
+        """One line for ``quantdask plan``: what the search probes and verifies."""
+        [(kind, value)] = self.budget.items()
+        budget = f"{value:,} bytes" if kind == "bytes" else f"{value:g} bits per weight"
+        if self.frontier:
+            budget += f" (frontier: {', '.join(f'{b:g}' for b in self.frontier)})"
+        return (f"search {self.name}: {self.model}, {self.backend} formats "
+                f"{', '.join(self.formats)} per {self.granularity} unit, on {self.windows} "
+                f"calibration windows; budget {budget}, {self.candidates} candidate(s) each, "
+                "beside each uniform format: probed when the sweep runs, its jobs made from "
+                "the probes")
+
     def format_options(self) -> dict[str, BackendOptions | None]:
         """Each format's completed options (None: kept in full precision)."""
         return dict(self._options)
