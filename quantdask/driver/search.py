@@ -111,8 +111,6 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     cells = [(u, units[u], f) for u in units for f in search.formats]
     cells += [(ALL_UNITS, every, f) for f, o in search.format_options().items() if o is not None]
     todo = [(u, modules, f) for u, modules, f in cells if (u, f) not in done]
-    if ("", "rest") not in done:  # the bytes outside the units come with any chunk
-        todo = todo or [(u, units[u], f) for u in list(units)[:1] for f in search.formats][:1]
     if todo:
         formats = search.format_options()
         reference = client.submit(compute_reference, model, settings, settings.read_text(),
@@ -128,11 +126,13 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
                  for future, chunk in zip(futures, chunks, strict=True)}
         for future in as_completed(futures):
             part = future.result()
+            if ("", "rest") not in done:  # before any chunk: a chunk on disk implies it
+                done[("", "rest")] = (0.0, part["rest_bytes"])
+                store.write_rows("sensitivity", f"rest-{search.name}-{key}", [_rest_row(
+                    search.name, key, model.label, part["rest_bytes"])])
             rows = [{**row, "search": search.name, "search_key": key, "model": model.label}
                     for row in part["rows"]]
             store.write_rows("sensitivity", named[future.key], rows)
-            store.write_rows("sensitivity", f"rest-{search.name}-{key}", [_rest_row(
-                search.name, key, model.label, part["rest_bytes"])])
             log.info("search %s: %d cells probed", search.name, len(rows))
         done = _recorded(store, search.name, key)
     rest = done[("", "rest")]

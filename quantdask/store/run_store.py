@@ -121,24 +121,20 @@ class RunStore:
     def write_job_rows(self, name: str, job_id: str, rows: list[dict[str, Any]]) -> Path:
         """Persist a done job's rows of the per-job frame ``name`` (``job_id`` added),
         atomically; the recorder writes them before the job's result."""
-        frame = FRAME[name]
-        if not frame.per_done_job:
-            raise SchemaError(f"{name} is not a frame of one file per done job")
-        table = rows_to_frame([{**row, "job_id": job_id} for row in rows], frame.stored, name,
-                              frame.optional)
-        path = self.frame_dir(name) / f"{job_id}.parquet"
-        write_parquet(path, table)
-        return path
+        return self.write_rows(name, job_id, [{**row, "job_id": job_id} for row in rows],
+                               per_done_job=True)
 
-    def write_rows(self, name: str, key: str, rows: list[dict[str, Any]]) -> Path:
-        """Persist ``rows`` of the frame ``name`` (one not kept per done job: a search's) as
-        one file named ``key``, atomically: a rerun finds each part whole or not at all."""
+    def write_rows(self, name: str, key: str, rows: list[dict[str, Any]],
+                   per_done_job: bool = False) -> Path:
+        """Persist ``rows`` of the frame ``name`` as one file named ``key``, atomically (a
+        rerun finds each part whole or not at all): a search's parts, or a done job's rows
+        (``write_job_rows``)."""
         frame = FRAME[name]
-        if frame.per_done_job:
-            raise SchemaError(f"{name} is a frame of one file per done job: write_job_rows")
-        table = rows_to_frame(rows, frame.stored, name, frame.optional)
+        if frame.per_done_job != per_done_job:
+            raise SchemaError(f"{name} is {'not ' if per_done_job else ''}a frame of one file "
+                              "per done job")
         path = self.frame_dir(name) / f"{key}.parquet"
-        write_parquet(path, table)
+        write_parquet(path, rows_to_frame(rows, frame.stored, name, frame.optional))
         return path
 
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
