@@ -386,25 +386,32 @@ def host_memory() -> str:
 
 
 class Stages:
-    """Times each stage of the smoke and prints it: ``with stages("name"):``."""
+    """Times each stage of the smoke and prints it: ``with stages("name"):``. A SIGTERM
+    between two stages (``interrupted``) stops the next one as it starts, so that every cut
+    names the stage it stopped."""
 
     def __init__(self):
         self.started = time.perf_counter()
         self.current: str | None = None
+        self.stopped: str | None = None  # the stage an exception stopped
+        self.interrupted = False
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        self.current = name
         began = time.perf_counter()
         try:
+            self.current = name  # inside the try: a SIGTERM from here is this stage's
+            if self.interrupted:
+                raise Terminated("SIGTERM")
             yield
+            self.current = None  # from here a SIGTERM waits for the next stage's start
         except BaseException as error:
+            self.current, self.stopped = None, name
             print(f"smoke: stage {name} stopped after {time.perf_counter() - began:.1f}s by "
                   f"{type(error).__name__}", flush=True)
             raise
         print(f"smoke: stage {name}: {time.perf_counter() - began:.1f}s "
               f"(at {time.perf_counter() - self.started:.0f}s)", flush=True)
-        self.current = None
 
 
 class Packer:
@@ -412,8 +419,8 @@ class Packer:
     ``finally``, and at once on SIGTERM (``timeout`` kills 30 s later; closing a cluster may
     take longer). Each pack replaces the tarball whole."""
 
-    def __init__(self, out: Path, tar: str | None):
-        self.out, self.tar, self.final = out, tar, False
+    def __init__(self, out: Path, tar: str | None, stages: Stages):
+        self.out, self.tar, self.final, self.stages = out, tar, False, stages
 
     def pack(self) -> None:
         if not self.tar:
@@ -439,6 +446,9 @@ class Packer:
             return
         print("smoke: SIGTERM (the time limit): packing what finished", flush=True)
         self.pack()
+        if self.stages.current is None:  # between stages: the next one stops as it starts
+            self.stages.interrupted = True
+            return
         raise Terminated("SIGTERM")
 
 
@@ -480,16 +490,18 @@ def main() -> int:
         if not ok:
             failures.append(what)
 
-    packer = Packer(out, args.tar)
+    packer = Packer(out, args.tar, stages)
     signal.signal(signal.SIGTERM, packer.on_sigterm)
     terminated = False
     try:
         run_checks(args, out, check, stages)
+        if stages.interrupted:  # after the last stage: its checks ran; say it was cut all the same
+            raise Terminated("SIGTERM")
     except BaseException as error:  # noqa: BLE001 - SIGTERM, Ctrl-C and any failure alike
         terminated = isinstance(error, Terminated)
         if not isinstance(error, Terminated | KeyboardInterrupt):
             traceback.print_exc()
-        failures.append(f"stopped in stage {stages.current or '-'} by "
+        failures.append(f"stopped in stage {stages.stopped or '-'} by "
                         f"{type(error).__name__}: {error}")
     finally:
         packer.last()

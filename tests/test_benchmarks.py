@@ -211,6 +211,34 @@ def test_gpu_smoke_cut_by_its_time_limit_still_packs_what_finished(tmp_path):
     assert cut.returncode == 124 and time.monotonic() - started < 15
 
 
+def test_a_sigterm_between_two_smoke_stages_stops_the_next_as_it_starts(tmp_path, capsys):
+    # The cut test above sends its signal as the first sweep ends: it may land inside that
+    # stage's closing or between two stages. Either way the smoke names the stage it stopped.
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    stages = gpu_smoke.Stages()
+    packer = gpu_smoke.Packer(tmp_path, None, stages)
+    with stages("first"):
+        pass
+    packer.on_sigterm(15, None)  # between stages: nothing raised here
+    assert stages.interrupted and stages.stopped is None
+    with pytest.raises(gpu_smoke.Terminated):
+        with stages("second"):
+            raise AssertionError("the stage must not run")
+    assert stages.stopped == "second"
+    stages = gpu_smoke.Stages()  # a fresh run: inside a stage, the SIGTERM stops it at once
+    packer = gpu_smoke.Packer(tmp_path, None, stages)
+    with pytest.raises(gpu_smoke.Terminated), stages("third"):
+        packer.on_sigterm(15, None)
+    assert stages.stopped == "third" and not stages.interrupted
+    out = capsys.readouterr().out
+    assert "smoke: stage second stopped after 0.0s by Terminated" in out
+    assert "smoke: stage third stopped after 0.0s by Terminated" in out
+
+
 def test_gpu_smoke_unsets_bnb_cuda_version(tmp_path):
     # Set, bitsandbytes would look for libbitsandbytes_cuda<version>.so: the bundle keeps 130 only.
     python = tmp_path / "python"
