@@ -238,12 +238,10 @@ def _at_uniform_bytes(search: SearchSpec, probed: Probed, ties: list[list[str]],
         made.append((f"{search.name} uniform {label}", uniform, dict.fromkeys(units, label),
                      None))
         [equal] = allocate(probed.cells, size, ties=ties, fixed=fixed, solver=search.solver)
-        # Where the best at these bytes is this format everywhere, the uniform job stands for
-        # it (the allocation frame says so): one job, not two measuring the same model.
-        name = (f"{search.name} uniform {label}" if equal.formats == dict.fromkeys(units, label)
-                else f"{search.name} mixed at {label} bytes")
-        made.append((name, _role(search, "equal-bytes", 1, bits, equal, probed),
-                     equal.formats, equal))
+        # Where the best at these bytes is this format everywhere, its options are the uniform
+        # config's: the uniform job (made first) stands for it, and the allocation frame says so.
+        made.append((f"{search.name} mixed at {label} bytes",
+                     _role(search, "equal-bytes", 1, bits, equal, probed), equal.formats, equal))
     return made
 
 
