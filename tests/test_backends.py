@@ -341,3 +341,51 @@ def test_a_users_backend_is_swept_on_the_real_cluster(cluster, demo_model, tmp_p
     assert layers.group_by("config_label").len().sort("config_label").rows() == [
         ("bits=3", 28), ("bits=4", 28), ("bits=8", 28)]
     assert layers.filter(pl.col("config_label") == "bits=8")["weight_rel_error"].max() < 0.01
+
+
+def test_torchao_per_module_formats_quantize_each_module_as_named(demo_model):
+    """torchao's ``modules``: int8 where a module asks for it, int4 of its own group size,
+    kept where null, the config's format elsewhere; refused naming the field when wrong."""
+    import torch
+
+    from quantdask.backends.base import ModelFacts
+    from quantdask.backends.torchao import check_torchao, quantize_torchao
+    from quantdask.worker.model_source import load_model_source
+
+    torchao = get_backend("torchao")
+    own = {"model.layers.0.mlp.down_proj": {"mode": "int8_weight_only", "group_size": None},
+           "model.layers.1.mlp.up_proj": {"group_size": 32},
+           "model.layers.2.self_attn.q_proj": None}
+    options = torchao.normalize({"mode": "int4_weight_only", "group_size": 64, "modules": own},
+                                "configs[0]")
+    assert torchao.label(options) == "ao int4wo g64 mixed(3 modules)"
+    model = quantize_torchao(load_model_source(ModelSpec(path=demo_model)), options, "cpu")
+    kinds = {name: (type(m.weight).__name__, getattr(m.weight, "block_size", None))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["model.layers.0.mlp.down_proj"][0] == "Int8Tensor"
+    assert kinds["model.layers.2.self_attn.q_proj"][0] == "Parameter"  # kept
+    assert kinds["lm_head"][0] == "Parameter"  # skipped by default
+    assert tuple(kinds["model.layers.1.mlp.up_proj"][1])[-1] == 32
+    assert tuple(kinds["model.layers.1.mlp.down_proj"][1])[-1] == 64  # the config's own
+    for bad, field in (({"a": {"bits": 4}}, "configs[0].modules.a.bits"),
+                       ({"a": {"mode": "int8_weight_only", "group_size": 32}},
+                        "configs[0].modules.a.group_size")):
+        with pytest.raises(SpecError) as error:
+            BackendBlock("torchao", configs=[{"mode": "int4_weight_only", "modules": bad}])
+        assert error.value.field == field
+    facts = ModelFacts({"model.layers.0.mlp.down_proj": 96}, 0, False)
+    assert "not linear layers torchao quantizes" in check_torchao(
+        torchao.normalize({"mode": "int8_weight_only", "modules": {"x.y": None}}, "c"), facts)
+    assert "does not divide" in check_torchao(torchao.normalize(
+        {"mode": "int8_weight_only",
+         "modules": {"model.layers.0.mlp.down_proj": {"mode": "int4_weight_only",
+                                                      "group_size": 64}}}, "c"), facts)
+
+
+def test_backends_a_search_cannot_use_say_why():
+    from quantdask.backends import searchable_backends
+
+    assert searchable_backends() == ["hqq", "torchao"]
+    for name in ("bitsandbytes", "autoround", "gptq", "awq"):
+        backend = get_backend(name)
+        assert backend.quantize_module is None and len(backend.unsearchable) > 40, name

@@ -67,6 +67,28 @@ def test_a_cell_measures_what_the_whole_quantized_model_measures(demo):
         assert rest + cell.bytes + sum(full[u].bytes for u in units if u != unit) == size
 
 
+@pytest.mark.parametrize("fmt", [{"mode": "int8_weight_only"},
+                                 {"mode": "int4_weight_only", "group_size": 32}])
+def test_a_torchao_cell_measures_what_torchaos_whole_model_measures(demo, fmt):
+    """torchao's own model with one unit quantized runs its own kernels; the probe swaps in
+    the dequantized weight: the same KL to 0.1%, the same bytes exactly."""
+    from quantdask.backends.torchao import quantize_torchao
+
+    source, prober, reference = demo
+    torchao = get_backend("torchao")
+    units = linear_units(prober.model, "linear")
+    rest = prober.rest_bytes(units)
+    full = {u: prober.probe(u, m, "keep", torchao, None).bytes for u, m in units.items()}
+    for unit in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"):
+        cell = prober.probe(unit, units[unit], "f", torchao, torchao.normalize(fmt, "f"))
+        kept = {m: None for u, modules in units.items() if u != unit for m in modules}
+        model = quantize_torchao(source, torchao.normalize({**fmt, "modules": kept}, "f"), "cpu")
+        figures = quality(model, reference.windows, reference.distribution, 4, "cpu")
+        assert cell.kl == pytest.approx(figures.kl_divergence, rel=1e-3), unit
+        size = sum(n for _, _, n in stored_tensors(model, torchao.stored_bytes))
+        assert rest + cell.bytes + sum(full[u] for u in units if u != unit) == size
+
+
 def test_starting_at_the_units_layer_gives_the_whole_forwards_figures(demo):
     _, prober, _ = demo
     units = linear_units(prober.model, "linear")

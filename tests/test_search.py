@@ -4,11 +4,14 @@ predictions against measurements, and a rerun that probes nothing again."""
 
 from __future__ import annotations
 
+import time
+
 import polars as pl
 import pytest
 
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.driver.sweep import run_sweep
+from quantdask.driver.progress import SweepProgress
+from quantdask.driver.sweep import run_sweep, submit_sweep
 from quantdask.errors import SpecError
 from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.store.run_store import read_frame, read_results
@@ -38,10 +41,33 @@ def calibration(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def searched(cluster, calibration, tmp_path_factory):
+def search_run(cluster, calibration, tmp_path_factory):
+    """The search run through a handle, as from a notebook: the handle at once, the progress
+    updates it sent, its results."""
     run_dir = tmp_path_factory.mktemp("search") / "run"
-    results = run_sweep(sweep_from_dict(search_sweep(calibration)), run_dir, cluster.client)
-    return run_dir, results
+    updates: list[SweepProgress] = []
+    handle = submit_sweep(sweep_from_dict(search_sweep(calibration)), run_dir, cluster.client,
+                          on_progress=updates.append)
+    at_once = (handle.done(), handle.progress.total)
+    return run_dir, handle.wait(), updates, at_once, handle
+
+
+@pytest.fixture(scope="module")
+def searched(search_run):
+    return search_run[:2]
+
+
+def test_the_handle_returns_at_once_and_shows_the_probing(search_run):
+    _, results, updates, (done, total), handle = search_run
+    assert not done and total == 1  # the probes run behind the handle: the baseline alone
+    probing = [u.probing["mix"] for u in updates if u.probing]
+    assert probing and probing[0][1] == 28 * 4 + 3  # every unit x format, and (all) x 3
+    assert [p for p, _ in probing] == sorted(p for p, _ in probing)  # cells counted up
+    events = [e["text"] for e in updates[-1].events]
+    assert "search  mix: 115 cells, 0 recorded earlier, 115 to probe" in events
+    assert "search  mix: 115 of 115 cells probed" in events
+    assert updates[-1].total == results.height and not updates[-1].probing
+    assert "probing" not in handle.summary()
 
 
 def test_every_cell_is_probed_once_on_the_workers(searched, cluster):
@@ -230,3 +256,70 @@ def test_bad_searches_are_refused_naming_the_field(calibration):
     with pytest.raises(SpecError, match="add a calibration block"):
         sweep_from_dict(data)
     assert DEMO_MODEL_DIR
+
+
+def small_search(calibration: str, faults: list[dict]) -> dict:
+    """A search of 9 cells in 3 chunks (4 blocks x b4 and keep, and b4 everywhere) with
+    ``faults`` injected into its probe chunks."""
+    data = search_sweep(calibration, formats={"b4": {"bits": 4}, "keep": None},
+                        granularity="block", tie=[], budget={"bits_per_weight": 12},
+                        frontier=[], candidates=1, windows=8, cells_per_task=4)
+    data.update(retries=1, retry_backoff_s=0.05, faults=faults)
+    data["eval"].update(samples=8)
+    return data
+
+
+def test_probe_failures_are_retried_by_class_and_past_the_retries_stop_the_search(
+        cluster, calibration, tmp_path, caplog):
+    from quantdask.driver.probe_runs import ProbeFailed
+
+    run_dir = tmp_path / "run"
+    raising = [{"config": "search:mix", "kind": "raise", "attempt": n} for n in (1, 2)]
+    with pytest.raises(ProbeFailed, match=r"search mix: probe chunk \d of 3 failed 2 times, "
+                                          "last as job_error: RuntimeError: injected fault"):
+        run_sweep(sweep_from_dict(small_search(calibration, raising)), run_dir, cluster.client)
+    assert read_results(run_dir).height == 0  # no job ran; the directory is free again
+    oom = [{"config": "search:mix", "kind": "oom", "attempt": 1}]
+    with caplog.at_level("WARNING", logger="quantdask.driver"):
+        results = run_sweep(sweep_from_dict(small_search(calibration, oom)), run_dir,
+                            cluster.client)
+    retried = [r.getMessage() for r in caplog.records if "out_of_memory" in r.getMessage()]
+    assert len(retried) == 3 and all("attempt 1" in line for line in retried)
+    cells = read_frame(run_dir, "sensitivity").filter(pl.col("format") != "rest")
+    assert cells.height == 9 and cells["kl"].is_not_null().all()
+    assert (results["status"] == "done").all() and results.height >= 2
+
+
+def test_a_search_cancelled_while_probing_stops_there_and_runs_no_job(
+        cluster, calibration, tmp_path):
+    slow = [{"config": "search:mix", "kind": "slow", "attempt": 1}]
+    handle = submit_sweep(sweep_from_dict(small_search(calibration, slow)), tmp_path / "run",
+                          cluster.client)
+    while not handle.progress.probing and not handle.done():
+        time.sleep(0.05)
+    assert handle.cancel() == []
+    progress = handle.progress
+    assert progress.finished and not progress.completed and progress.running == {}
+    assert read_results(tmp_path / "run").height == 0
+    probed = read_frame(tmp_path / "run", "sensitivity").filter(pl.col("format") != "rest")
+    assert probed.height < 9  # stopped before the last chunk; a rerun probes the rest
+
+
+def test_a_torchao_search_verifies_its_mix_as_predicted(cluster, calibration, tmp_path):
+    data = small_search(calibration, [])
+    data["searches"][0].update(
+        backend="torchao", base={},
+        formats={"i8": {"mode": "int8_weight_only"},
+                 "i4": {"mode": "int4_weight_only", "group_size": 32}, "keep": None},
+        budget={"bits_per_weight": 8.6}, granularity="linear", cells_per_task=16, windows=32)
+    data["eval"].update(samples=32)
+    results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    assert (results["status"] == "done").all()
+    mixed = results.filter(pl.col("search_role") == "mixed").to_dicts()
+    [row] = mixed
+    assert row["config_label"] == "mix 8.6b #1"
+    assert row["size_bytes"] <= row["search_budget_bits_per_weight"] * row["param_count"] / 8
+    assert row["kl_divergence"] == pytest.approx(row["predicted_kl"], rel=0.3)  # 2% here
+    assert row["size_bytes"] == row["predicted_bytes"]  # the cells' bytes add up exactly
+    allocation = read_frame(tmp_path / "run", "allocation").filter(pl.col("role") == "mixed")
+    assert set(allocation["format"]) >= {"i8", "i4"}  # a real mix at this budget

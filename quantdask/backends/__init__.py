@@ -41,6 +41,13 @@ def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def searchable_backends() -> list[str]:
+    """The backends a mixed-precision search can use: those that quantize one module alone
+    and take per-module formats (``Backend.quantize_module``, ``module_keys``)."""
+    return [name for name in sorted(_REGISTRY) if _REGISTRY[name].quantize_module is not None
+            and _REGISTRY[name].module_keys]
+
+
 register_backend(baseline_backend)
 register_backend(bitsandbytes_backend)
 register_backend(torchao_backend)
@@ -50,4 +57,4 @@ register_backend(gptq_backend)
 register_backend(awq_backend)
 
 __all__ = ["BASELINE", "Backend", "BackendOptions", "Option", "backend_names", "get_backend",
-           "option", "register_backend"]
+           "option", "register_backend", "searchable_backends"]

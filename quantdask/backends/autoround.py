@@ -143,6 +143,10 @@ def weight_bits(options: AutoRoundOptions, loaded_bits: int) -> float:
 
 autoround_backend = Backend(
     name="autoround",
+    unsearchable=("AutoRound tunes each decoder block's rounding on the activations of the "
+                  "blocks before it, so a module quantized alone is not what AutoRound makes "
+                  "of it: one-module probes cannot predict its mixes (its layer_config mixes "
+                  "widths within one run, which a sweep's config can give)"),
     quantize=quantize_autoround,
     options=AutoRoundOptions,
     complete=complete_options,

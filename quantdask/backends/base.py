@@ -235,7 +235,14 @@ class Backend(Generic[OptionsT]):
     as it was. Called on the worker by a mixed-precision search's probes, for each (unit,
     format) cell: ``dequantize_layer`` gives the weight the probe swaps in, and the returned
     module's state the cell's stored bytes. Backends without it cannot be searched (the
-    search is refused before it runs)."""
+    search is refused before it runs, with ``unsearchable``)."""
+
+    module_keys: tuple[str, ...] = ()
+    """With ``quantize_module``: the options a module's own format sets in the ``modules``
+    option (``backends.per_module``), which a search's candidates give each module."""
+
+    unsearchable: str = ""
+    """Without ``quantize_module``: why a mixed-precision search cannot use this backend."""
 
     options_type: type[OptionsT] | None = None
     """The options dataclass, set from ``options`` (not given)."""

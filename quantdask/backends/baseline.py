@@ -12,6 +12,7 @@ def load_unquantized(source, options: BackendOptions, device: str):
 
 baseline_backend = Backend(
     name=BASELINE,
+    unsearchable="the baseline quantizes nothing",
     quantize=load_unquantized,
     options=BackendOptions,  # none
     label=lambda options: "baseline",

@@ -225,6 +225,9 @@ def unpack_for_save(model) -> None:
 
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
+    unsearchable=("transformers' BitsAndBytesConfig gives one format (nf4, fp4 or int8) to "
+                  "every module it quantizes: it can leave modules out, not mix formats, so "
+                  "a mixed candidate could not be built"),
     quantize=quantize_bitsandbytes,
     options=BitsAndBytesOptions,
     complete=complete_options,

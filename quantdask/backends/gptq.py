@@ -306,8 +306,13 @@ def quantize_awq(source, options: AwqOptions, device: str, calibration):
     return _quantize("awq", source, options, device, calibration)
 
 
+CALIBRATED_ALONE = ("each layer is quantized against the activations of the layers quantized "
+                    "before it, so a module quantized alone is not what the method makes of "
+                    "it: one-module probes cannot predict its mixes")
+
 gptq_backend = Backend(
     name="gptq",
+    unsearchable=CALIBRATED_ALONE,
     quantize=quantize_gptq,
     options=GptqOptions,
     complete=complete_gptq,
@@ -322,6 +327,7 @@ gptq_backend = Backend(
 
 awq_backend = Backend(
     name="awq",
+    unsearchable=CALIBRATED_ALONE,
     quantize=quantize_awq,
     options=AwqOptions,
     label=awq_label,

@@ -19,9 +19,19 @@ from quantdask.backends.base import (
     skip_label,
 )
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
+from quantdask.backends.per_module import (
+    check_modules,
+    mixed_label,
+    module_format,
+    modules_option,
+    unknown_modules,
+)
 from quantdask.errors import SpecError, UnsupportedHere
 
 BITS = (1, 2, 3, 4, 8)
+
+
+MODULE_KEYS = ("bits", "group_size")  # what a module's own format may set (``modules``)
 
 
 @dataclass(frozen=True)
@@ -35,52 +45,28 @@ class HqqOptions(BackendOptions):
         int, choices=(0, 1), default=1,
         help="1 (default): groups along the input features; 0: along the outputs")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
-    modules: dict | None = option(
-        dict, help="per-module formats, by full module name: {bits: B, group_size: G} (each "
-                   "left out: the config's own), or null to keep that module unquantized "
-                   "(a mixed-precision search's candidates)")
-
-
-MODULE_KEYS = ("bits", "group_size")
+    modules: dict | None = modules_option(MODULE_KEYS)
 
 
 def complete_options(options: HqqOptions) -> HqqOptions:
     if options.bits is None:
         raise SpecError("bits", f"is required for hqq: one of {', '.join(map(str, BITS))}")
-    for name, format in (options.modules or {}).items():
-        where = f"modules.{name}"
-        if format is None:
-            continue
-        if not isinstance(format, dict) or not format:
-            raise SpecError(where, "must be {bits: B, group_size: G} (either may be left "
-                                   f"out) or null to keep the module unquantized, got {format!r}")
-        for key, value in format.items():
-            if key not in MODULE_KEYS:
-                raise SpecError(f"{where}.{key}", f"unknown key; a module's format takes "
-                                                  f"{' and '.join(MODULE_KEYS)}")
-            HqqOptions.declared()[key].validate(f"{where}.{key}", value)
+    check_modules(options, MODULE_KEYS)
     return options
 
 
-def module_format(name: str, options: HqqOptions) -> tuple[int, int] | None:
-    """The (bits, group_size) module ``name`` is quantized with: its own from ``modules``,
-    else the config's; None where ``modules`` keeps it unquantized."""
-    modules = options.modules or {}
-    if name not in modules:
-        return options.bits or 0, options.group_size or 0
-    own = modules[name]
-    if own is None:
-        return None
-    return own.get("bits", options.bits), own.get("group_size", options.group_size)
+def module_bits(name: str, options: HqqOptions) -> tuple[int, int] | None:
+    """The (bits, group_size) module ``name`` is quantized with (``per_module``); None where
+    ``modules`` keeps it unquantized."""
+    own = module_format(name, options, MODULE_KEYS)
+    return None if own is None else (own["bits"] or 0, own["group_size"] or 0)
 
 
 def config_label(options: HqqOptions) -> str:
     label = f"hqq {options.bits}b g{options.group_size}"
     if options.axis != 1:
         label += f" axis{options.axis}"
-    if options.modules:
-        label += f" mixed({len(options.modules)} modules)"
-    return label + skip_label(options.skip_modules, LM_HEAD)
+    return label + mixed_label(options) + skip_label(options.skip_modules, LM_HEAD)
 
 
 HQQ = ("hqq.core.quantize", "hqq", "'quantdask[hqq]'")  # module, name, what to install
@@ -97,7 +83,7 @@ def selects(name: str, module_class: type, options: HqqOptions) -> bool:
     """Every linear layer (subclasses and ``Conv1D`` too) but the skipped modules and those
     ``modules`` keeps."""
     return (_is_linear(module_class) and not named_in(name, options.skip_modules)
-            and module_format(name, options) is not None)
+            and module_bits(name, options) is not None)
 
 
 def ungroupable(options: HqqOptions, sizes: dict[str, int]) -> str | None:
@@ -105,22 +91,12 @@ def ungroupable(options: HqqOptions, sizes: dict[str, int]) -> str | None:
     each one's group size, or None (HQQ groups the flattened weight: its size must be a
     multiple of the group)."""
     for name, size in sizes.items():
-        _, group = module_format(name, options) or (0, 0)
+        _, group = module_bits(name, options) or (0, 0)
         if not group:  # Backend.normalize fills in the default
             return "hqq needs a group_size"
         if size % group:
             return (f"group_size={group} does not divide the {size:,} weights of {name}; choose "
                     "a group size that divides every layer's")
-    return None
-
-
-def unknown_modules(options: HqqOptions, linears: set[str]) -> str | None:
-    """Why ``modules`` cannot apply: a name that is no quantized linear layer here."""
-    unknown = sorted(set(options.modules or {}) - linears)
-    if unknown:
-        return (f"modules names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, which are "
-                "not linear layers hqq quantizes in this model (full module names, as "
-                "model.named_modules() gives them)")
     return None
 
 
@@ -131,7 +107,7 @@ def check_hqq(options: HqqOptions, facts) -> str | None:
         return missing
     linears = {name for name, module_class, _ in facts.weight_modules
                if _is_linear(module_class) and not named_in(name, options.skip_modules)}
-    return unknown_modules(options, linears) or ungroupable(
+    return unknown_modules(options, linears, "hqq") or ungroupable(
         options, {name: size for name, module_class, size in facts.weight_modules
                   if selects(name, module_class, options)})
 
@@ -161,13 +137,13 @@ def quantize_hqq(source, options: HqqOptions, device: str):
                and not named_in(name, options.skip_modules)}
     targets = {name: module for name, module in model.named_modules()
                if selects(name, type(module), options)}
-    reason = unknown_modules(options, linears) or ungroupable(
+    reason = unknown_modules(options, linears, "hqq") or ungroupable(
         options, {name: m.weight.numel() for name, m in targets.items()})
     if reason:
         raise UnsupportedHere(reason)
     dtype = next(model.parameters()).dtype
     for name, module in targets.items():
-        bits, group = module_format(name, options) or (0, 0)
+        bits, group = module_bits(name, options) or (0, 0)
         config = hqq.BaseQuantizeConfig(nbits=bits, group_size=group, axis=options.axis)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -230,6 +206,7 @@ hqq_backend = Backend(
     weight_bits=weight_bits,
     selects=selects,
     quantize_module=quantize_module,
+    module_keys=MODULE_KEYS,
     saves=False,  # layer-by-layer HQQLinear models: no from_pretrained format (artifacts)
     description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
                 "pip install 'quantdask[hqq]')",

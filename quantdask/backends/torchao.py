@@ -17,8 +17,16 @@ from quantdask.backends.base import (
     tensor_nbytes,
 )
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
+from quantdask.backends.per_module import (
+    check_modules,
+    mixed_label,
+    module_format,
+    modules_option,
+    unknown_modules,
+)
 from quantdask.errors import SpecError, UnsupportedHere
 
+MODULE_KEYS = ("mode", "group_size")  # what a module's own format may set (``modules``)
 INT4_GROUP_SIZE = 128  # int4's default group size (int8 is per channel: none)
 CPU_INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -33,11 +41,17 @@ class TorchaoOptions(BackendOptions):
         int, choices=(32, 64, 128, 256),
         help=f"int4: input features sharing one scale (default {INT4_GROUP_SIZE})")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
+    modules: dict | None = modules_option(MODULE_KEYS)
 
 
 def complete_options(options: TorchaoOptions) -> TorchaoOptions:
     if options.mode is None:
         raise SpecError("mode", "is required for torchao: int8_weight_only or int4_weight_only")
+    check_modules(options, MODULE_KEYS)
+    for name, own in (options.modules or {}).items():
+        if own and own.get("mode") == "int8_weight_only" and own.get("group_size") is not None:
+            raise SpecError(f"modules.{name}.group_size", "applies to int4_weight_only only; "
+                                                          "set it to null")
     if options.mode == "int8_weight_only":
         if options.group_size is not None:
             raise SpecError("group_size", "applies to int4_weight_only only; remove it")
@@ -45,22 +59,32 @@ def complete_options(options: TorchaoOptions) -> TorchaoOptions:
     return options.with_defaults(group_size=INT4_GROUP_SIZE)
 
 
+def module_config(name: str, options: TorchaoOptions) -> tuple[str, int | None] | None:
+    """The (mode, group size) module ``name`` is quantized with (``per_module``; int8 has no
+    group, int4 the default where none is given); None where ``modules`` keeps it."""
+    own = module_format(name, options, MODULE_KEYS)
+    if own is None:
+        return None
+    if own["mode"] == "int8_weight_only":
+        return own["mode"], None
+    return own["mode"], own["group_size"] or INT4_GROUP_SIZE
+
+
 def config_label(options: TorchaoOptions) -> str:
     if options.mode == "int8_weight_only":
         label = "ao int8wo"
     else:
         label = f"ao int4wo g{options.group_size}"
-    return label + skip_label(options.skip_modules, LM_HEAD)
+    return label + mixed_label(options) + skip_label(options.skip_modules, LM_HEAD)
 
 
 TORCHAO = ("torchao.quantization", "torchao", "'quantdask[torchao]'")  # module, name, install
 
 
-def _targets(model, skip: tuple[str, ...] | None) -> dict:
-    import torch
-
+def _targets(model, options: TorchaoOptions) -> dict:
+    """The linear layers torchao quantizes here, by name (``selects``)."""
     return {name: module for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and not named_in(name, skip)}
+            if selects(name, type(module), options)}
 
 
 def int4_unsupported(group: int | None, widths: dict[str, int], cuda: bool) -> str | None:
@@ -84,48 +108,100 @@ def int4_unsupported(group: int | None, widths: dict[str, int], cuda: bool) -> s
 def check_torchao(options: TorchaoOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
     missing = missing_library(*TORCHAO)
-    if missing:
+    if missing or not facts.linear_in_features:
         return missing
-    if options.mode == "int4_weight_only" and facts.linear_in_features:
-        widths = {name: width for name, width in facts.linear_in_features.items()
-                  if not named_in(name, options.skip_modules)}
-        return int4_unsupported(options.group_size, widths, facts.cuda)
-    return None
+    linears = {name for name in facts.linear_in_features
+               if not named_in(name, options.skip_modules)}
+    return unknown_modules(options, linears, "torchao") or _unsupported_groups(
+        options, {name: width for name, width in facts.linear_in_features.items()
+                  if name in linears}, facts.cuda)
+
+
+def _unsupported_groups(options: TorchaoOptions, widths: dict[str, int], cuda: bool
+                        ) -> str | None:
+    """Why an int4 group of some module (its own or the config's) cannot run here, or None."""
+    groups: dict[int | None, dict[str, int]] = {}
+    for name, width in widths.items():
+        config = module_config(name, options)
+        if config is not None and config[0] == "int4_weight_only":
+            groups.setdefault(config[1], {})[name] = width
+    return next(filter(None, (int4_unsupported(group, members, cuda)
+                              for group, members in groups.items())), None)
+
+
+def _config(quantization, mode: str, group: int | None, device: str, dtype: str):
+    """torchao's config for (``mode``, ``group``) on ``device`` (see the module)."""
+    if mode == "int8_weight_only":
+        return quantization.Int8WeightOnlyConfig()
+    if device.startswith("cuda"):
+        if dtype != "torch.bfloat16":
+            raise UnsupportedHere("torchao int4 on CUDA needs a bfloat16 model; "
+                                  "set the model's dtype: bfloat16")
+        return quantization.Int4WeightOnlyConfig(group_size=group,
+                                                 int4_packing_format="tile_packed_to_4d")
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    return PrototypeInt4WeightOnlyConfig(group_size=group)
 
 
 def quantize_torchao(source, options: TorchaoOptions, device: str):
     quantization = require_library(*TORCHAO)
     model = source.build(device)
-    targets = _targets(model, options.skip_modules)
-    if options.mode == "int8_weight_only":
-        config = quantization.Int8WeightOnlyConfig()
-    else:
-        group = options.group_size
-        reason = int4_unsupported(group, {n: m.in_features for n, m in targets.items()},
-                                  cuda=device.startswith("cuda"))
-        if reason:
-            raise UnsupportedHere(reason)
-        if device.startswith("cuda"):
-            if str(source.dtype) != "torch.bfloat16":
-                raise UnsupportedHere("torchao int4 on CUDA needs a bfloat16 model; "
-                                      "set the model's dtype: bfloat16")
-            config = quantization.Int4WeightOnlyConfig(group_size=group,
-                                                       int4_packing_format="tile_packed_to_4d")
-        else:
-            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-
-            config = PrototypeInt4WeightOnlyConfig(group_size=group)
-    wanted = set(targets.values())
-    quantization.quantize_(model, config, filter_fn=lambda module, fqn: module in wanted)
+    linears = {name for name, module in model.named_modules()
+               if isinstance(module, _linear()) and not named_in(name, options.skip_modules)}
+    targets = _targets(model, options)
+    reason = unknown_modules(options, linears, "torchao") or _unsupported_groups(
+        options, {n: m.in_features for n, m in targets.items()}, device.startswith("cuda"))
+    if reason:
+        raise UnsupportedHere(reason)
+    by_config: dict[tuple, set] = {}
+    for name, module in targets.items():
+        config = module_config(name, options)
+        assert config is not None  # a module kept is no target
+        by_config.setdefault(config, set()).add(module)
+    for (mode, group), wanted in by_config.items():
+        config = _config(quantization, mode, group, device, str(source.dtype))
+        quantization.quantize_(model, config,
+                               filter_fn=lambda module, fqn, wanted=wanted: module in wanted)
     return model
 
 
+def quantize_module(module, options: TorchaoOptions):
+    """One linear layer quantized alone as ``quantize_torchao`` quantizes it with
+    ``options`` (a search's probe); ``module`` keeps its weight."""
+    import torch
+
+    quantization = require_library(*TORCHAO)
+    weight = module.weight.detach()
+    reason = _unsupported_groups(options, {"the layer": weight.size(1)},
+                                 weight.device.type == "cuda")
+    if reason:
+        raise UnsupportedHere(reason)
+    copy = torch.nn.Linear(weight.size(1), weight.size(0), bias=module.bias is not None,
+                           device="meta")
+    copy.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    if module.bias is not None:
+        copy.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    mode, group = module_config("", options) or ("", None)
+    config = _config(quantization, mode, group, str(weight.device), str(weight.dtype))
+    quantization.quantize_(copy, config, filter_fn=lambda m, fqn: m is copy)
+    return copy
+
+
+def _linear() -> type:
+    import torch
+
+    return torch.nn.Linear
+
+
 def selects(name: str, module_class: type, options: TorchaoOptions) -> bool:
-    """torchao quantizes every ``nn.Linear`` (subclasses too) but the skipped modules."""
+    """torchao quantizes every ``nn.Linear`` (subclasses too) but the skipped modules and
+    those ``modules`` keeps."""
     import torch
 
     return (issubclass(module_class, torch.nn.Linear)
-            and not named_in(name, options.skip_modules))
+            and not named_in(name, options.skip_modules)
+            and module_config(name, options) is not None)
 
 
 def weight_bits(options: TorchaoOptions, loaded_bits: int) -> float:
@@ -179,6 +255,8 @@ torchao_backend = Backend(
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,
+    quantize_module=quantize_module,
+    module_keys=MODULE_KEYS,
     check=check_torchao,
     weight_bits=weight_bits,
     selects=selects,

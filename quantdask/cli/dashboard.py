@@ -73,6 +73,8 @@ def render(progress: SweepProgress, now: dt.datetime | None = None) -> Group:
                             format_bytes(running.peak_memory_bytes))
 
     parts: list[RenderableType] = [header, bar, workers]
+    for name, (probed, cells) in progress.probing.items():  # before its jobs join the sweep
+        parts.append(Text(f"probing search {name}: {probed} of {cells} cells", style="cyan"))
     queue = progress.queue_order()
     if queue and not progress.finished:
         shown = ", ".join(f"[p{priority}] {label}" for priority, label in queue[:QUEUE_SHOWN])

@@ -202,9 +202,11 @@ class SweepHandle:
         state = ("cancelled" if self._session.driver.stop.is_set() and self.done()
                  else "finished" if self.done() else "running")
         left = f"; about {format_duration(eta)} left" if eta and not self.done() else ""
-        return (f"sweep {self.sweep.name} ({state}): {progress.settled}/{progress.total} "
-                f"jobs settled ({counts}), {len(progress.running)} running{left}; "
-                f"{self.run_dir}")
+        probing = "".join(f"probing search {name}: {probed} of {cells} cells; "
+                          for name, (probed, cells) in progress.probing.items())
+        return (f"sweep {self.sweep.name} ({state}): {probing}{progress.settled}/"
+                f"{progress.total} jobs settled ({counts}), {len(progress.running)} "
+                f"running{left}; {self.run_dir}")
 
     def __repr__(self) -> str:
         return f"<SweepHandle {self.summary()}>"

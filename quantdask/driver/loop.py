@@ -84,7 +84,7 @@ class SweepDriver:
         self.run_id = run_id
         self.attempts = AttemptTable(tag=run_id)
         self.recorder = Recorder(store, self.run_id, sweep.checked_gates)
-        self.references = ModelReferences(client, self.run_id, placement.reference_resources,
+        self.references = ModelReferences(client, self.run_id, self._reference_resources,
                                           clock, slots=lambda: cluster_capacity(
                                               client, sweep.jobs_per_gpu)[1])
         self.delayed = RetryQueue()
@@ -97,6 +97,9 @@ class SweepDriver:
         self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
         self.stop = threading.Event()  # set by SweepHandle.cancel(): submit nothing more
         self.cancelled: list[str] = []  # jobs whose running attempts were cancelled
+
+    def _reference_resources(self, job: Job) -> dict[str, float]:
+        return self.placement.reference_resources(job)  # the placement a search may replace
 
     def _pickled_backend(self, name: str) -> bytes:
         if name not in self._backends:

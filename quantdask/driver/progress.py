@@ -101,6 +101,7 @@ class SweepProgress:
     run_id: str = ""  # the driver session writing this
     done_seconds: float = 0.0  # this session's done attempts: total time and count (the ETA)
     done_attempts: int = 0
+    searches: dict[str, list[int]] = field(default_factory=dict)  # name -> [probed, cells]
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -120,6 +121,36 @@ class SweepProgress:
         with self._lock:
             for status in statuses:
                 self.counts[status] = self.counts.get(status, 0) + 1
+
+    def search_started(self, name: str, cells: int, recorded: int) -> None:
+        """A search's probing begins: ``cells`` in all, ``recorded`` of them by an earlier
+        run."""
+        with self._lock:
+            self.searches[name] = [recorded, cells]
+            self._event(f"search  {name}: {cells} cells, {recorded} recorded earlier, "
+                        f"{cells - recorded} to probe")
+
+    def cells_probed(self, name: str, count: int) -> None:
+        with self._lock:
+            entry = self.searches[name]
+            entry[0] += count
+            self._event(f"search  {name}: {entry[0]} of {entry[1]} cells probed")
+
+    def search_finished(self, name: str, jobs: int) -> None:
+        with self._lock:
+            self._event(f"search  {name}: allocated; {jobs} jobs verify it")
+
+    def jobs_added(self, total: int) -> None:
+        """The searches' jobs joined the sweep: ``total`` jobs now."""
+        with self._lock:
+            self.total = total
+
+    @property
+    def probing(self) -> dict[str, list[int]]:
+        """The searches still probing: name -> [cells probed, cells]."""
+        with self._lock:
+            return {name: list(entry) for name, entry in self.searches.items()
+                    if entry[0] < entry[1] and not self.finished}
 
     def job_queued(self, job_id: str, label: str, priority: int) -> None:
         with self._lock:

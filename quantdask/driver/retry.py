@@ -34,20 +34,36 @@ class RetryDecision:
 def decide(job: Job, attempt: int, failure_class: FailureClass,
            backoff_s: float) -> RetryDecision:
     """Whether and how to run ``job`` again after ``attempt`` failed as ``failure_class``."""
-    if failure_class == FailureClass.UNSUPPORTED:
-        return RetryDecision(False, reason="unsupported here; not retried")
-    if attempt > job.retries:
-        return RetryDecision(False, reason=f"no retries left ({job.retries} allowed)")
+    decision = by_class(attempt, job.retries, failure_class, backoff_s)
+    if not decision.retry:
+        return decision
     if failure_class == FailureClass.OUT_OF_MEMORY:
         roomier = with_more_room(job)
         more = (f" and {roomier.device_memory_bytes:,} bytes of device memory"
                 if roomier.device_memory_bytes else "")
         return RetryDecision(True, 0.0, roomier, reason=(
             f"retrying with a whole device, eval batch {roomier.eval.batch_size}{more}"))
+    return dataclasses.replace(decision, job=job)
+
+
+def by_class(attempt: int, retries: int, failure_class: FailureClass,
+             backoff_s: float) -> RetryDecision:
+    """The table's decision for any task allowed ``retries`` retries (a job, a search's
+    probe) after its ``attempt`` failed as ``failure_class``; what runs next is the caller's
+    (more room after ``out_of_memory``).
+
+    >>> by_class(1, 2, FailureClass.JOB_ERROR, 2.0).delay_s, by_class(3, 2,
+    ...     FailureClass.WORKER_LOST, 2.0).reason
+    (2.0, 'no retries left (2 allowed)')
+    """
+    if failure_class == FailureClass.UNSUPPORTED:
+        return RetryDecision(False, reason="unsupported here; not retried")
+    if attempt > retries:
+        return RetryDecision(False, reason=f"no retries left ({retries} allowed)")
     if failure_class == FailureClass.JOB_ERROR:
         delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-        return RetryDecision(True, delay, job, reason=f"retrying in {delay:g}s")
-    return RetryDecision(True, 0.0, job, reason="retrying")
+        return RetryDecision(True, delay, reason=f"retrying in {delay:g}s")
+    return RetryDecision(True, 0.0, reason="retrying")
 
 
 def after_failure(job: Job, number: int, failure_class: FailureClass, backoff_s: float,

@@ -20,22 +20,27 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
-from distributed import Client, as_completed
+from distributed import Client, Future
 
 from quantdask.backends import BackendOptions, get_backend
 from quantdask.driver import LOG_CHANNEL
 from quantdask.driver.allocation import Allocation, allocate
+from quantdask.driver.probe_runs import ProbeRules, ProbeTask, Room, run_probe_tasks
+from quantdask.driver.progress import SweepProgress
 from quantdask.errors import SpecError
+from quantdask.spec.model import ModelSpec
 from quantdask.spec.search import ALL_UNITS, SearchRole, SearchSpec
 from quantdask.spec.settings import EvalSettings
-from quantdask.spec.sweep import Job, Sweep, make_job
+from quantdask.spec.sweep import Job, Sweep, make_job, search_fault_label
 from quantdask.store.run_store import RunStore
+from quantdask.words import FaultKind
 
 log = logging.getLogger(LOG_CHANNEL)
 
@@ -75,72 +80,124 @@ class Probed:
     units: dict[str, tuple[str, ...]]
 
 
+@dataclass
+class SearchWatch:
+    """Who follows the searches while they probe: ``stop`` ends them early (a cancelled
+    sweep), ``progress`` counts their cells and ``tick()`` shows it (the sweep's driver)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    progress: SweepProgress | None = None
+    tick: Callable[[], None] = lambda: None
+
+
 def run_searches(sweep: Sweep, store: RunStore, client: Client,
-                 placed: list[Job] | None = None) -> list[Job]:
+                 placed: list[Job] | None = None, watch: SearchWatch | None = None
+                 ) -> list[Job] | None:
     """Probe, allocate and make the verifying jobs of every search of ``sweep``; the probe
     tasks hold what the model's baseline job holds among ``placed`` (its device memory: a
-    probe holds the full-precision model too)."""
+    probe holds the full-precision model too). None when ``watch.stop`` ended them early;
+    ``probe_runs.ProbeFailed`` when a task failed past the sweep's retries."""
+    watch = watch or SearchWatch()
     jobs: list[Job] = []
     for search in sweep.searches:
         baseline = next((job for job in placed or [] if job.is_baseline
                          and job.model.label == search.model), None)
         probed = probe(sweep, search, store, client,
-                       baseline.resources if baseline is not None else None)
+                       baseline.resources if baseline is not None else None, watch)
+        if probed is None:
+            return None
         jobs += verifying_jobs(sweep, search, probed, store)
+        if watch.progress is not None:
+            watch.progress.search_finished(search.name, len(jobs))
     return jobs
 
 
 def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
-          resources: dict[str, float] | None = None) -> Probed:
+          resources: dict[str, float] | None = None, watch: SearchWatch | None = None
+          ) -> Probed | None:
     """Every cell of ``search`` measured: those already in ``store`` read back, the rest
     probed on the cluster (see the module), each task holding ``resources`` (default: a
-    job's share of a GPU)."""
-    from quantdask.worker.probe_task import probe_chunk, search_units
-    from quantdask.worker.reference import compute_reference
+    job's share of a GPU), its failures handled as a job's (``driver.probe_runs``). None
+    when ``watch.stop`` ended it early."""
+    from quantdask.worker.probe_task import search_reference, search_units
 
+    watch = watch or SearchWatch()
     model = next(m for m in sweep.models if m.label == search.model)
     settings, key = probe_settings(sweep, search), search_key(sweep, search)
-    session = uuid.uuid4().hex[:8]  # this driver's own Dask keys (a key is global to Dask)
-    share = resources or {"GPU": 1.0 / sweep.jobs_per_gpu}
-    found = client.submit(search_units, model, search.granularity, resources=share,
-                          retries=sweep.retries, key=f"search-units-{search.name}-{session}",
-                          pure=False).result()
-    units = found["units"]
+    tag = f"search-{search.name}-{uuid.uuid4().hex[:8]}"  # this driver's own Dask keys
+    room = Room(resources or {"GPU": 1.0 / sweep.jobs_per_gpu}, settings.batch_size)
+    rules = ProbeRules(sweep.retries, sweep.timeout_s, sweep.retry_backoff_s)
+
+    def one(what: str, function: Callable, *args) -> Future | None:
+        task = ProbeTask(f"search {search.name}: {what}", lambda r, k, _: client.submit(
+            function, *args, resources=r.resources, key=k, pure=False))
+        return next((f for _, f in run_probe_tasks(client, [task], room, rules, f"{tag}-{what}",
+                                                   watch.stop, watch.tick)), None)
+
+    found = one("units", search_units, model, search.granularity)
+    if found is None:
+        return None
+    units = found.result()["units"]
     done = _recorded(store, search.name, key)
     every = tuple(m for modules in units.values() for m in modules)
     cells = [(u, units[u], f) for u in units for f in search.formats]
     cells += [(ALL_UNITS, every, f) for f, o in search.format_options().items() if o is not None]
     todo = [(u, modules, f) for u, modules, f in cells if (u, f) not in done]
+    if watch.progress is not None:
+        watch.progress.search_started(search.name, len(cells), len(cells) - len(todo))
     if todo:
-        formats = search.format_options()
-        reference = client.submit(compute_reference, model, settings, settings.read_text(),
-                                  resources=share, retries=sweep.retries, pure=False,
-                                  key=f"search-reference-{search.name}-{session}")
+        reference = one("reference", search_reference, model, settings, settings.read_text())
+        if reference is None:
+            return None
         chunks = list(_chunks(todo, search.cells_per_task))
-        futures = [client.submit(probe_chunk, model, reference, settings.batch_size,
-                                 search.backend, formats, chunk, units, resources=share,
-                                 retries=sweep.retries, pure=False,
-                                 key=f"search-probe-{search.name}-{session}-{i}")
-                   for i, chunk in enumerate(chunks)]
-        named = {future.key: _chunk_name(search.name, key, chunk)
-                 for future, chunk in zip(futures, chunks, strict=True)}
-        for future in as_completed(futures):
-            part = future.result()
-            if ("", "rest") not in done:  # before any chunk: a chunk on disk implies it
-                done[("", "rest")] = (0.0, part["rest_bytes"])
-                store.write_rows("sensitivity", f"rest-{search.name}-{key}", [_rest_row(
-                    search.name, key, model.label, part["rest_bytes"])])
-            rows = [{**row, "search": search.name, "search_key": key, "model": model.label}
-                    for row in part["rows"]]
-            store.write_rows("sensitivity", named[future.key], rows)
-            log.info("search %s: %d cells probed", search.name, len(rows))
+        formats = search.format_options()
+        faults = [(f["attempt"], f["kind"]) for f in sweep.faults
+                  if f["config"] == search_fault_label(search.name)]
+        tasks = [ProbeTask(f"search {search.name}: probe chunk {i + 1} of {len(chunks)}",
+                           _chunk_submit(client, model, reference, search, formats, chunk, units,
+                                         faults))
+                 for i, chunk in enumerate(chunks)]
+        for index, future in run_probe_tasks(client, tasks, room, rules, f"{tag}-probe",
+                                             watch.stop, watch.tick):
+            _write_chunk(store, search, key, model.label, chunks[index], future.result(), done)
+            if watch.progress is not None:
+                watch.progress.cells_probed(search.name, len(chunks[index]))
+        if watch.stop.is_set():
+            return None
         done = _recorded(store, search.name, key)
     rest = done[("", "rest")]
     measured: dict[str, dict[str, tuple[float, int]]] = {u: {} for u in units}
     for (unit, label), (kl, size) in done.items():
         if unit in measured and kl is not None:
             measured[unit][label] = (kl, size)
-    return Probed(measured, int(rest[1]), found["param_count"], units)
+    return Probed(measured, int(rest[1]), found.result()["param_count"], units)
+
+
+def _chunk_submit(client: Client, model: ModelSpec, reference: Future, search: SearchSpec,
+                  formats: dict[str, BackendOptions | None], chunk: list,
+                  units: dict[str, tuple[str, ...]], faults: list[tuple[int, FaultKind]]
+                  ) -> Callable[[Room, str, int], Future]:
+    """How to submit an attempt of a probe chunk (with the sweep's ``faults`` for it)."""
+    from quantdask.worker.probe_task import probe_chunk
+
+    return lambda room, key, attempt: client.submit(
+        probe_chunk, model, reference, room.batch_size, search.backend, formats, chunk, units,
+        [(a, kind) for a, kind in faults if a == attempt], resources=room.resources, key=key,
+        pure=False)
+
+
+def _write_chunk(store: RunStore, search: SearchSpec, key: str, model: str, chunk: list,
+                 part: dict[str, Any], done: dict[tuple[str, str], tuple]) -> None:
+    """A probed chunk's rows in the sensitivity frame, in a file of their own; the first
+    chunk also writes the bytes outside the units (a chunk on disk implies them)."""
+    if ("", "rest") not in done:
+        done[("", "rest")] = (0.0, part["rest_bytes"])
+        store.write_rows("sensitivity", f"rest-{search.name}-{key}",
+                         [_rest_row(search.name, key, model, part["rest_bytes"])])
+    rows = [{**row, "search": search.name, "search_key": key, "model": model}
+            for row in part["rows"]]
+    store.write_rows("sensitivity", _chunk_name(search.name, key, chunk), rows)
+    log.info("search %s: %d cells probed", search.name, len(rows))
 
 
 def _recorded(store: RunStore, search: str, key: str) -> dict[tuple[str, str], tuple]:
@@ -264,11 +321,11 @@ def _options(search: SearchSpec, probed: Probed, formats: dict[str, BackendOptio
     used = [label for label in chosen.values() if formats[label] is not None]
     base = formats[max(sorted(set(used)), key=used.count)] if used else None
     base = base or next(o for o in formats.values() if o is not None)
+    backend = get_backend(search.backend)
     modules: dict[str, Any] = {}
     for unit, label in chosen.items():
         own = formats[label]
         for module in probed.units[unit]:
             modules[module] = None if own is None else {
-                "bits": own.get("bits"), "group_size": own.get("group_size")}
-    return get_backend(search.backend).normalize({**base.as_dict(), "modules": modules},
-                                                 f"searches.{search.name}")
+                key: own.get(key) for key in backend.module_keys}
+    return backend.normalize({**base.as_dict(), "modules": modules}, f"searches.{search.name}")

@@ -32,7 +32,7 @@ from quantdask.driver.lengths import check_lengths
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
-from quantdask.driver.search import run_searches
+from quantdask.driver.search import SearchWatch, run_searches
 from quantdask.driver.widget import progress_view
 from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
@@ -64,7 +64,10 @@ class SweepSession:
     def run(self) -> None:
         driver, artifacts = self.driver, self.sweep.artifacts
         try:
-            driver.run(self.todo)
+            if self.sweep.searches:
+                self._search()
+            if not driver.stop.is_set():  # not cancelled while a search probed
+                driver.run(self.todo)
             self.row["completed"] = not driver.stop.is_set()
             if (self.row["completed"] and artifacts is not None
                     and artifacts.keep == ArtifactKeep.PARETO):
@@ -76,6 +79,29 @@ class SweepSession:
                 driver.show_progress(final=True)
             finally:
                 self.lock.close()
+
+    def _search(self) -> None:
+        """Run the sweep's searches (``driver.search``: probes on the cluster, watched and
+        cancelled through the driver), then place their jobs beside the others and write the
+        plan again: the driver then runs them all."""
+        driver = self.driver
+        watch = SearchWatch(driver.stop, driver.progress, driver.show_progress)
+        searched = run_searches(self.sweep, self.store, driver.client, self.jobs, watch)
+        if searched is None:  # cancelled while probing
+            return
+        finished = self.store.finished_job_ids()
+        placement = place_jobs(with_search_jobs(self.jobs, searched), driver.client,
+                               self.store.root, finished=finished)
+        driver.placement = placement
+        known = {job.id for job in self.jobs}
+        self.jobs = placement.jobs
+        self.store.write_plan(plan_rows(self.jobs))
+        self.todo = [job for job in self.jobs if job.id not in finished]
+        driver.progress.jobs_added(len(self.jobs))
+        driver.progress.already_finished([Status.DONE] * sum(
+            job.id in finished and job.id not in known for job in self.jobs))
+        self.row.update(jobs_planned=len(self.jobs), jobs_run=len(self.todo))
+        self.store.write_session(self.row)
 
     def results(self) -> pl.DataFrame:
         """The recorded results of this sweep's jobs (those finished so far)."""
@@ -100,10 +126,7 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     lock = contextlib.ExitStack()
     lock.enter_context(store.lock())
     try:
-        if sweep.searches:  # their jobs exist once their probes have run: placed after
-            jobs = with_search_jobs(jobs, run_searches(sweep, store, client, placement.jobs))
-            placement = place_jobs(jobs, client, run_dir, finished=finished_before)
-        jobs = placement.jobs
+        jobs = placement.jobs  # a search's jobs join once it has probed (SweepSession.run)
         store.set_aside_unreadable()
         store.write_plan(plan_rows(jobs))
         finished = store.finished_job_ids()

@@ -32,9 +32,11 @@ class ProgressWidget:
             bar_style=BAR_STYLES[status]) for status in Status}
         self.counts = {status: widgets.Label() for status in Status}
         self.running = widgets.HTML()
+        self.probing = widgets.HTML()  # a search's probes, before its jobs join the sweep
         self.failures = widgets.HTML()
         rows = [widgets.HBox([self.bars[s], self.counts[s]]) for s in Status]
-        self.view = widgets.VBox([self.title, *rows, self.running, self.failures])
+        self.view = widgets.VBox([self.title, *rows, self.probing, self.running,
+                                  self.failures])
         self._handle = handle
         self.update(progress)
         handle.on_progress(self.update)
@@ -62,6 +64,9 @@ class ProgressWidget:
             f"{html.escape(r.label)} on worker {html.escape(str(r.worker))}"
             + (f" (attempt {r.attempt})" if r.attempt > 1 else "") for r in running)
             if running else "<b>running</b>: none")
+        self.probing.value = "".join(
+            f"<b>probing</b> search {html.escape(name)}: {probed} of {cells} cells<br>"
+            for name, (probed, cells) in progress.probing.items())
         last = progress.failures[-FAILURES_SHOWN:]
         self.failures.value = ("<b>last failures</b>:<ul>" + "".join(
             f"<li>{html.escape(f.label)} attempt {f.attempt}: {html.escape(f.failure_class)}: "

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantdask.backends import BackendOptions, get_backend
+from quantdask.backends import BackendOptions, get_backend, searchable_backends
 from quantdask.errors import SpecError
 from quantdask.spec.fields import NAME, keyed, positive_int, require
 
@@ -67,9 +67,10 @@ class SearchSpec:
             raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
         require("model", self.model, str, "the name of one of the sweep's models")
         backend = get_backend(self.backend, "backend")
-        if backend.quantize_module is None or backend.dequantize_layer is None:
-            raise SpecError("backend", f"{self.backend} cannot quantize one module alone, which "
-                                       "the probes need; search with backend: hqq")
+        if backend.quantize_module is None or not backend.module_keys:
+            why = backend.unsearchable or "it cannot quantize one module alone"
+            raise SpecError("backend", f"{self.backend} cannot be searched: {why}; backends "
+                                       f"that can: {', '.join(searchable_backends())}")
         require("base", self.base, dict, "a mapping of the backend's options")
         require("formats", self.formats, dict, "a mapping of label to options (null: keep)")
         if len([f for f in self.formats.values() if f is not None]) < 1:
@@ -83,6 +84,11 @@ class SearchSpec:
                 options[label] = None
                 continue
             require(f"formats.{label}", extra, dict, "a mapping of options, or null to keep")
+            for key in extra:
+                if key not in backend.module_keys:  # one model holds one value of the others
+                    raise SpecError(f"formats.{label}.{key}", f"a format sets only what each "
+                                    f"module may have of its own: {', '.join(backend.module_keys)}"
+                                    f"; put {key} in base")
             options[label] = backend.normalize({**self.base, **extra}, f"formats.{label}")
         object.__setattr__(self, "_options", options)
         if self.granularity not in GRANULARITIES:

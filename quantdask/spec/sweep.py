@@ -208,6 +208,7 @@ class Sweep:
         require("faults", self.faults, (list, tuple), "a list of fault mappings")
         labels = {"baseline"} | {get_backend(b.backend).config_label(o)
                                  for b in self.backends for o in b.option_sets()}
+        labels |= {search_fault_label(search.name) for search in self.searches}
         models = {m.label for m in self.models}
         for i, fault in enumerate(self.faults):
             where = f"faults[{i}]"
@@ -224,6 +225,11 @@ class Sweep:
                                                   f"models: {', '.join(sorted(models))}")
             positive_int(f"{where}.attempt", fault.get("attempt", 1))
             yield {"attempt": 1, **fault, "kind": FaultKind(fault["kind"])}
+
+
+def search_fault_label(search: str) -> str:
+    """The ``faults[].config`` that injects a fault into every probe chunk of ``search``."""
+    return f"search:{search}"
 
 
 @dataclass(frozen=True)

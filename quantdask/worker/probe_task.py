@@ -5,17 +5,22 @@ model and calibration reference (the model built, the hidden states captured onc
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from quantdask.backends import get_backend
 from quantdask.errors import UnsupportedHere
 from quantdask.spec.search import ALL_UNITS
+from quantdask.worker.faults import inject_fault
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.probes import Prober, layer_index
+from quantdask.worker.runtime import announce_start
 
 if TYPE_CHECKING:
     from quantdask.backends.options import BackendOptions
     from quantdask.spec.model import ModelSpec
+    from quantdask.spec.settings import EvalSettings
+    from quantdask.words import FaultKind
     from quantdask.worker.reference import Reference
 
 _kept: dict[str, Prober] = {}  # one prober per worker: the last model and reference probed
@@ -36,7 +41,17 @@ def prober_for(model: ModelSpec, reference: Reference, batch_size: int) -> Probe
             prober = Prober(source.build(device), reference.windows, reference.distribution,
                             batch_size, device)
             _kept[reference.key] = prober
+        prober.batch_size = batch_size  # half the last one's after running out of memory
         return prober
+
+
+def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
+    """The search's calibration reference (``reference.compute_reference``) as a task whose
+    deadline the driver keeps."""
+    from quantdask.worker.reference import compute_reference
+
+    announce_start()
+    return compute_reference(model, settings, text)
 
 
 def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
@@ -45,6 +60,7 @@ def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
     from quantdask.worker.model_source import count_parameters
     from quantdask.worker.probes import linear_units
 
+    announce_start()
     source, _ = cached_model_source(model)
     built = source.build("cpu")
     return {"units": linear_units(built, granularity), "param_count": count_parameters(built)}
@@ -53,15 +69,20 @@ def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
 def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
                 formats: dict[str, BackendOptions | None],
                 cells: list[tuple[str, tuple[str, ...], str]],
-                units: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+                units: dict[str, tuple[str, ...]],
+                faults: Sequence[tuple[int, FaultKind]] = ()) -> dict[str, Any]:
     """Measure ``cells`` ((unit, its modules, format label)); returns the sensitivity rows
     (without the search's columns) and the bytes the model stores outside ``units``. A format
     the backend cannot apply to a unit (``UnsupportedHere``: a group size that does not divide
-    it) is a row with its reason and no figures; any other error fails the task (retried)."""
+    it) is a row with its reason and no figures; any other error fails the task (retried).
+    ``faults`` ((attempt, kind)) are injected first (the sweep's ``faults``, rehearsals)."""
     from distributed import get_worker
 
     chosen = get_backend(backend)
     with _lock:  # one probe at a time per worker: they swap weights of one shared model
+        announce_start()  # its deadline starts once it holds the worker's model
+        for attempt, kind in faults:
+            inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)
         rows = []
         for unit, modules, label in cells:

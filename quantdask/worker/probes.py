@@ -187,7 +187,7 @@ class Prober:
             for name in modules:
                 module = self.model.get_submodule(name)
                 quantized = backend.quantize_module(module, options)
-                size += _state_bytes(quantized)
+                size += _state_bytes(quantized, backend.stored_bytes)
                 weight = backend.dequantize_layer(quantized)
                 if weight is None:
                     raise ValueError(f"{backend.name}: no dequantized weight for {name}")
@@ -208,9 +208,10 @@ def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _state_bytes(module: torch.nn.Module) -> int:
-    """What a module's state stores, as the coverage phase counts a model's (``size_bytes``)."""
-    return sum(size for _, _, size in stored_tensors(module))
+def _state_bytes(module: torch.nn.Module, stored_bytes=None) -> int:
+    """What a module's state stores, as the coverage phase counts a model's (``size_bytes``,
+    with the backend's ``stored_bytes``)."""
+    return sum(size for _, _, size in stored_tensors(module, stored_bytes))
 
 
 def _pass_through(layer: torch.nn.Module, prober: Prober, tuple_output: int

@@ -1,0 +1,69 @@
+"""Per-module formats (the ``modules`` option of a backend a mixed-precision search can use):
+``{full module name: {key: value, ...} | null}``, each key one of the backend's own options
+(``Backend.module_keys``: hqq's bits and group size, torchao's mode and group size), each left
+out taking the config's own value; null keeps that module unquantized.
+
+>>> from quantdask.backends.hqq import HqqOptions
+>>> options = HqqOptions(bits=4, group_size=64, modules={"a": {"bits": 2}, "b": None})
+>>> module_format("a", options, ("bits", "group_size")), module_format("b", options, ("bits",))
+({'bits': 2, 'group_size': 64}, None)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantdask.backends.options import BackendOptions, option
+from quantdask.errors import SpecError
+
+
+def modules_option(keys: tuple[str, ...]) -> Any:
+    """The ``modules`` option of a backend whose modules may each take ``keys``."""
+    return option(dict, help=f"per-module formats, by full module name: {{{', '.join(keys)}}} "
+                             "(each left out: the config's own), or null to keep that module "
+                             "unquantized (a mixed-precision search's candidates)")
+
+
+def check_modules(options: BackendOptions, keys: tuple[str, ...]) -> None:
+    """Refuse a ``modules`` entry that is not a mapping of ``keys`` to values those options
+    of ``options`` accept (or null), naming it."""
+    for name, format in (options.get("modules") or {}).items():
+        where = f"modules.{name}"
+        if format is None:
+            continue
+        if not isinstance(format, dict) or not format:
+            raise SpecError(where, f"must be a mapping of {' and '.join(keys)} (any may be left "
+                                   f"out) or null to keep the module unquantized, got {format!r}")
+        for key, value in format.items():
+            if key not in keys:
+                raise SpecError(f"{where}.{key}", f"unknown key; a module's format takes "
+                                                  f"{' and '.join(keys)}")
+            if value is not None:  # null: none (torchao int8 has no group size)
+                type(options).declared()[key].validate(f"{where}.{key}", value)
+
+
+def module_format(name: str, options: BackendOptions, keys: tuple[str, ...]
+                  ) -> dict[str, Any] | None:
+    """The values of ``keys`` module ``name`` is quantized with: its own from ``modules``,
+    else the config's; None where ``modules`` keeps it unquantized."""
+    modules = options.get("modules") or {}
+    own = modules.get(name, {})
+    if own is None:
+        return None
+    return {key: own.get(key, options.get(key)) for key in keys}
+
+
+def unknown_modules(options: BackendOptions, linears: set[str], backend: str) -> str | None:
+    """Why ``modules`` cannot apply: a name that is no linear layer ``backend`` quantizes."""
+    unknown = sorted(set(options.get("modules") or {}) - linears)
+    if unknown:
+        return (f"modules names {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, which are "
+                f"not linear layers {backend} quantizes in this model (full module names, as "
+                "model.named_modules() gives them)")
+    return None
+
+
+def mixed_label(options: BackendOptions) -> str:
+    """What a config label adds for per-module formats."""
+    modules = options.get("modules")
+    return f" mixed({len(modules)} modules)" if modules else ""
