@@ -1,8 +1,6 @@
 """``python -m quantdask.cli``: the ``quantdask`` command."""
 
-import sys
-
-from quantdask.cli.main import main
+from quantdask.cli.main import command
 
 if __name__ == "__main__":  # not again in a process that imports it (multiprocessing spawn)
-    sys.exit(main())
+    command()

@@ -313,8 +313,10 @@ def _fork_cpu_slots_from_a_warm_server() -> None:
     # imported: a fork copies just the forking thread, so a lock another thread held (polars'
     # allocator, say; quantdask imports polars) would stay locked in every worker. The
     # libraries' known notices are quieted first (quantdask.worker.library_noise).
+    # Last, the server's quick exit (quantdask.worker.fork_server_exit).
     get_mp_context().set_forkserver_preload(["quantdask.worker.library_noise", "distributed",
-                                             *WarmImports.modules])
+                                             *WarmImports.modules,
+                                             "quantdask.worker.fork_server_exit"])
 
 
 def _keep_nannies_of_lost_workers() -> None:
