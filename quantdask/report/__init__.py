@@ -14,8 +14,7 @@ _MODULES = {
     "quantdask.report.charts": (
         "artifacts_table", "device_memory_chart", "job_memory_chart",
         "jobs_table", "layer_error_heatmap", "memory_chart", "memory_timeline_chart",
-        "quality_chart", "scaling_chart", "time_breakdown_chart", "timeline_chart",
-        "with_job_label"),
+        "quality_chart", "scaling_chart", "time_breakdown_chart", "timeline_chart"),
     "quantdask.report.tasks": ("gates_banner", "recovery_table", "task_chart"),
     "quantdask.report.speed": ("speed_chart", "speedup_table"),
     "quantdask.report.search": ("prediction_chart", "search_frontier_chart", "search_table",
@@ -25,6 +24,7 @@ _MODULES = {
     "quantdask.store.summary": ("device_summary", "failures_table", "phases_table",
                                 "sweep_summary"),
     "quantdask.store.frontier": ("kl_ties", "pareto_frontier"),
+    "quantdask.store.figures": ("with_job_label",),
 }
 """Where each function of ``quantdask.report`` lives."""
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

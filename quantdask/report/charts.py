@@ -15,7 +15,7 @@ from typing import cast
 import altair as alt
 import polars as pl
 
-from quantdask.store.figures import with_quality_text
+from quantdask.store.figures import with_job_label, with_quality_text
 from quantdask.store.frontier import pareto_frontier
 from quantdask.store.summary import device_summary
 from quantdask.words import BASELINE, Status
@@ -39,15 +39,6 @@ def _empty(message: str) -> alt.Chart:
     """A chart that says why there is nothing to draw (rather than a blank or broken one)."""
     return alt.Chart(pl.DataFrame({"message": [message]})).mark_text(
         fontSize=14, color="gray").encode(text="message:N").properties(width=400, height=40)
-
-
-def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:
-    """``frame`` with a ``job`` column naming each job: its config label, prefixed by the model
-    when the frame holds several (every model has a ``baseline``)."""
-    if frame["model"].n_unique() > 1:
-        return frame.with_columns(
-            pl.concat_str("model", pl.lit(" · "), "config_label").alias("job"))
-    return frame.with_columns(pl.col("config_label").alias("job"))
 
 
 def _job_order(results: pl.DataFrame) -> list[str]:

@@ -8,13 +8,15 @@ recovery table, and the pass/fail banner the report opens with.
 from __future__ import annotations
 
 import html
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-import altair as alt
 import polars as pl
 
-from quantdask.report.charts import JOB_TOOLTIP, _empty, with_job_label
+from quantdask.store.figures import with_job_label
 from quantdask.words import BASELINE, NO_FILTER, Status
+
+if TYPE_CHECKING:
+    import altair as alt
 
 
 def gates_banner(results: pl.DataFrame) -> str:
@@ -62,6 +64,12 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
     """Each task's score against bits per weight, one panel per (model, task, metric): every
     done job with its error bar (one standard error), the unquantized baseline as a dashed
     rule. A panel whose prompts were cut to the model's window says so in its title, in red."""
+    # Altair here, not at the top: the CLI's closing summary uses this module's tables, and
+    # importing Altair (jsonschema's format checkers) costs a command about 1.5 s of CPU.
+    import altair as alt
+
+    from quantdask.report.charts import JOB_TOOLTIP, _empty
+
     if tasks.is_empty():
         return _empty("no task scores (a sweep's tasks: block adds them)")
     data = _task_frame(results, tasks)

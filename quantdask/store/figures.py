@@ -59,3 +59,12 @@ def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
         pl.Series("top1", [with_error(r[6], r[7]) for r in rows], dtype=pl.String),
         pl.Series("vs_baseline", [with_error(r[8], r[9]) for r in rows], dtype=pl.String),
         pl.Series("delta_p", [with_error(r[10], r[11]) for r in rows], dtype=pl.String))
+
+
+def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with a ``job`` column naming each job: its config label, prefixed by the model
+    when the frame holds several (every model has a ``baseline``)."""
+    if frame["model"].n_unique() > 1:
+        return frame.with_columns(
+            pl.concat_str("model", pl.lit(" · "), "config_label").alias("job"))
+    return frame.with_columns(pl.col("config_label").alias("job"))
