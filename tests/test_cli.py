@@ -180,3 +180,31 @@ def test_plan_says_when_a_family_sets_no_hard_limit(write_sweep, tmp_path, capsy
         capsys.readouterr().err
     alone = {**data, "models": models[1:], "eval": {**data["eval"], "seq_len": 300}}
     assert main(["plan", write_sweep(alone)]) == 0
+
+
+def test_the_command_exits_quickly_with_mains_status_and_its_output_flushed(tmp_path):
+    # `quantdask` skips the interpreter's teardown (quantdask.cli.main.command); the exit
+    # handlers still run (logging's flush), and stdout buffered in a pipe is not lost.
+    script = ("import atexit, importlib\n"
+              "cli = importlib.import_module('quantdask.cli.main')\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "cli.main = lambda: print('the command said this', end='') or 3\n"
+              "cli.command()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 3, run.stderr
+    assert run.stdout == "the command said thisexit handler ran\n"
+
+
+def test_the_fork_server_quick_exit_is_armed_only_in_the_fork_server():
+    import quantdask.worker.fork_server_exit as fork_server_exit
+
+    # Imported here (not by multiprocessing's fork server): no exit handler of its own.
+    assert not fork_server_exit._imported_by_the_fork_server()
+
+
+def test_the_quick_model_type_table_is_part_of_the_full_one():
+    from quantdask.spec.model import _known_model_types
+
+    quick, full = _known_model_types(quick=True), _known_model_types(quick=False)
+    assert {"llama", "gpt2", "qwen2", "gemma", "gpt_neox"} <= set(quick) <= set(full)
