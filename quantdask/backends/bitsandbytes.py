@@ -147,6 +147,43 @@ def quantize_bitsandbytes(source, options: BitsAndBytesOptions, device: str):
     return model
 
 
+def quantize_module(module, options: BitsAndBytesOptions):
+    """One linear layer (or GPT-2's ``Conv1D``) as the bitsandbytes layer transformers makes
+    of it with ``options``, quantized on the layer's device (a streamed model's layers);
+    ``module`` keeps its weight."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    bnb = require_library(*BITSANDBYTES)
+    weight = module.weight.detach()
+    if isinstance(module, Conv1D):  # stored (in, out): transformers transposes it too
+        weight = weight.t()
+    out_features, in_features = weight.shape
+    bias = module.bias is not None
+    config = bitsandbytes_config(options)
+    if options.bits == 4:
+        reason = cpu_4bit_unsupported({"the layer": in_features}) \
+            if weight.device.type == "cpu" and bnb.functional.has_avx512bf16() else None
+        if reason:
+            raise UnsupportedHere(reason)
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias,
+                                  config.bnb_4bit_compute_dtype,
+                                  compress_statistics=config.bnb_4bit_use_double_quant,
+                                  quant_type=config.bnb_4bit_quant_type,
+                                  quant_storage=config.bnb_4bit_quant_storage, device="meta")
+        layer.weight = bnb.nn.Params4bit(weight.to("cpu").contiguous(), requires_grad=False,
+                                         **layer.weight.__dict__).to(weight.device)
+    else:
+        layer = bnb.nn.Linear8bitLt(in_features, out_features, bias, has_fp16_weights=False,
+                                    threshold=config.llm_int8_threshold, device="meta")
+        layer.weight = bnb.nn.Int8Params(weight.to("cpu").contiguous(), requires_grad=False,
+                                         has_fp16_weights=False).to(weight.device)
+    if bias:
+        layer.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    layer.source_cls = type(module)
+    return layer.eval()
+
+
 def check_bitsandbytes(options: BitsAndBytesOptions, facts) -> str | None:
     """The driver's look before a sweep (``quantdask plan``): a reason it cannot run, or None."""
     missing = missing_library(*BITSANDBYTES)
@@ -233,6 +270,7 @@ bitsandbytes_backend = Backend(
     complete=complete_options,
     label=config_label,
     dequantize_layer=dequantize_layer,
+    quantize_module=quantize_module,
     check=check_bitsandbytes,
     weight_bits=weight_bits,
     selects=selects,

@@ -67,3 +67,14 @@ def mixed_label(options: BackendOptions) -> str:
     """What a config label adds for per-module formats."""
     modules = options.get("modules")
     return f" mixed({len(modules)} modules)" if modules else ""
+
+
+def module_options(backend, options: BackendOptions, name: str) -> BackendOptions | None:
+    """The options module ``name`` is quantized with alone (``Backend.quantize_module``):
+    the config's, with the module's own format from ``modules``; None where kept."""
+    own = module_format(name, options, backend.module_keys)
+    if own is None:
+        return None
+    alone = {key: value for key, value in {**options.as_dict(), **own}.items()
+             if key != "modules" and value is not None}
+    return backend.normalize(alone, f"modules.{name}")

@@ -1,0 +1,343 @@
+"""A model run one decoder layer at a time, its weights read from the checkpoint as each layer's
+turn comes: for models whose full-precision weights do not fit the device (or the host).
+
+:class:`StreamedModel` builds the model with its decoder layers left empty (PyTorch's meta
+device: nothing allocated) and reads everything else (embeddings, final norm, head) from the
+checkpoint. :meth:`StreamedModel.log_probs` then runs every window through the stack:
+
+1. one pass of the model's own forward per batch, with decoder layer 0 real (read from the
+   checkpoint) and the later ones stand-ins that note the arguments the model gives them
+   (attention masks, position embeddings, per-layer masks: each family's own, never copies)
+   and pass their input through; layer 0's output per batch is kept;
+2. each later layer read (memory-mapped safetensors: only that layer's tensors), optionally
+   quantized (``quantize_layer``), run over every batch's hidden states with the arguments
+   noted for it, then dropped: weights cross the bus once per pass, whatever the windows;
+3. the model's own forward again per batch with the first layer a stand-in that returns the
+   final hidden states, through ``logits.sliced_log_probs``: the final norm and the head
+   (soft-capping, scaling) as in a plain forward, a slice of positions at a time.
+
+Layers run the same operations on the same batches as a resident forward, so the full-precision
+figures are the same to the bit. Each layer's read bytes and seconds are kept
+(:attr:`StreamedModel.timings`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from quantdask.errors import UnsupportedHere
+from quantdask.worker.logits import LogProbSlice, sliced_log_probs
+from quantdask.worker.probes import decoder_layers
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from quantdask.backends.base import Backend
+    from quantdask.backends.options import BackendOptions
+    from quantdask.worker.model_source import ModelSource
+
+LayerHook = Callable[["torch.nn.Module", str], "torch.nn.Module"]
+"""``quantize_layer(layer, its module name) -> layer``: a decoder layer as a job runs it."""
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One decoder layer's turn in a pass: the bytes read from the checkpoint, the seconds to
+    read (and quantize) it, and the seconds it ran over every batch."""
+
+    index: int
+    bytes_read: int
+    load_s: float
+    run_s: float
+
+
+class CheckpointReader:
+    """A checkpoint's tensors by the model's parameter names (transformers' renamings of the
+    checkpoint's keys applied), read one at a time from its memory-mapped safetensors files:
+    never the whole checkpoint in host memory."""
+
+    def __init__(self, directory: str | Path, model: torch.nn.Module):
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+        if not files:
+            raise UnsupportedHere(f"{directory} has no safetensors checkpoint: streaming reads "
+                                  "one layer at a time from safetensors files only")
+        self._handles = {name: safe_open(str(directory / name), framework="pt", device="cpu")
+                         for name in files}
+        keys = {key: name for name, handle in self._handles.items() for key in handle.keys()}
+        self._where = {_model_name(model, key): (key, name) for key, name in keys.items()}
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s tensor, as stored (counted in ``bytes_read``)."""
+        key, file = self._where[name]
+        tensor = self._handles[file].get_tensor(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def _model_name(model: torch.nn.Module, key: str) -> str:
+    """The model's name for checkpoint key ``key``, as ``from_pretrained`` renames it (an old
+    family's names, the base model's prefix); a key that must be converted, not renamed
+    (experts merged into one tensor), cannot be read one layer at a time."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    if not hasattr(model, "_quantdask_transforms"):
+        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))
+        model.__dict__["_quantdask_transforms"] = (
+            [t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if not isinstance(t, WeightRenaming)],
+            model.state_dict())
+    renamings, converters, meta = model.__dict__["_quantdask_transforms"]
+    name, converted = rename_source_key(key, renamings, converters,
+                                        getattr(model, "base_model_prefix", None), meta)
+    if converted is not None:
+        raise UnsupportedHere(f"{type(model).__name__}'s checkpoint tensor {key} is converted "
+                              f"as it loads ({converted}), not only renamed: its layers "
+                              "cannot be read one at a time")
+    return name
+
+
+@dataclass
+class _Batches:
+    """What the stack needs per batch (keyed by its first row): the hidden states between
+    layers, and each stand-in layer's noted arguments."""
+
+    hidden: dict[int, Any] = field(default_factory=dict)
+    arguments: list[dict[int, tuple[tuple, dict]]] = field(default_factory=list)
+    current: int | None = None  # the batch the model's forward runs now
+    recording: bool = False  # the stand-ins note their arguments (the first pass)
+    tuple_output: int = 0  # 0: a layer returns a tensor; n: a tuple of n
+
+
+class StreamedModel:
+    """``source``'s model with its decoder layers streamed from the checkpoint (see the
+    module), on ``device``; ``quantize_layer`` makes each layer what a job measures."""
+
+    def __init__(self, source: ModelSource, device: str,
+                 quantize_layer: LayerHook | None = None):
+        import torch
+        from accelerate import init_empty_weights
+
+        self.device, self.quantize_layer = device, quantize_layer
+        with init_empty_weights(include_buffers=False):
+            model = source.model_class._from_config(source.config, dtype=source.dtype)
+        self.model = model.eval()
+        self.prefix, self.layers = decoder_layers(model)
+        self.skeletons = list(self.layers)  # the empty layers, copied for each turn
+        self.reader = CheckpointReader(source.spec.location, model)
+        tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+        for names, parameter in _shared(model).items():
+            outside = [n for n in names if not n.startswith(f"{self.prefix}.")]
+            found = next((n for n in outside if n in self.reader), None)
+            if found is None and outside and tied.get(outside[0]) not in self.reader:
+                raise UnsupportedHere(f"the checkpoint holds no tensor for {outside[0]}")
+            if found is not None:
+                value = torch.nn.Parameter(self.reader.read(found).to(
+                    device=device, dtype=parameter.dtype), requires_grad=False)
+                for name in outside:
+                    _assign(model, name, value, parameter=True)
+        for target, origin in tied.items():  # a head the checkpoint leaves to its embedding
+            if target not in self.reader:
+                _assign(model, target, model.get_parameter(origin), parameter=True)
+        for name, buffer in model.named_buffers():
+            if not name.startswith(f"{self.prefix}."):
+                _assign(model, name, buffer.to(device), parameter=False)
+        self.timings: list[LayerTiming] = []
+        self.no_grad = torch.inference_mode
+
+    def _set(self, root: torch.nn.Module, name: str, like: torch.nn.Parameter,
+             full_name: str) -> None:
+        value = self.reader.read(full_name).to(device=self.device, dtype=like.dtype)
+        _assign(root, name, value, parameter=True)
+
+    def layer(self, index: int) -> torch.nn.Module:
+        """Decoder layer ``index`` read from the checkpoint onto the device, then made what
+        the job measures (``quantize_layer``)."""
+        layer = copy.deepcopy(self.skeletons[index])
+        prefix = f"{self.prefix}.{index}"
+        for name, parameter in list(layer.named_parameters()):
+            self._set(layer, name, parameter, f"{prefix}.{name}")
+        for name, buffer in list(layer.named_buffers()):
+            _assign(layer, name, buffer.to(self.device), parameter=False)
+        if self.quantize_layer is not None:
+            layer = self.quantize_layer(layer, prefix)
+        return layer
+
+    def log_probs(self, windows: torch.Tensor, batch_size: int,
+                  on_batch: Callable[[slice], None] | None = None) -> Iterator[LogProbSlice]:
+        """The windows' next-token log-probs, as ``logits.sliced_log_probs`` yields them,
+        with the stack streamed (see the module); :attr:`timings` holds this pass's layers."""
+        self.timings = []
+        batches = self._first_layer(windows, batch_size)
+        for index in range(1, len(self.skeletons)):
+            self._run_layer(index, batches)
+        yield from self._head(windows, batch_size, batches, on_batch)
+
+    def _first_layer(self, windows: torch.Tensor, batch_size: int) -> _Batches:
+        batches = _Batches(arguments=[{} for _ in self.skeletons])
+        began, read = time.perf_counter(), self.reader.bytes_read
+        first = self.layer(0)
+        loaded = time.perf_counter()
+
+        def keep(module, args, output):
+            batches.tuple_output = len(output) if isinstance(output, tuple) else 0
+            assert batches.current is not None  # set before each batch's forward
+            batches.hidden[batches.current] = output[0] if isinstance(output, tuple) else output
+
+        hook = first.register_forward_hook(keep)
+        batches.recording = True
+        self.layers[0] = first
+        for index in range(1, len(self.skeletons)):
+            self.layers[index] = _StandIn(self.skeletons[index], batches, index)
+        try:
+            with self.no_grad():
+                for start in range(0, windows.size(0), batch_size):
+                    batches.current = start
+                    self.model(input_ids=windows[start:start + batch_size].to(self.device),
+                               use_cache=False)
+        finally:
+            hook.remove()
+            batches.current, batches.recording = None, False
+            self.layers[0] = self.skeletons[0]
+        self.timings.append(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
+                                        time.perf_counter() - loaded))
+        return batches
+
+    def _run_layer(self, index: int, batches: _Batches) -> None:
+        began, read = time.perf_counter(), self.reader.bytes_read
+        layer = self.layer(index)
+        loaded = time.perf_counter()
+        with self.no_grad():
+            for start, (args, kwargs) in batches.arguments[index].items():
+                output = layer(batches.hidden[start], *args, **kwargs)
+                batches.hidden[start] = output[0] if isinstance(output, tuple) else output
+        del layer
+        self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
+                                        time.perf_counter() - loaded))
+
+    def _head(self, windows: torch.Tensor, batch_size: int, batches: _Batches,
+              on_batch: Callable[[slice], None] | None) -> Iterator[LogProbSlice]:
+        """The final norm and the head on the last layer's output (see the module)."""
+        for index in range(len(self.skeletons)):
+            self.layers[index] = _StandIn(self.skeletons[index], batches, index, final=index == 0)
+
+        def batch_of(rows: slice) -> None:
+            batches.current = rows.start
+            if on_batch is not None:
+                on_batch(rows)
+
+        try:
+            yield from sliced_log_probs(self.model, windows, batch_size, self.device,
+                                        on_batch=batch_of)
+        finally:
+            batches.current = None
+            for index, skeleton in enumerate(self.skeletons):
+                self.layers[index] = skeleton
+
+
+def layer_quantizer(backend: Backend, options: BackendOptions) -> LayerHook:
+    """Each streamed decoder layer as ``backend`` quantizes it with ``options``: every module
+    the backend selects replaced by ``quantize_module`` (with its own format from
+    ``modules``), as the backend's whole-model ``quantize`` replaces it."""
+    from quantdask.backends.per_module import module_options
+
+    if backend.quantize_module is None:
+        raise UnsupportedHere(f"{backend.name} cannot quantize a streamed model: it quantizes "
+                              "whole models only")
+
+    def quantize_layer(layer: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        assert backend.quantize_module is not None and backend.selects is not None
+        for name, module in list(layer.named_modules()):
+            full = f"{prefix}.{name}"
+            if not name or not backend.selects(full, type(module), options):
+                continue
+            own = module_options(backend, options, full)
+            if own is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, child,
+                        backend.quantize_module(module, own))
+        return layer
+
+    return quantize_layer
+
+
+@functools.cache
+def _standin_class():
+    import torch
+
+    class StandIn(torch.nn.Module):
+        """A decoder layer's place while the stack streams: it notes the arguments the
+        model's forward gives the layer (``final``: returns the stack's output instead) and
+        passes its input through; attributes the model reads of its layers (a layer's
+        attention type) are the real layer's."""
+
+        def __init__(self, skeleton, batches: _Batches, index: int, final: bool = False):
+            super().__init__()
+            self.skeleton = [skeleton]  # a list: not registered as a child module
+            self.batches, self.index, self.final = batches, index, final
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.__dict__["skeleton"][0], name)
+
+        def forward(self, *args, **kwargs):
+            batches = self.batches
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if batches.current is not None:
+                if self.final:
+                    hidden = batches.hidden[batches.current]
+                elif batches.recording:
+                    batches.arguments[self.index][batches.current] = (args[1:], kwargs)
+            if batches.tuple_output:
+                return (hidden, *([None] * (batches.tuple_output - 1)))
+            return hidden
+
+    return StandIn
+
+
+def _StandIn(skeleton, batches: _Batches, index: int, final: bool = False):  # noqa: N802
+    return _standin_class()(skeleton, batches, index, final)
+
+
+def _shared(model: torch.nn.Module) -> dict[tuple[str, ...], torch.nn.Parameter]:
+    """Each parameter of ``model`` with every name it goes by (tied ones have two)."""
+    names: dict[int, list[str]] = {}
+    parameters = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+        parameters[id(parameter)] = parameter
+    return {tuple(group): parameters[key] for key, group in names.items()}
+
+
+def _assign(root: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
+    """Put ``value`` in ``root`` under ``name`` (a parameter, or a buffer)."""
+    import torch
+
+    owner_name, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    if parameter:
+        owner._parameters[leaf] = (value if isinstance(value, torch.nn.Parameter)
+                                   else torch.nn.Parameter(value, requires_grad=False))
+    else:
+        owner._buffers[leaf] = value

@@ -1,0 +1,124 @@
+"""Models run one decoder layer at a time from their checkpoints (quantdask.worker.streaming),
+against the resident model computed independently by transformers' own loading: the same
+log-probs to the bit, full precision and quantized (hqq, bitsandbytes nf4 and int8, torchao),
+on the demo model and test families; each layer read once, only while its turn lasts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantdask.backends import get_backend
+from quantdask.demo_model import DEMO_MODEL_DIR
+from quantdask.errors import UnsupportedHere
+from quantdask.spec.model import ModelSpec
+from quantdask.worker.logits import sliced_log_probs
+from quantdask.worker.model_source import load_model_source
+from quantdask.worker.streaming import StreamedModel, layer_quantizer
+from tests.tiny_families import build_tiny
+
+pytestmark = pytest.mark.timeout(240)
+
+CONFIGS = [("hqq", {"bits": 4, "group_size": 32}), ("bitsandbytes", {"bits": 4}),
+           ("bitsandbytes", {"bits": 8}), ("torchao", {"mode": "int8_weight_only"})]
+
+
+def windows_for(source, count: int = 6, length: int = 24) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, source.config.get_text_config().vocab_size, (count, length),
+                         generator=generator)
+
+
+def resident(model, windows) -> list[torch.Tensor]:
+    return [piece.log_probs for piece in sliced_log_probs(model, windows, 4, "cpu")]
+
+
+def streamed(stream: StreamedModel, windows) -> list[torch.Tensor]:
+    return [piece.log_probs for piece in stream.log_probs(windows, 4)]
+
+
+def checkpoint_bytes(directory: str) -> int:
+    """Every tensor's bytes in the safetensors files, read from the files' own headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(directory).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                shape, dtype = piece.get_shape(), piece.get_dtype()
+                size = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}[dtype]
+                total += size * int(torch.tensor(shape).prod()) if shape else size
+    return total
+
+
+@pytest.fixture(scope="module", params=["demo", "gpt2", "gemma", "gpt_neox", "falcon"])
+def model_dir(request, tmp_path_factory) -> str:
+    if request.param == "demo":
+        return DEMO_MODEL_DIR
+    return str(build_tiny(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+def test_the_streamed_reference_is_the_resident_model_to_the_bit(model_dir):
+    source = load_model_source(ModelSpec(path=model_dir))
+    windows = windows_for(source)
+    stream = StreamedModel(source, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(resident(source.build("cpu"), windows),
+                                                 streamed(stream, windows), strict=True))
+    # Every tensor read once, each layer in its turn; the layers never filled in place.
+    assert stream.reader.bytes_read == checkpoint_bytes(model_dir)
+    assert [t.index for t in stream.timings] == list(range(len(stream.skeletons)))
+    assert len({t.bytes_read for t in stream.timings}) == 1  # identical layers, equal reads
+    assert all(p.device.type == "meta" for layer in stream.skeletons
+               for p in layer.parameters())
+
+
+@pytest.mark.parametrize("backend,options", CONFIGS, ids=[f"{b}-{o}" for b, o in CONFIGS])
+def test_a_streamed_quantized_model_is_the_backends_own_to_the_bit(model_dir, backend, options):
+    chosen = get_backend(backend)
+    normalized = chosen.normalize(options, "configs[0]")
+    source = load_model_source(ModelSpec(path=model_dir))
+    windows = windows_for(source)
+
+    def outcome(run):
+        """The log-probs, or the class of the error that stopped them (this machine's CPU
+        4-bit kernel and a narrow layer; torchao's int8 under Falcon's own linear class)."""
+        try:
+            return run()
+        except (UnsupportedHere, NotImplementedError) as error:
+            return type(error)
+
+    own = outcome(lambda: resident(chosen.quantize(source, normalized, "cpu"), windows))
+    stream = outcome(lambda: streamed(StreamedModel(
+        source, "cpu", layer_quantizer(chosen, normalized)), windows))
+    if own is NotImplementedError:
+        # Falcon's own linear class transposes the weight itself, which torchao's tensors
+        # cannot; streamed, a layer's quantized modules are torch's Linear: close to full
+        # precision (int8) instead of failing.
+        full = resident(source.build("cpu"), windows)
+        assert max((a - b).abs().max().item() for a, b in zip(full, stream, strict=True)) < 0.05
+    elif isinstance(own, type):
+        assert stream is own
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(own, stream, strict=True))
+
+
+def test_a_sharded_checkpoint_streams_and_a_converted_one_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_families import copy_demo_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="300KB")
+    copy_demo_tokenizer(tmp_path / "sharded")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    source = load_model_source(ModelSpec(path=str(tmp_path / "sharded")))
+    windows = windows_for(source)
+    assert all(torch.equal(a, b) for a, b in zip(
+        resident(source.build("cpu"), windows),
+        streamed(StreamedModel(source, "cpu"), windows), strict=True))
+    mixtral = load_model_source(ModelSpec(path=str(build_tiny("mixtral", tmp_path / "moe"))))
+    with pytest.raises(UnsupportedHere, match="converted as it loads"):
+        StreamedModel(mixtral, "cpu")
