@@ -213,6 +213,14 @@ DRIVER_COLUMNS = ("job_id", "sweep", "model", "backend", "config", "config_label
                   "gates_failed")
 
 
+def _returned(phase) -> type:
+    """The record type a phase returns (its annotation, None left out)."""
+    import typing
+
+    hint = typing.get_type_hints(phase)["return"]
+    return next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+
+
 @pytest.mark.timeout(30)
 def test_every_result_column_comes_from_exactly_one_place():
     import typing
@@ -220,7 +228,8 @@ def test_every_result_column_comes_from_exactly_one_place():
     from quantdask.spec.search import SearchRole
     from quantdask.store.schema import FRAME, RESULT_SCHEMA
     from quantdask.worker.phases import PHASES
-    from quantdask.worker.records import NotDone, PhaseRecord, Span, Where
+    from quantdask.worker.records import NotDone, PhaseRecord, Quantized, Span, Streamed, Where
+    from quantdask.worker.streamed_job import STREAMED_PHASES
 
     producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS,
                                              "SearchRole": SearchRole.column_names()}
@@ -241,6 +250,14 @@ def test_every_result_column_comes_from_exactly_one_place():
         for column in columns:
             assert column not in seen, f"{column} comes from both {seen[column]} and {producer}"
             seen[column] = producer
+    # A streamed job's phases make the same columns once each, and the stream's own.
+    streamed_only = set(Streamed.column_names()) - set(Quantized.column_names())
+    streamed_columns = [c for phase in STREAMED_PHASES for c in _returned(phase).column_names()]
+    assert len(streamed_columns) == len(set(streamed_columns)), streamed_columns
+    assert set(streamed_columns) - streamed_only <= set(seen)
+    for column in streamed_only:
+        assert column not in seen, f"{column} comes from a resident phase too"
+        seen[column] = "stream"
     assert set(seen) - {"status"} == set(RESULT_SCHEMA) - {"status"}, (
         f"not in the schema: {sorted(set(seen) - set(RESULT_SCHEMA))}; "
         f"from no phase: {sorted(set(RESULT_SCHEMA) - set(seen))}")

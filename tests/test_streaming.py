@@ -122,3 +122,75 @@ def test_a_sharded_checkpoint_streams_and_a_converted_one_is_refused(tmp_path):
     mixtral = load_model_source(ModelSpec(path=str(build_tiny("mixtral", tmp_path / "moe"))))
     with pytest.raises(UnsupportedHere, match="converted as it loads"):
         StreamedModel(mixtral, "cpu")
+
+
+def streaming_sweep(stream: str, **extra) -> dict:
+    from tests.conftest import sweep_dict
+
+    data = sweep_dict(stream=stream, **extra)
+    data["backends"] = [{"backend": "bitsandbytes", "configs": [{"bits": 4}, {"bits": 8}]},
+                        {"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
+    return data
+
+
+@pytest.mark.timeout(300)
+def test_a_streamed_sweep_records_what_the_resident_one_does(cluster, tmp_path):
+    from quantdask.driver.sweep import run_sweep
+    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.store.run_store import read_frame
+
+    runs = {stream: run_sweep(sweep_from_dict(streaming_sweep(stream)), tmp_path / stream,
+                              cluster.client).sort("config_label")
+            for stream in ("never", "always")}
+    resident, streamed_run = runs["never"], runs["always"]
+    assert (streamed_run["status"] == "done").all() and streamed_run["streamed"].all()
+    assert resident["streamed"].is_null().all()
+    for column in ("job_id", "perplexity", "kl_divergence", "top1_agreement", "size_bytes",
+                   "quantized_params", "bits_per_quantized_weight", "full_precision"):
+        assert streamed_run[column].to_list() == resident[column].to_list(), column
+    assert (streamed_run["stream_bytes_read"] == checkpoint_bytes(DEMO_MODEL_DIR)).all()
+    assert (streamed_run["stream_layer_s"] > 0).all()
+    assert streamed_run["stream_skipped"].str.contains("need the model resident").all()
+    weights = {stream: read_frame(tmp_path / stream, "layers").sort("job_id", "layer")
+               for stream in runs}
+    assert weights["always"]["weight_rel_error"].to_list() == \
+        weights["never"]["weight_rel_error"].to_list()
+
+
+class SmallDevices:
+    """A scheduler's view of workers whose devices advertise ``memory`` bytes: placement's
+    only input from a cluster (this machine has no device that small)."""
+
+    def __init__(self, memory: float):
+        self.memory = memory
+
+    def scheduler_info(self, n_workers: int = -1) -> dict:
+        from quantdask.spec.sweep import DEVICE_MEMORY
+
+        return {"workers": {f"tcp://127.0.0.1:{port}": {
+            "name": f"w{port}", "resources": {"GPU": 1.0, DEVICE_MEMORY: self.memory}}
+            for port in (1, 2)}}
+
+
+def test_placement_streams_a_model_that_fits_no_worker_resident():
+    from quantdask.driver.model_facts import model_facts
+    from quantdask.driver.placement import estimate_device_memory, place_jobs, streamed_estimate
+    from quantdask.errors import PlacementError
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+
+    jobs = expand_grid(sweep_from_dict(streaming_sweep("auto")))
+    facts = model_facts(jobs[0], layers=False)
+    resident = max(estimate_device_memory(job, facts, __import__("polars").DataFrame()).firm
+                   for job in jobs)
+    streamed_need = max(streamed_estimate(job, facts).bytes for job in jobs)
+    assert 0 < streamed_need < resident
+    between = SmallDevices((resident + streamed_need) / 2)
+    placed = place_jobs(jobs, between, stream="auto")
+    assert all(job.streamed for job in placed.jobs)  # the model streams, every job of it
+    assert all(job.device_memory_bytes <= between.memory for job in placed.jobs)
+    assert not any(job.streamed for job in place_jobs(jobs, SmallDevices(2 * resident)).jobs)
+    with pytest.raises(PlacementError):
+        place_jobs(jobs, between, stream="never")
+    with pytest.raises(PlacementError, match="stream"):  # too small even streamed
+        place_jobs(jobs, SmallDevices(streamed_need / 2), stream="auto")

@@ -77,6 +77,7 @@ class ModelFacts:
     kv_heads: int = 0
     head_dim: int = 0
     model_type: str = ""  # config.json's (the family: "llama"); empty: unknown
+    hidden_size: int = 0  # the width of the hidden states between decoder layers (0: unknown)
 
 
 @dataclass(frozen=True)

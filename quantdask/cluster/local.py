@@ -161,6 +161,7 @@ def start_cluster(
     security: Security | None = None,
     cluster: Any = None,
     scheduler: str | None = None,
+    memory_limit: int | str | None = None,
 ) -> ClusterHandle:
     """A cluster to run sweeps on; use it as a context manager.
 
@@ -179,7 +180,8 @@ def start_cluster(
     mutual TLS. Servers bind to ``host`` (127.0.0.1 unless you choose otherwise);
     ``dashboard_address=None`` turns the dashboard off. ``jobs_per_worker`` (a sweep's
     ``jobs_per_gpu``) is how many jobs one worker may run at once; ``torch_threads`` caps torch's
-    threads on CPU slots.
+    threads on CPU slots. ``memory_limit`` (bytes, "950MB") caps each CPU slot's memory (Dask's
+    worker memory limit), which it advertises as its device memory.
     """
     if isinstance(jobs_per_worker, bool) or not isinstance(jobs_per_worker, int) \
             or jobs_per_worker < 1:
@@ -203,6 +205,8 @@ def start_cluster(
     if available and workers is None:
         return _start_cuda_cluster(_physical_gpus(selected or list(range(available)), adapt),
                                    common, adapt)
+    if memory_limit is not None:
+        common["memory_limit"] = memory_limit
     return _start_cpu_slots(workers or 2, common, adapt, torch_threads, jobs_per_worker,
                             security)
 

@@ -134,4 +134,5 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
                       vocab_size=int(config.get("vocab_size") or 0),
                       max_positions=position_limit(config)[0], layers=decoder_layers,
                       kv_heads=kv_heads, head_dim=head_dim,
-                      model_type=str(config.get("model_type") or ""))
+                      model_type=str(config.get("model_type") or ""),
+                      hidden_size=_first_int(config, "hidden_size", "n_embd", "d_model"))

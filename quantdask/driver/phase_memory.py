@@ -97,6 +97,20 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job,
     return phases
 
 
+def streamed_bytes(job: Job, facts: ModelFacts) -> int:
+    """A streamed job's device memory (``worker.streaming``): the weights outside the decoder
+    layers (the embedding and an untied head, at most), one layer as loaded and its quantized
+    copy, the float32 hidden states of every eval window, and the score's logits; 0 when the
+    checkpoint or the model's shape is unknown."""
+    if not facts.weight_bytes or not facts.layers or not facts.hidden_size:
+        return 0
+    loaded = facts.weight_bytes * facts.loaded_bits / facts.checkpoint_bits
+    outside = min(loaded, 2 * facts.vocab_size * facts.hidden_size * facts.loaded_bits / 8)
+    layer = (loaded - outside) / facts.layers
+    hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
+    return int(outside + 2 * layer + hidden + eval_bytes(job.eval, facts))
+
+
 def peak_note(phase: str, job: Job, facts: ModelFacts) -> str:
     """What sets a job's peak in ``phase``, in words (for a refusal)."""
     if phase == SPEED and job.speed is not None:

@@ -26,9 +26,17 @@ from distributed import Client
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.backends.base import ModelFacts
-from quantdask.driver.phase_memory import UPPER_BOUNDS, peak_note, phase_bytes
+from quantdask.driver.phase_memory import (
+    QUANTIZE,
+    SCORE,
+    UPPER_BOUNDS,
+    peak_note,
+    phase_bytes,
+    streamed_bytes,
+)
 from quantdask.errors import PlacementError, SpecError
 from quantdask.spec.sweep import DEVICE_MEMORY, Job
+from quantdask.util import format_bytes
 from quantdask.words import Status
 
 log = logging.getLogger("quantdask.placement")
@@ -201,11 +209,13 @@ class Placement:
 
 
 def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | None = None,
-               finished: Set[str] = frozenset()) -> Placement:
+               finished: Set[str] = frozenset(), stream: str = "auto") -> Placement:
     """``jobs`` with device-memory requests for the workers of ``client`` (see the module
-    docstring). Raises :class:`PlacementError` naming every job that fits nowhere (the
-    ``finished`` ones, which will not run, excepted). Placement by memory is off (jobs ask for a
-    GPU share only) while no worker advertises ``DEVICE_MEMORY``."""
+    docstring). With ``stream`` "auto", a model some job of which fits no worker resident
+    streams its layers (every job of it: ``streaming_models``). Raises
+    :class:`PlacementError` naming every job that fits nowhere (the ``finished`` ones, which
+    will not run, excepted). Placement by memory is off (jobs ask for a GPU share only) while
+    no worker advertises ``DEVICE_MEMORY``."""
     from quantdask.driver.model_facts import model_facts
 
     advertised = advertised_memory(client)
@@ -222,23 +232,35 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     largest_worker, largest = max(known.items(), key=lambda item: item[1])
     done, phases = done_results(run_dir), done_phases(run_dir)
     facts: dict[str, ModelFacts] = {}
-    placed, too_big, reference_bytes = [], [], {}
     for job in jobs:
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job, layers=False)
-        estimate = estimate_device_memory(job, facts[job.model.label], done, phases)
+    estimates = {job.id: estimate_device_memory(job, facts[job.model.label], done, phases)
+                 for job in jobs}
+    if stream == "auto":
+        streaming = streaming_models(jobs, estimates, facts, largest, finished)
+        jobs = [replace(job, streamed=True) if job.model.label in streaming else job
+                for job in jobs]
+    placed, too_big, reference_bytes = [], [], {}
+    for job in jobs:
+        estimate = estimates[job.id]
+        if job.streamed:
+            estimate = streamed_estimate(job, facts[job.model.label])
         need = estimate.bytes
         if need is None:
             placed.append(job)
             continue
         # An upper bound alone (the task phase's) refuses nothing: that job asks for a whole
         # device at most, and an out-of-memory retry halves its batch.
-        firm = need if estimate.firm is None else estimate.firm
-        if firm > largest and estimate.measured is not None and estimate.measured <= largest:
-            firm = int(largest)  # it ran within this much before: the headroom gives way
+        firm = _firm(estimate, largest)
         if firm > largest and job.id not in finished:
+            note = estimate.peak_note
+            if stream == "auto" and not job.streamed:
+                streamed_need = streamed_estimate(job, facts[job.model.label]).bytes
+                note += (f"; streamed one layer at a time it would need ~"
+                         f"{format_bytes(streamed_need)}" if streamed_need else "")
             too_big.append((job.id, f"{job.model.label} {job.config_label}", firm,
-                            estimate.basis, estimate.peak_note))
+                            estimate.basis, note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
         if job.backend == BASELINE:
             # The model's reference runs the unquantized model, as its baseline job does.
@@ -246,3 +268,44 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     if too_big:
         raise PlacementError(too_big, largest, largest_worker)
     return Placement(placed, largest, reference_bytes)
+
+
+def streamed_estimate(job: Job, facts: ModelFacts) -> MemoryEstimate:
+    """A streamed job's estimate (``phase_memory.streamed_bytes``, ``SAFETY`` on top)."""
+    need = int(streamed_bytes(job, facts) * SAFETY) or None
+    return MemoryEstimate(need, "streamed: one layer, the hidden states, the head",
+                          peak_phase="stream", peak_note="stream: one decoder layer at a time",
+                          firm=need)
+
+
+def _firm(estimate: MemoryEstimate, largest: float) -> int:
+    """What must fit a worker of ``estimate``: not an upper bound alone (the task phase's: that
+    job asks for a whole device at most, and an out-of-memory retry halves its batch), and
+    no more than the largest worker when the job ran within it before (the headroom gives
+    way)."""
+    firm = estimate.firm if estimate.firm is not None else estimate.bytes or 0
+    if firm > largest and estimate.measured is not None and estimate.measured <= largest:
+        return int(largest)
+    return firm
+
+
+def _weights_and_score(job: Job, facts: ModelFacts) -> float:
+    """A job's resident estimate for its weights and its eval alone (streaming helps with
+    those, not with a speed batch's cache or a task batch); unknown: infinite."""
+    figures = phase_bytes(job.backend, job.options, job, facts)
+    core = [figures[phase] for phase in (QUANTIZE, SCORE) if phase in figures]
+    return max(core) * SAFETY if core else float("inf")
+
+
+def streaming_models(jobs: list[Job], estimates: dict[str, MemoryEstimate],
+                     facts: dict[str, ModelFacts], largest: float,
+                     finished: Set[str] = frozenset()) -> set[str]:
+    """The models to stream: those with a job still to run that fits no worker resident,
+    when every job of the model fits one streamed (the reference and every job of such a
+    model stream, one layer at a time; a model that fits neither way is refused resident)."""
+    tight = {job.model.label for job in jobs if job.id not in finished
+             and _firm(estimates[job.id], largest) > largest
+             and _weights_and_score(job, facts[job.model.label]) > largest}
+    return {model for model in tight
+            if all(0 < (streamed_estimate(job, facts[model]).bytes or 0) <= largest
+                   for job in jobs if job.model.label == model and job.id not in finished)}

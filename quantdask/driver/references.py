@@ -84,9 +84,10 @@ class ModelReferences:
                 shards.append(self._submit_part(
                     f"{dask_key}-windows-{start}-{stop}", dask_key, job, resources,
                     compute_reference_shard, job.model, job.eval, self._text(job.eval),
-                    (start, stop), job.timeout_s))
+                    (start, stop), job.timeout_s, job.streamed))
             # The baseline's task scores: one more part, beside the log-probs.
-            tasks = job.tasks and self._submit_part(
+            # (None for a streamed model: scoring tasks needs it resident.)
+            tasks = job.tasks and not job.streamed and self._submit_part(
                 f"{dask_key}-tasks", dask_key, job, resources, compute_baseline_tasks,
                 job.model, job.tasks, job.timeout_s)
             self._parts[dask_key] = [*shards, *([tasks] if tasks else [])]

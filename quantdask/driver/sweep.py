@@ -91,7 +91,7 @@ class SweepSession:
             return
         finished = self.store.finished_job_ids()
         placement = place_jobs(with_search_jobs(self.jobs, searched), driver.client,
-                               self.store.root, finished=finished)
+                               self.store.root, finished=finished, stream=self.sweep.stream)
         driver.placement = placement
         known = {job.id for job in self.jobs}
         self.jobs = placement.jobs
@@ -121,7 +121,7 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     check_lengths(sweep)
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     jobs = expand_grid(sweep)
-    placement = place_jobs(jobs, client, run_dir, finished=finished_before)
+    placement = place_jobs(jobs, client, run_dir, finished=finished_before, stream=sweep.stream)
     store = RunStore(run_dir).create()
     lock = contextlib.ExitStack()
     lock.enter_context(store.lock())

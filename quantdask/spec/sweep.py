@@ -108,6 +108,9 @@ class Sweep:
     gates: list[str | dict | Gate] = field(default_factory=list)  # thresholds (spec.gates)
     speed: SpeedSettings | None = None  # generation speed of every job (spec.speed)
     searches: list[SearchSpec] = field(default_factory=list)  # mixed precision (spec.search)
+    # auto: a job whose model does not fit resident streams its layers (placement decides);
+    # always: every job streams; never: a model that does not fit is refused (worker.streaming)
+    stream: str = "auto"
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and NAME.match(self.name)):
@@ -151,6 +154,8 @@ class Sweep:
             raise SpecError("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         positive_int("exclude_device_after", self.exclude_device_after)
         require("layer_stats", self.layer_stats, bool, "true or false")
+        if self.stream not in STREAM_CHOICES:
+            raise SpecError("stream", f"must be {', '.join(STREAM_CHOICES)}, got {self.stream!r}")
         self._check_blocks(labels)
         object.__setattr__(self, "faults", tuple(self._checked_faults()))
 
@@ -227,6 +232,9 @@ class Sweep:
             yield {"attempt": 1, **fault, "kind": FaultKind(fault["kind"])}
 
 
+STREAM_CHOICES = ("auto", "always", "never")
+
+
 def search_fault_label(search: str) -> str:
     """The ``faults[].config`` that injects a fault into every probe chunk of ``search``."""
     return f"search:{search}"
@@ -260,6 +268,9 @@ class Job:
     tasks: TaskSettings | None = None  # lm-eval tasks to score; part of the id when given
     speed: SpeedSettings | None = None  # generation to time; part of the id when given
     search: SearchRole | None = None  # the search that made it a candidate; not in the id
+    # Its decoder layers read from the checkpoint and run one at a time (worker.streamed_job):
+    # the same figures, so not in the id; set by the sweep's ``stream`` and by placement.
+    streamed: bool = False
 
     @property
     def is_baseline(self) -> bool:
@@ -336,6 +347,7 @@ def make_job(sweep: Sweep, model: ModelSpec, backend: str, options: BackendOptio
         retries=sweep.retries, timeout_s=float(sweep.timeout_s), gpu_share=share,
         layer_stats=sweep.layer_stats, calibration=sweep.calibration,
         artifacts=sweep.artifacts, tasks=sweep.tasks, speed=sweep.speed, search=search,
+        streamed=sweep.stream == "always",
         faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                      if f["config"] == label and f.get("model", model.label) == model.label),
     )

@@ -62,6 +62,13 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     # included. Its figures are in the speed frame, one row per batch size.
     "speed_s": pl.Float64(),
     "source_cached": pl.Boolean(),
+    # A streamed job (its decoder layers read from the checkpoint one at a time; null for a
+    # resident one): the checkpoint bytes it read, its mean seconds per layer (read, quantize,
+    # run every window), and what it skipped because it needs the model resident.
+    "streamed": pl.Boolean(),
+    "stream_bytes_read": pl.Int64(),
+    "stream_layer_s": pl.Float64(),
+    "stream_skipped": pl.String(),
     "peak_device_mem_bytes": pl.Int64(),
     "peak_device_reserved_bytes": pl.Int64(),
     "peak_host_rss_bytes": pl.Int64(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from types import FrameType
 
 
 def _exit_now() -> None:
@@ -29,7 +30,7 @@ def _exit_now() -> None:
 def _imported_by_the_fork_server() -> bool:
     """Whether multiprocessing's fork server is importing this (its preload list)."""
     server = os.path.join("multiprocessing", "forkserver.py")
-    frame = sys._getframe()
+    frame: FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_code.co_filename.endswith(server):
             return True

@@ -2,8 +2,9 @@
 into a ``JobOutcome``.
 
 ``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
-``JobRun``, each with its own time and peaks (the phases frame); the results row is assembled
-at the end from the records the phases returned.
+``JobRun`` (a streamed job ``streamed_job.STREAMED_PHASES``), each with its own time and
+peaks (the phases frame); the results row is assembled at the end from the records the
+phases returned.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -30,7 +31,7 @@ from quantdask.worker.faults import inject_faults
 from quantdask.worker.live_log import live_sender
 from quantdask.worker.measure import PeakMemory
 from quantdask.worker.outcome import JobOutcome, failure_class_of
-from quantdask.worker.phases import PHASES, JobRun
+from quantdask.worker.phases import JobRun
 from quantdask.worker.records import (
     NotDone,
     Peaks,
@@ -40,6 +41,7 @@ from quantdask.worker.records import (
     Where,
 )
 from quantdask.worker.runtime import held_resources, torch_device
+from quantdask.worker.streamed_job import phases_for
 
 if TYPE_CHECKING:
 
@@ -56,7 +58,7 @@ WHERE_COLUMNS = Where.column_names()
 
 def run_phases(run: JobRun) -> None:
     """Each phase in order, with its own time and peaks (a row of the phases frame)."""
-    for position, phase in enumerate(PHASES):
+    for position, phase in enumerate(phases_for(run)):
         began = time.perf_counter()
         with PeakMemory(run.cuda) as peak:
             produced = phase(run)

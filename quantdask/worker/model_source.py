@@ -103,9 +103,10 @@ def _load_options(spec: ModelSpec) -> dict[str, Any]:
     return {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
 
 
-def load_model_source(spec: ModelSpec) -> ModelSource:
+def load_model_source(spec: ModelSpec, weights: bool = True) -> ModelSource:
     """Load ``spec``'s config, tokenizer and class with transformers (local directory or hub
-    id); the weights are read once here, to check that they load and to count them."""
+    id); the weights are read once here, to check that they load and to count them, unless
+    ``weights`` is False (a model streamed layer by layer: counted on the meta device)."""
     import socket
 
     import torch
@@ -120,9 +121,10 @@ def load_model_source(spec: ModelSpec) -> ModelSource:
             "each node's Hugging Face cache")
 
     tokenizer = AutoTokenizer.from_pretrained(spec.location, **_load_options(spec))
-    # In the checkpoint's own dtype: memory-mapped, not converted (only counted and dropped).
-    model = AutoModelForCausalLM.from_pretrained(spec.location, dtype="auto",
-                                                 **_load_options(spec))
+    # In the checkpoint's own dtype: memory-mapped, not converted (only counted, dropped).
+    model: Any = (AutoModelForCausalLM.from_pretrained(spec.location, dtype="auto",
+                                                       **_load_options(spec))
+                  if weights else _empty_model(spec))
     return ModelSource(
         spec=spec,
         config=model.config,
@@ -133,21 +135,36 @@ def load_model_source(spec: ModelSpec) -> ModelSource:
     )
 
 
+def _empty_model(spec: ModelSpec) -> torch.nn.Module:
+    """``spec``'s model on the meta device, in its checkpoint's dtype: its class and counts,
+    no weights."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec.location, **_load_options(spec))
+    stored = getattr(config, "dtype", None) or torch.float32
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, stored) if isinstance(stored, str) else stored,
+            trust_remote_code=spec.trust_remote_code)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of weights, each shared (tied) tensor counted once."""
     return sum(p.numel() for p in model.parameters())
 
 
-def cached_model_source(spec: ModelSpec) -> tuple[ModelSource, bool]:
+def cached_model_source(spec: ModelSpec, weights: bool = True) -> tuple[ModelSource, bool]:
     """``spec``'s model source from this process's cache, loading it on a miss;
     (source, was cached). Jobs packed on one worker run in threads: they get one source (and
-    so share the weights it holds)."""
+    so share the weights it holds). ``weights=False``: see ``load_model_source``."""
     key = json.dumps(spec.identity(), sort_keys=True)
     with _cache_lock:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key], True
-        _cache[key] = source = load_model_source(spec)
+        _cache[key] = source = load_model_source(spec, weights)
         # The least recently used go first, never one a running job holds weights of.
         idle = [k for k, held in _cache.items() if k != key and held._holders == 0]
         for old in idle[:max(0, len(_cache) - MODEL_CACHE_SIZE)]:

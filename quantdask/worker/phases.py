@@ -21,7 +21,7 @@ from quantdask.worker.calibration import Calibration
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.layers import OutputErrors, weight_errors
 from quantdask.worker.measure import PeakMemory, Stopwatch
-from quantdask.worker.metrics import measure_quality
+from quantdask.worker.metrics import QualityMeter, measure_quality
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.records import (
     Artifact,
@@ -74,6 +74,7 @@ class JobRun:
     model: torch.nn.Module = field(init=False)  # the quantized model
     calibration: Calibration | None = None
     covered: Coverage = field(init=False)
+    meter: QualityMeter | None = None  # a streamed job's, measured in its one pass
     layers: list[Row] = field(default_factory=list)  # weight errors of the measured layers
     unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
     records: list[PhaseRecord] = field(default_factory=list)  # what the phases produced
@@ -132,7 +133,8 @@ def check_coverage(run: JobRun) -> Covered:
     """What the backend quantized, and the model's stored size, split into the quantized part
     and the rest; a quantizing backend that replaced no weight is unsupported here, never a
     clean result."""
-    run.covered = coverage(run.model, run.originals, run.backend.stored_bytes)
+    if "covered" not in vars(run):  # a streamed job counted it layer by layer
+        run.covered = coverage(run.model, run.originals, run.backend.stored_bytes)
     if run.backend.quantizes and not run.covered.quantized_params:
         raise UnsupportedHere(
             f"no layer was quantized: {run.backend.name} replaced none of this model's "
@@ -151,7 +153,7 @@ def check_coverage(run: JobRun) -> Covered:
 def layer_weights(run: JobRun) -> LayerWeights:
     """Each quantized layer's weight error; before any forward pass (kernels may repack
     weights then: see ``layers``)."""
-    if run.job.layer_stats and run.backend.dequantize_layer is not None:
+    if run.job.layer_stats and run.backend.dequantize_layer is not None and not run.job.streamed:
         run.layers, run.unmeasured = weight_errors(run.model, run.backend.dequantize_layer,
                                                    run.originals)
     for name, reason in run.unmeasured.items():
@@ -172,6 +174,10 @@ def score(run: JobRun) -> Scored:
             raise ValueError("this job's reference carries no baseline scores")
         return Scored(0.0, reference.baseline, reference.kl_kind, reference.kl_tail_mass,
                       windows=list(reference.baseline_windows), layers=_positioned(run.layers))
+    if run.meter is not None:  # streamed: measured in its one pass (no output errors)
+        return Scored(run.watch.seconds["eval"], run.meter.scores(), reference.kl_kind,
+                      reference.kl_tail_mass, windows=run.meter.window_rows(),
+                      layers=_positioned(run.layers))
     outputs = OutputErrors(run.model, run.layers, run.originals, PROBE_WINDOWS)
     with run.watch("eval"), outputs:
         meter = measure_quality(run.model, reference.windows, reference.distribution,

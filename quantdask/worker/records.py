@@ -153,6 +153,18 @@ class Quantized(PhaseRecord):
 
 
 @dataclasses.dataclass(frozen=True)
+class Streamed(PhaseRecord):
+    """A streamed job's pass (``worker.streamed_job``): its layers read from the checkpoint
+    one at a time."""
+
+    quantized: Quantized  # its quantize_s: reading and quantizing the layers
+    streamed: bool
+    stream_bytes_read: int
+    stream_layer_s: float
+    stream_skipped: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Covered(PhaseRecord):
     """The ``check_coverage`` phase: what was quantized, and the stored size split."""
 

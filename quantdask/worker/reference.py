@@ -225,10 +225,11 @@ def _score_unquantized(source, device, tasks: TaskSettings) -> list[Row]:
 
 
 def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
-                            rows: tuple[int, int],
-                            timeout_s: float = float("inf")) -> ReferenceShard:
+                            rows: tuple[int, int], timeout_s: float = float("inf"),
+                            streamed: bool = False) -> ReferenceShard:
     """Tokenize ``text`` into the eval windows and run the unquantized model over windows
-    ``rows`` (start, stop).
+    ``rows`` (start, stop); ``streamed``: its layers one at a time (``worker.streaming``),
+    the same figures to the bit.
 
     Raises :class:`JobTimeout` when that took longer than ``timeout_s`` (the jobs waiting on it
     then fail as ``timeout``, as they do when the driver cuts a hung one)."""
@@ -236,7 +237,7 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
     # takes them.
     with attempt_scope(reference_key(model, settings), take_samples=False) as scope, \
             cpu_share.busy():  # borrows idle slots' cores (CPU slots)
-        shard = _compute_shard(model, settings, text, rows)
+        shard = _compute_shard(model, settings, text, rows, streamed)
     elapsed = scope.elapsed()
     if elapsed > timeout_s:
         raise JobTimeout("its model's reference (eval windows and baseline log-probs)", elapsed,
@@ -245,11 +246,10 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
 
 
 def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
-                   rows: tuple[int, int]) -> ReferenceShard:
-    from quantdask.worker.logits import sliced_log_probs
+                   rows: tuple[int, int], streamed: bool = False) -> ReferenceShard:
     from quantdask.worker.runtime import torch_device
 
-    source, _ = cached_model_source(model)
+    source, _ = cached_model_source(model, weights=not streamed)
     windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
                            settings.samples)[rows[0]:rows[1]].clone()  # not the whole storage
     device, _, cuda = torch_device()
@@ -258,8 +258,7 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
     tail: list[float] = []
     offsets = tail_offsets(range(*rows), windows.size(1) - 1)  # seeded by the global row
     with PeakMemory(cuda) as peak:
-        fp_model = source.build(device)
-        for piece in sliced_log_probs(fp_model, windows, settings.batch_size, device):
+        for piece in _log_probs(source, windows, settings.batch_size, device, streamed):
             meter.add(piece.rows, piece.positions, piece.log_probs)
             for name, part in reference_slice(piece.log_probs, settings.top_k,
                                               settings.tail_samples,
@@ -270,8 +269,19 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                 compact[name][piece.rows, piece.positions] = part
                 if name == "rest":
                     tail.append(exact_sum(part.double().exp()))
-        del fp_model
     return ReferenceShard(rows, windows, compact, meter, tail, Peaks.of(peak))
+
+
+def _log_probs(source, windows: torch.Tensor, batch_size: int, device: str, streamed: bool):
+    """The unquantized model's log-probs on ``windows``, resident or streamed (the model is
+    let go when they have all been read)."""
+    from quantdask.worker.logits import sliced_log_probs
+    from quantdask.worker.streaming import StreamedModel
+
+    if streamed:
+        yield from StreamedModel(source, device).log_probs(windows, batch_size)
+    else:
+        yield from sliced_log_probs(source.build(device), windows, batch_size, device)
 
 
 def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: ReferenceShard,

@@ -23,6 +23,7 @@ figures are the same to the bit. Each layer's read bytes and seconds are kept
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
 LayerHook = Callable[["torch.nn.Module", str], "torch.nn.Module"]
 """``quantize_layer(layer, its module name) -> layer``: a decoder layer as a job runs it."""
+LayerSeen = Callable[[str, "torch.nn.Module", dict[str, "torch.Tensor"]], None]
+"""``on_layer(its module name, layer as run, its full-precision state)``: each layer's turn."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,11 @@ class LayerTiming:
 
 class CheckpointReader:
     """A checkpoint's tensors by the model's parameter names (transformers' renamings of the
-    checkpoint's keys applied), read one at a time from its memory-mapped safetensors files:
-    never the whole checkpoint in host memory."""
+    checkpoint's keys applied), each read on its own from its safetensors file into memory of
+    its own: never the whole checkpoint in host memory, and no file mapping whose pages would
+    stay in the process's resident set (what a worker's memory limit counts)."""
 
     def __init__(self, directory: str | Path, model: torch.nn.Module):
-        from safetensors import safe_open
-
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
@@ -76,10 +78,12 @@ class CheckpointReader:
         if not files:
             raise UnsupportedHere(f"{directory} has no safetensors checkpoint: streaming reads "
                                   "one layer at a time from safetensors files only")
-        self._handles = {name: safe_open(str(directory / name), framework="pt", device="cpu")
-                         for name in files}
-        keys = {key: name for name, handle in self._handles.items() for key in handle.keys()}
-        self._where = {_model_name(model, key): (key, name) for key, name in keys.items()}
+        self._where: dict[str, tuple[Path, dict[str, Any], int]] = {}
+        for file in files:
+            header, start = _header(directory / file)
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    self._where[_model_name(model, key)] = (directory / file, entry, start)
         self.bytes_read = 0
 
     def __contains__(self, name: str) -> bool:
@@ -87,10 +91,32 @@ class CheckpointReader:
 
     def read(self, name: str) -> torch.Tensor:
         """Parameter ``name``'s tensor, as stored (counted in ``bytes_read``)."""
-        key, file = self._where[name]
-        tensor = self._handles[file].get_tensor(key)
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        import torch
+
+        path, entry, start = self._where[name]
+        begin, end = entry["data_offsets"]
+        data = bytearray(end - begin)
+        with open(path, "rb") as file:
+            file.seek(start + begin)
+            file.readinto(data)
+        self.bytes_read += len(data)
+        dtype = getattr(torch, _DTYPES[entry["dtype"]])
+        return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]) if data else \
+            torch.empty(entry["shape"], dtype=dtype)
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+"""safetensors' dtype names, as torch's."""
+
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data offsets) and where its data
+    begins: an 8-byte little-endian length, then that much JSON."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        return json.loads(file.read(length)), 8 + length
 
 
 def _model_name(model: torch.nn.Module, key: str) -> str:
@@ -133,11 +159,12 @@ class StreamedModel:
     module), on ``device``; ``quantize_layer`` makes each layer what a job measures."""
 
     def __init__(self, source: ModelSource, device: str,
-                 quantize_layer: LayerHook | None = None):
+                 quantize_layer: LayerHook | None = None,
+                 on_layer: LayerSeen | None = None):
         import torch
         from accelerate import init_empty_weights
 
-        self.device, self.quantize_layer = device, quantize_layer
+        self.device, self.quantize_layer, self.on_layer = device, quantize_layer, on_layer
         with init_empty_weights(include_buffers=False):
             model = source.model_class._from_config(source.config, dtype=source.dtype)
         self.model = model.eval()
@@ -178,9 +205,37 @@ class StreamedModel:
             self._set(layer, name, parameter, f"{prefix}.{name}")
         for name, buffer in list(layer.named_buffers()):
             _assign(layer, name, buffer.to(self.device), parameter=False)
+        originals = {name: tensor.detach() for name, tensor in layer.state_dict().items()}
         if self.quantize_layer is not None:
             layer = self.quantize_layer(layer, prefix)
+        if self.on_layer is not None:
+            self.on_layer(prefix, layer, originals)
         return layer
+
+    def each_layer(self) -> Iterator[None]:
+        """Read (and quantize) each layer in turn without running it (``on_layer`` sees
+        each): a baseline's coverage."""
+        self.timings = []
+        for index in range(len(self.skeletons)):
+            began, read = time.perf_counter(), self.reader.bytes_read
+            self.layer(index)
+            self.timings.append(LayerTiming(index, self.reader.bytes_read - read,
+                                            time.perf_counter() - began, 0.0))
+            yield
+
+    @contextlib.contextmanager
+    def outside_layers(self) -> Iterator[torch.nn.Module]:
+        """The model holding no decoder layer (each an identity) while the block runs: what
+        it holds outside them, for counting."""
+        import torch
+
+        for index in range(len(self.skeletons)):
+            self.layers[index] = torch.nn.Identity()
+        try:
+            yield self.model
+        finally:
+            for index, skeleton in enumerate(self.skeletons):
+                self.layers[index] = skeleton
 
     def log_probs(self, windows: torch.Tensor, batch_size: int,
                   on_batch: Callable[[slice], None] | None = None) -> Iterator[LogProbSlice]:

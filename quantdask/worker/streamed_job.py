@@ -1,0 +1,114 @@
+"""The phases of a streamed job (``Job.streamed``): its model never resident, its decoder layers
+read from the checkpoint, quantized and run one at a time (``worker.streaming``).
+
+One pass (``stream``) reads each layer, quantizes it as the backend quantizes it whole, counts
+its coverage and weight errors against its full-precision tensors, runs every eval window
+through it and drops it; the final norm and head then give the log-probs the quality meter
+takes, as for a resident job. The later phases hand on what the pass measured, so the job's
+row has the same columns as a resident job's, plus the stream's own (``Streamed``): its bytes
+read and its seconds per layer. Task accuracy, generation speed and artifacts need the model
+resident: a streamed job skips them and says so (``stream_skipped``), never fails them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from quantdask.worker.coverage import Coverage, coverage
+from quantdask.worker.layers import weight_errors
+from quantdask.worker.metrics import QualityMeter
+from quantdask.worker.model_source import cached_model_source
+from quantdask.worker.phases import PHASES, JobRun, check_coverage, layer_weights, score
+from quantdask.worker.records import Loaded, Quantized, Streamed, TaskScores
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("quantdask.job")
+
+RESIDENT_ONLY = "task accuracy, generation speed and artifacts need the model resident"
+"""Why a streamed job skips them."""
+
+
+def load_streamed(run: JobRun) -> Loaded:
+    """The model's config, tokenizer and class (no weights: counted on the meta device)."""
+    with run.watch("load"):
+        run.source, cached = cached_model_source(run.job.model, weights=False)
+        run.originals = {}
+    return Loaded(run.watch.seconds["load"], cached, run.source.param_count)
+
+
+def stream(run: JobRun) -> Streamed:
+    """The one pass over the layers (see the module): coverage, weight errors and, but for
+    the baseline (whose figures are the reference's), the quality meter."""
+    from quantdask.worker.streaming import StreamedModel, layer_quantizer
+
+    backend, job = run.backend, run.job
+    parts: list[Coverage] = []
+
+    def seen(prefix: str, layer: torch.nn.Module, originals: dict[str, torch.Tensor]) -> None:
+        parts.append(coverage(layer, originals, backend.stored_bytes))
+        if job.layer_stats and backend.dequantize_layer is not None and backend.quantizes:
+            rows, unmeasured = weight_errors(layer, backend.dequantize_layer, originals)
+            # As a resident job's rows, but for the output error, not measured when streamed.
+            run.layers += [{**{k: v for k, v in row.items() if k != "transposed"},
+                            "layer": f"{prefix}.{row['layer']}"} for row in rows]
+            run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
+
+    quantize = layer_quantizer(backend, job.options) if backend.quantizes else None
+    model = StreamedModel(run.source, run.device, quantize, seen)
+    with run.watch("quantize"):  # the rest of the model, read: the head, the embeddings
+        with model.outside_layers() as outside:
+            parts.append(coverage(outside, None, backend.stored_bytes))
+    if job.is_baseline:
+        for _ in model.each_layer():
+            pass
+    else:
+        meter = QualityMeter(run.reference.windows, run.reference.distribution)
+        with run.watch("eval"):
+            for piece in model.log_probs(run.reference.windows, job.eval.batch_size):
+                meter.add(piece.rows, piece.positions, piece.log_probs)
+        run.meter = meter
+    run.covered = functools.reduce(_joined, parts)
+    # The layers are read and quantized as the pass reaches them: that part of the pass is
+    # the quantize time, the rest the eval's.
+    reading = sum(t.load_s for t in model.timings)
+    seconds = run.watch.seconds
+    seconds["quantize"] += reading
+    if "eval" in seconds:
+        seconds["eval"] -= reading
+    return Streamed(Quantized(seconds["quantize"]), streamed=True,
+                    stream_bytes_read=model.reader.bytes_read,
+                    stream_layer_s=sum(t.load_s + t.run_s for t in model.timings)
+                    / len(model.skeletons),
+                    stream_skipped=RESIDENT_ONLY)
+
+
+def _joined(a: Coverage, b: Coverage) -> Coverage:
+    def added(x: dict[str, int], y: dict[str, int]) -> dict[str, int]:
+        return {key: x.get(key, 0) + y.get(key, 0) for key in {*x, *y}}
+
+    return Coverage(a.quantized_params + b.quantized_params,
+                    added(a.full_precision, b.full_precision),
+                    a.quantized_bytes + b.quantized_bytes,
+                    added(a.unquantized_by_dtype, b.unquantized_by_dtype))
+
+
+def tasks_skipped(run: JobRun) -> TaskScores | None:
+    """A streamed job's task phase: skipped, with the reason, when the sweep has tasks."""
+    if run.job.tasks is None:
+        return None
+    log.warning("tasks skipped: %s; this job streamed its layers", RESIDENT_ONLY)
+    return TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {RESIDENT_ONLY}")
+
+
+STREAMED_PHASES: tuple = (load_streamed, stream, check_coverage, layer_weights, score,
+                          tasks_skipped)
+"""What a streamed job does, in order (``phases.PHASES`` for a resident one)."""
+
+
+def phases_for(run: JobRun) -> tuple:
+    """The phases ``run`` goes through: a streamed job's, or a resident one's."""
+    return STREAMED_PHASES if run.job.streamed else PHASES
