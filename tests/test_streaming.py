@@ -194,3 +194,21 @@ def test_placement_streams_a_model_that_fits_no_worker_resident():
         place_jobs(jobs, between, stream="never")
     with pytest.raises(PlacementError, match="stream"):  # too small even streamed
         place_jobs(jobs, SmallDevices(streamed_need / 2), stream="auto")
+
+
+def test_plan_says_when_a_model_streams_and_what_it_needs(write_sweep, capsys):
+    from quantdask.cli.main import main
+
+    for stream, said in (("always", "every job streams (stream: always)"),
+                         ("auto", "stream where its weights and eval fit no worker")):
+        assert main(["plan", write_sweep(streaming_sweep(stream))]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("stream: demo:")]
+        assert len(lines) == 1 and said in lines[0] and "they need ~" in lines[0], lines
+    assert main(["plan", write_sweep(streaming_sweep("never"))]) == 0
+    assert "stream: demo" not in capsys.readouterr().out
+    assert main(["plan", "--json", write_sweep(streaming_sweep("always"))]) == 0
+    import json
+
+    jobs = json.loads(capsys.readouterr().out)["jobs"]
+    assert all(job["streamed"] is True and job["est_streamed_bytes"] > 0 for job in jobs)

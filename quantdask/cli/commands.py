@@ -57,6 +57,23 @@ def _check_run_dir(path: str) -> str:
     return path
 
 
+def stream_lines(plan, stream: str) -> list[str]:
+    """One line per model on streaming (``sweep-files.md#streaming``): when it streams, and
+    what its largest job would need streamed against resident."""
+    from quantdask.util import format_bytes
+
+    lines = []
+    for model, rows in plan.group_by("model", maintain_order=True):
+        streamed = rows["est_streamed_bytes"].max()
+        if stream == "never" or not streamed:
+            continue
+        when = ("every job streams (stream: always)" if stream == "always" else
+                "its jobs stream where its weights and eval fit no worker (stream: auto)")
+        lines.append(f"stream: {model[0]}: {when}; streamed one layer at a time they need "
+                     f"~{format_bytes(streamed)}")
+    return lines
+
+
 def cmd_plan(args) -> int:
     import json
 
@@ -90,6 +107,8 @@ def cmd_plan(args) -> int:
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
     for search in sweep.searches:
         print(search.describe())
+    for line in stream_lines(plan, sweep.stream):
+        print(line)
     work = (f"; about {format_duration(float(known.sum()))} of job time for the {len(known)} "
             "with an estimate" if len(known) else "")
     print(f"{plan.height} jobs: {states[PlanState.TO_RUN]} to run, "

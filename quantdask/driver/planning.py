@@ -27,7 +27,7 @@ from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.driver.lengths import check_lengths
 from quantdask.driver.model_facts import model_facts
-from quantdask.driver.placement import done_phases, estimate_device_memory
+from quantdask.driver.placement import done_phases, estimate_device_memory, streamed_estimate
 from quantdask.spec.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
 from quantdask.worker.coverage import Coverage, module_role
@@ -38,7 +38,7 @@ log = logging.getLogger("quantdask.planning")
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
                 "peak_phase", "est_duration_s", "duration_from", "max_positions",
-                "positions_from"]
+                "positions_from", "streamed", "est_streamed_bytes"]
 
 
 def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
@@ -109,6 +109,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
             # A rerun tries it again (it may run on other machines): to run, with the note.
             reason = f"skipped when it last ran: {skipped[job.id]}"
         memory = estimate_device_memory(job, model, done, phases)
+        streamed = streamed_estimate(job, model).bytes
         duration, duration_basis = _duration(job, done)
         limit = limits[job.model.label]
         rows.append({"order": order, "job_id": job.id, "model": job.model.label,
@@ -118,7 +119,10 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
                      "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
                      "peak_phase": memory.peak_phase,
                      "est_duration_s": duration, "duration_from": duration_basis,
-                     "max_positions": limit.positions, "positions_from": limit.source})
+                     "max_positions": limit.positions, "positions_from": limit.source,
+                     # auto: placement decides against the workers' memory (null here)
+                     "streamed": {"always": True, "never": False}.get(sweep.stream),
+                     "est_streamed_bytes": streamed})
     return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
                                       "model": pl.String, "backend": pl.String,
                                       "config_label": pl.String, "priority": pl.Int64,
@@ -130,4 +134,6 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
                                       "est_duration_s": pl.Float64,
                                       "duration_from": pl.String,
                                       "max_positions": pl.Int64,
-                                      "positions_from": pl.String})
+                                      "positions_from": pl.String,
+                                      "streamed": pl.Boolean,
+                                      "est_streamed_bytes": pl.Int64})

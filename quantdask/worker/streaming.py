@@ -218,7 +218,7 @@ class StreamedModel:
         self.timings = []
         for index in range(len(self.skeletons)):
             began, read = time.perf_counter(), self.reader.bytes_read
-            self.layer(index)
+            _let_go(self.layer(index))
             self.timings.append(LayerTiming(index, self.reader.bytes_read - read,
                                             time.perf_counter() - began, 0.0))
             yield
@@ -273,6 +273,7 @@ class StreamedModel:
             hook.remove()
             batches.current, batches.recording = None, False
             self.layers[0] = self.skeletons[0]
+            _let_go(first)
         self.timings.append(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
         return batches
@@ -285,7 +286,7 @@ class StreamedModel:
             for start, (args, kwargs) in batches.arguments[index].items():
                 output = layer(batches.hidden[start], *args, **kwargs)
                 batches.hidden[start] = output[0] if isinstance(output, tuple) else output
-        del layer
+        _let_go(layer)
         self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
 
@@ -373,6 +374,30 @@ def _standin_class():
 
 def _StandIn(skeleton, batches: _Batches, index: int, final: bool = False):  # noqa: N802
     return _standin_class()(skeleton, batches, index, final)
+
+
+def _let_go(layer: torch.nn.Module) -> None:
+    """Free a dropped layer's memory now. Quantized layers hold reference cycles
+    (bitsandbytes' parameters point back at their module) that only the cycle collector
+    would free, late, and a full collection in a worker takes a third of a second: each module
+    lets go of its tensors instead, so they go with their last reference. Then the freed heap
+    goes back to the OS (glibc's ``malloc_trim``): a layer's tensors come from glibc's heap
+    under its dynamic mmap threshold, and its free chunks would otherwise stay in the
+    resident set a worker's memory limit counts."""
+    import ctypes
+
+    import torch
+
+    for module in layer.modules():
+        module._parameters.clear()
+        module._buffers.clear()
+        for name, value in list(vars(module).items()):
+            if not name.startswith("_") and isinstance(value, torch.Tensor | dict):
+                delattr(module, name)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
 
 
 def _shared(model: torch.nn.Module) -> dict[tuple[str, ...], torch.nn.Parameter]:
