@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantdask.backends import get_backend
-from quantdask.demo_model import DEMO_MODEL_DIR
+from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
 from quantdask.spec.model import ModelSpec
 from quantdask.worker.logits import sliced_log_probs
@@ -212,3 +212,36 @@ def test_plan_says_when_a_model_streams_and_what_it_needs(write_sweep, capsys):
 
     jobs = json.loads(capsys.readouterr().out)["jobs"]
     assert all(job["streamed"] is True and job["est_streamed_bytes"] > 0 for job in jobs)
+
+
+def test_a_streamed_job_skips_what_needs_the_model_resident_and_says_why(tmp_path):
+    """Task accuracy and speed are skipped with the reason, never failed; a backend that
+    cannot quantize one layer at a time is refused in the plan and skipped on the worker."""
+    from quantdask.demo_model import DEMO_TASKS_DIR
+    from quantdask.driver.planning import plan_sweep
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.worker.job import run_job
+    from quantdask.worker.reference import combine_reference, compute_reference_shard
+
+    data = streaming_sweep("always", tasks={"names": ["demo_facts"],
+                                            "include_path": DEMO_TASKS_DIR},
+                           speed={"prompt_length": 8, "new_tokens": 4, "batch_sizes": [1]})
+    data["backends"] = [{"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
+    jobs = expand_grid(sweep_from_dict(data))
+    job = jobs[1]
+    reference = combine_reference(job.model, job.eval, compute_reference_shard(
+        job.model, job.eval, job.eval.read_text(), (0, job.eval.samples), streamed=True),
+        tasks=job.tasks)
+    outcome = run_job(job, get_backend("hqq"), 1, reference)
+    record = outcome.record
+    assert record["status"] == "done" and record["streamed"]
+    assert "need the model resident" in record["tasks_error"]
+    assert "generation speed" in record["stream_skipped"] and record.get("speed_s") is None
+    assert not outcome.rows.get("tasks") and not outcome.rows.get("speed")
+    calibrated = streaming_sweep("always")
+    calibrated["backends"] = [{"backend": "gptq", "configs": [{"bits": 4}]}]
+    calibrated["calibration"] = {"text": DEMO_EVAL_TEXT, "samples": 4, "seq_len": 32}
+    plan = plan_sweep(sweep_from_dict(calibrated))
+    [reason] = plan.filter(plan["backend"] == "gptq")["reason"].to_list()
+    assert "cannot quantize a streamed model, one layer at a time: it calibrates" in reason

@@ -154,7 +154,8 @@ def test_a_reference_is_cut_at_its_deadline_and_only_a_running_one(jobs):
     assert references.future_for(jobs["fp4"]) is future  # one per model
     [part] = client.parts(future)  # one slot: one part, all the windows
     args, kwargs = client.submitted[0]
-    assert kwargs["key"] == part.key and args[-2:] == ((0, job.eval.samples), 30.0)
+    # Its windows, its deadline, and whether its model streams (it does not).
+    assert kwargs["key"] == part.key and args[-3:] == ((0, job.eval.samples), 30.0, False)
     assert kwargs["priority"] == job.priority + 10  # the worker knows its deadline
     assert kwargs["resources"] == {"GPU": 1.0}
     clock.advance(1000)  # queued, not started: no deadline runs yet
@@ -180,7 +181,7 @@ def test_a_reference_is_computed_in_one_part_per_slot_and_a_late_part_cuts_them_
                                                                     batch_size=4))
     future = references.future_for(job)
     first, second = client.parts(future)
-    assert [args[-2] for args, kw in client.submitted if kw["func"] == "compute_reference_shard"
+    assert [args[-3] for args, kw in client.submitted if kw["func"] == "compute_reference_shard"
             ] == [(0, 4), (4, 8)]
     references.started(first.key, "tcp://127.0.0.1:7")
     clock.advance(10)

@@ -272,6 +272,17 @@ class Backend(Generic[OptionsT]):
                      if self.selects(name, cls, options))
         return picked / facts.param_count
 
+    def stream_refusal(self) -> str | None:
+        """Why this backend cannot quantize a streamed model's layers one at a time
+        (``worker.streaming``), or None: it quantizes each module alone (``quantize_module``),
+        or nothing at all."""
+        if not self.quantizes or self.quantize_module is not None:
+            return None
+        why = ("it calibrates each layer on the activations of the layers quantized before "
+               "it, which the stream does not carry block by block yet" if self.calibrated
+               else "it quantizes whole models only")
+        return f"{self.name} cannot quantize a streamed model, one layer at a time: {why}"
+
     def normalize(self, options: dict, where: str) -> OptionsT:
         """Validate ``options`` (a config as written) and fill defaults: the canonical option
         set, an ``options_type`` instance (its ``as_dict()`` is what job ids hash).

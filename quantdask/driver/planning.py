@@ -74,6 +74,35 @@ def _duration(job: Job, done: pl.DataFrame) -> tuple[float | None, str]:
     return None, "nothing run yet"
 
 
+def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str],
+         skipped: dict[str, str], done: pl.DataFrame, phases: pl.DataFrame) -> dict:
+    """One job's plan row (see ``plan_sweep``), its model's positions left out."""
+    backend = get_backend(job.backend)
+    reason = backend.check(job.options, model) if backend.check is not None else None
+    if reason is None and job.streamed:
+        reason = backend.stream_refusal()
+    share = backend.predicted_share(job.options, model)
+    if reason is None and share == 0 and backend.quantizes:
+        reason = _nothing_quantized(job.backend, model)
+    state = (PlanState.FINISHED if job.id in finished
+             else PlanState.UNSUPPORTED if reason else PlanState.TO_RUN)
+    if reason is None and job.id in skipped:
+        # A rerun tries it again (it may run on other machines): to run, with the note.
+        reason = f"skipped when it last ran: {skipped[job.id]}"
+    memory = estimate_device_memory(job, model, done, phases)
+    duration, duration_basis = _duration(job, done)
+    return {"order": order, "job_id": job.id, "model": job.model.label,
+            "backend": job.backend, "config_label": job.config_label,
+            "priority": job.priority, "state": state, "reason": reason,
+            "quantized_share": share,
+            "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
+            "peak_phase": memory.peak_phase,
+            "est_duration_s": duration, "duration_from": duration_basis,
+            # auto: placement decides against the workers' memory (null here)
+            "streamed": {"always": True, "never": False}.get(stream),
+            "est_streamed_bytes": streamed_estimate(job, model).bytes}
+
+
 def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.DataFrame:
     """Every job of ``sweep`` in scheduling order with its state (``finished``, ``to run``,
     ``unsupported``), the reason for an unsupported one, and its estimated device memory and
@@ -97,32 +126,9 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     for order, job in enumerate(start_order(jobs), start=1):
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job)
-        model = facts[job.model.label]
-        backend = get_backend(job.backend)
-        reason = backend.check(job.options, model) if backend.check is not None else None
-        share = backend.predicted_share(job.options, model)
-        if reason is None and share == 0 and backend.quantizes:
-            reason = _nothing_quantized(job.backend, model)
-        state = (PlanState.FINISHED if job.id in finished
-                 else PlanState.UNSUPPORTED if reason else PlanState.TO_RUN)
-        if reason is None and job.id in skipped:
-            # A rerun tries it again (it may run on other machines): to run, with the note.
-            reason = f"skipped when it last ran: {skipped[job.id]}"
-        memory = estimate_device_memory(job, model, done, phases)
-        streamed = streamed_estimate(job, model).bytes
-        duration, duration_basis = _duration(job, done)
-        limit = limits[job.model.label]
-        rows.append({"order": order, "job_id": job.id, "model": job.model.label,
-                     "backend": job.backend, "config_label": job.config_label,
-                     "priority": job.priority, "state": state, "reason": reason,
-                     "quantized_share": share,
-                     "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
-                     "peak_phase": memory.peak_phase,
-                     "est_duration_s": duration, "duration_from": duration_basis,
-                     "max_positions": limit.positions, "positions_from": limit.source,
-                     # auto: placement decides against the workers' memory (null here)
-                     "streamed": {"always": True, "never": False}.get(sweep.stream),
-                     "est_streamed_bytes": streamed})
+        rows.append(_row(order, job, facts[job.model.label], sweep.stream, finished, skipped,
+                         done, phases) | {"max_positions": limits[job.model.label].positions,
+                                          "positions_from": limits[job.model.label].source})
     return pl.DataFrame(rows, schema={"order": pl.Int64, "job_id": pl.String,
                                       "model": pl.String, "backend": pl.String,
                                       "config_label": pl.String, "priority": pl.Int64,
