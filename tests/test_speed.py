@@ -76,7 +76,8 @@ def hand_timed_greedy(model, prompt: torch.Tensor, new_tokens: int, eos: int) ->
 def test_timing_agrees_with_a_hand_timed_greedy_loop():
     """The same prompt, in-process, interleaved: quantdask's generate makes as many tokens as
     a hand-written greedy loop, and its decode step is within a factor of 2 of the loop's
-    (loose on purpose: these machines are noisy, and generate adds its own bookkeeping)."""
+    (loose on purpose: these machines are noisy, and generate adds its own bookkeeping;
+    compared on their fastest steps, which preemption cannot make faster)."""
     from transformers import AutoModelForCausalLM
 
     from quantdask.worker.speed import generate_timed, prompt_ids
@@ -86,15 +87,24 @@ def test_timing_agrees_with_a_hand_timed_greedy_loop():
     prompt = prompt_ids(windows, 1, 32)
     eos = model.generation_config.eos_token_id
     ours, hand = [], []
-    for _ in range(3):
-        made, ttft, steps = generate_timed(model, prompt, 24, cuda=False, pad_token_id=3)
-        assert made == 24 and len(steps) == 23 and ttft > 0
-        ours += steps
-        count, loop_steps = hand_timed_greedy(model, prompt, 24, eos)
-        assert count == made
-        hand += loop_steps
-    ratio = statistics.median(ours) / statistics.median(hand)
-    assert 0.5 < ratio < 2.0, (statistics.median(ours), statistics.median(hand))
+    # One torch thread: with the suite's other process busy on the second core, a two-thread
+    # op's speed swings with where the OS puts its threads (a 3x ratio once, in a full run).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):
+            made, ttft, steps = generate_timed(model, prompt, 24, cuda=False, pad_token_id=3)
+            assert made == 24 and len(steps) == 23 and ttft > 0
+            ours += steps
+            count, loop_steps = hand_timed_greedy(model, prompt, 24, eos)
+            assert count == made
+            hand += loop_steps
+    finally:
+        torch.set_num_threads(threads)
+    # Their fastest tenths: a step the OS preempted is only ever slower, and on a machine
+    # shared with the suite's other process a median still moved 3x once.
+    fast = [statistics.quantiles(steps, n=10)[0] for steps in (ours, hand)]
+    assert 0.5 < fast[0] / fast[1] < 2.0, fast
 
 
 @pytest.mark.slow
