@@ -5,6 +5,7 @@ deadline, no retry at all), and past the retries the search stops naming the tas
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 
@@ -51,8 +52,9 @@ def tasks_of(client, functions: dict[str, object]) -> list[ProbeTask]:
 
 def run_all(client, functions, rules=RULES, **kwargs) -> dict[str, tuple]:
     tasks = tasks_of(client, functions)
+    tag = f"t-{uuid.uuid4().hex[:8]}"  # a Dask key is global: never an earlier test's task
     return {tasks[i].what: future.result()
-            for i, future in run_probe_tasks(client, tasks, ROOM, rules, "t", **kwargs)}
+            for i, future in run_probe_tasks(client, tasks, ROOM, rules, tag, **kwargs)}
 
 
 def test_each_failure_class_gets_the_tables_answer(cluster, tmp_path):
