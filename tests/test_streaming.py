@@ -122,6 +122,15 @@ def test_a_sharded_checkpoint_streams_and_a_converted_one_is_refused(tmp_path):
     mixtral = load_model_source(ModelSpec(path=str(build_tiny("mixtral", tmp_path / "moe"))))
     with pytest.raises(UnsupportedHere, match="converted as it loads"):
         StreamedModel(mixtral, "cpu")
+    # The plan says so before anything runs, for every job of it that streams.
+    from quantdask.driver.planning import plan_sweep
+    from quantdask.spec.sweep_file import sweep_from_dict
+
+    data = streaming_sweep("always")
+    data["models"] = [{"name": "moe", "path": str(tmp_path / "moe")}]
+    plan = plan_sweep(sweep_from_dict(data))
+    assert (plan["state"] == "unsupported").all()
+    assert plan["reason"].str.contains("converted as it loads").all()
 
 
 def streaming_sweep(stream: str, **extra) -> dict:

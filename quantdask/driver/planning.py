@@ -16,6 +16,7 @@ its model takes (null: its family sets no hard limit) and the phase that sets th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from quantdask.backends.base import ModelFacts
 from quantdask.driver.lengths import check_lengths
 from quantdask.driver.model_facts import model_facts
 from quantdask.driver.placement import done_phases, estimate_device_memory, streamed_estimate
+from quantdask.spec.model import ModelSpec
 from quantdask.spec.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
 from quantdask.worker.coverage import Coverage, module_role
@@ -74,13 +76,22 @@ def _duration(job: Job, done: pl.DataFrame) -> tuple[float | None, str]:
     return None, "nothing run yet"
 
 
+@functools.cache
+def _unstreamable(model: ModelSpec) -> str | None:
+    """Why a model's checkpoint cannot be streamed (``checkpoint_reader.unstreamable``); once
+    per model and plan process."""
+    from quantdask.worker.checkpoint_reader import unstreamable
+
+    return None if model.hub else unstreamable(model)
+
+
 def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str],
          skipped: dict[str, str], done: pl.DataFrame, phases: pl.DataFrame) -> dict:
     """One job's plan row (see ``plan_sweep``), its model's positions left out."""
     backend = get_backend(job.backend)
     reason = backend.check(job.options, model) if backend.check is not None else None
     if reason is None and job.streamed:
-        reason = backend.stream_refusal()
+        reason = backend.stream_refusal() or _unstreamable(job.model)
     share = backend.predicted_share(job.options, model)
     if reason is None and share == 0 and backend.quantizes:
         reason = _nothing_quantized(job.backend, model)

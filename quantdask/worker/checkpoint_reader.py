@@ -92,3 +92,16 @@ def _model_name(model: torch.nn.Module, key: str) -> str:
                               f"as it loads ({converted}), not only renamed: its layers "
                               "cannot be read one at a time")
     return name
+
+
+def unstreamable(spec) -> str | None:
+    """Why ``spec``'s checkpoint cannot be read one layer at a time (no safetensors files, a
+    tensor converted as it loads), or None; the plan's look, from the model built on the meta
+    device and the files' headers (nothing read)."""
+    from quantdask.worker.model_source import _empty_model
+
+    try:
+        CheckpointReader(spec.location, _empty_model(spec))
+    except UnsupportedHere as error:
+        return str(error)
+    return None
