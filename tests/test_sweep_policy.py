@@ -489,11 +489,14 @@ def test_the_attempt_table_settles_each_attempt_once(jobs):
 def test_each_attempt_of_a_job_gets_a_dask_key_of_its_own():
     from quantdask.driver.attempts import AttemptTable
 
-    table = AttemptTable()
+    table, other = AttemptTable(tag="run1"), AttemptTable(tag="run2")
     keys = [table.new_key("job-a"), table.new_key("job-b"), table.new_key("job-a"),
             table.new_key("job-a")]
-    assert keys[:2] == ["job-a", "job-b"]  # a first attempt is named by its job id
+    assert keys[:2] == ["job-a-run1-1", "job-b-run1-2"]  # the job id first (the dashboard's)
     assert len(set(keys)) == 4 and all(k.startswith("job-a-") for k in keys[2:])
+    # Another session's first attempt of the same job: a key of its own, never the earlier
+    # session's (the scheduler may still hold that one, and would hand back its result).
+    assert other.new_key("job-a") not in keys
 
 
 def test_uncounted_requeues_are_counted_per_job_up_to_the_limit():

@@ -38,45 +38,25 @@ class Attempt:
         return cls(job, number, utcnow(), job.id)
 
 
-_plain_keys_lock = threading.Lock()
-_plain_keys: set[str] = set()  # job ids some table of this process used as a key
-
-
 class AttemptTable:
     """Submitted attempts by Dask key, with one ``take`` for every way the driver settles them.
-    ``tag`` (the driver session's id) names the attempts of a job another sweep of this
-    process keys too."""
+    ``tag`` (the driver session's id) is part of every key it makes."""
 
     def __init__(self, tag: str = ""):
         self._by_key: dict[str, Attempt] = {}
         self._lock = threading.Lock()
         self._submissions = 0
-        self._keyed: set[str] = set()  # job ids that have had a key
-        self._plain: set[str] = set()  # those keyed by their id alone
         self._tag = tag
 
     def new_key(self, job_id: str) -> str:
-        """The Dask key for a new attempt of ``job_id``: the job id for its first, then the job
-        id and a count. A Dask key names one computation: each resubmission needs a key of its
-        own, or Dask hands back the earlier (failed) result; and so does the same job in two
-        sweeps running at once on one client (the second's carries its tag), or cancelling one
-        would cancel the other's."""
-        with self._lock, _plain_keys_lock:
+        """The Dask key for a new attempt of ``job_id``: the job id, this driver session's tag
+        and a count. A Dask key names one computation, for every client of the scheduler
+        and for as long as the scheduler holds it: a key used before (a retry, an earlier
+        sweep of the same job, another client's) would hand back that earlier result without
+        running anything."""
+        with self._lock:
             self._submissions += 1
-            if job_id not in self._keyed and job_id not in _plain_keys:
-                key = job_id
-                _plain_keys.add(job_id)
-                self._plain.add(job_id)
-            else:
-                key = f"{job_id}-{self._tag}-{self._submissions}".replace("--", "-")
-            self._keyed.add(job_id)
-            return key
-
-    def forget_keys(self) -> None:
-        """Let later sweeps key this one's jobs by their ids again (at its end)."""
-        with self._lock, _plain_keys_lock:
-            _plain_keys.difference_update(self._plain)
-            self._plain.clear()
+            return f"{job_id}-{self._tag}-{self._submissions}".replace("--", "-")
 
     def add(self, attempt: Attempt) -> None:
         with self._lock:

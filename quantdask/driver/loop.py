@@ -188,7 +188,6 @@ class SweepDriver:
             self.client.cancel(self.references.all_futures())
             raise
         finally:
-            self.attempts.forget_keys()
             topics.unsubscribe(self.client, JOB_START_TOPIC, self._on_job_start)
             topics.unsubscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
             topics.unsubscribe(self.client, JOB_LOG_TOPIC, self.recorder.live.on_event)

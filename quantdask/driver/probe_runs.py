@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
@@ -164,7 +164,7 @@ def run_probe_tasks(client: Client, tasks: list[ProbeTask], room: Room, rules: P
                     tag: str, stop: threading.Event | None = None,
                     tick: Callable[[], None] = lambda: None,
                     clock: Callable[[], float] = time.monotonic
-                    ) -> Iterator[tuple[int, Future]]:
+                    ) -> Generator[tuple[int, Future], None, None]:
     """Run every task of ``tasks`` (see the module), each first in ``room``; yields (index,
     its finished future) as each finishes. Returns early, everything cancelled, once ``stop``
     is set; ``tick()`` is called between polls (the driver shows its progress there)."""

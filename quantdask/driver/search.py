@@ -17,6 +17,7 @@ eval windows like any other; the allocation frame records the formats and the pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -131,8 +132,10 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     def one(what: str, function: Callable, *args) -> Future | None:
         task = ProbeTask(f"search {search.name}: {what}", lambda r, k, _: client.submit(
             function, *args, resources=r.resources, key=k, pure=False))
-        return next((f for _, f in run_probe_tasks(client, [task], room, rules, f"{tag}-{what}",
-                                                   watch.stop, watch.tick)), None)
+        # Closed here, not when collected: it unsubscribes and cancels as it closes.
+        with contextlib.closing(run_probe_tasks(client, [task], room, rules, f"{tag}-{what}",
+                                                watch.stop, watch.tick)) as finished:
+            return next((future for _, future in finished), None)
 
     found = one("units", search_units, model, search.granularity)
     if found is None:
