@@ -113,6 +113,9 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame,
     # A peak measured while packed jobs ran beside it is theirs too: not this job's figure.
     shared = (pl.col("peak_shared").fill_null(False) if "peak_shared" in done.columns
               else pl.lit(False))
+    # A streamed job's peak is one layer's, no measure of a resident one.
+    if "streamed" in done.columns:
+        shared = shared | pl.col("streamed").fill_null(False)
     rows = (done.filter((pl.col("model") == job.model.label)
                         & pl.col("peak_device_mem_bytes").is_not_null() & ~shared).to_dicts()
             if done.height else [])
@@ -239,8 +242,10 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
                  for job in jobs}
     if stream == "auto":
         streaming = streaming_models(jobs, estimates, facts, largest, finished)
-        jobs = [replace(job, streamed=True) if job.model.label in streaming else job
-                for job in jobs]
+        # A backend that cannot quantize one layer at a time stays resident (and is refused
+        # below when it does not fit).
+        jobs = [replace(job, streamed=True) if job.model.label in streaming
+                and get_backend(job.backend).stream_refusal() is None else job for job in jobs]
     placed, too_big, reference_bytes = [], [], {}
     for job in jobs:
         estimate = estimates[job.id]

@@ -82,7 +82,10 @@ def _unstreamable(model: ModelSpec) -> str | None:
     per model and plan process."""
     from quantdask.worker.checkpoint_reader import unstreamable
 
-    return None if model.hub else unstreamable(model)
+    if model.hub:
+        return ("a hub model streams from a local directory only: download it "
+                "(huggingface-cli download) and give its path")
+    return unstreamable(model)
 
 
 def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str],

@@ -107,9 +107,10 @@ def run_searches(sweep: Sweep, store: RunStore, client: Client,
                        baseline.resources if baseline is not None else None, watch)
         if probed is None:
             return None
-        jobs += verifying_jobs(sweep, search, probed, store)
+        verifying = verifying_jobs(sweep, search, probed, store)
+        jobs += verifying
         if watch.progress is not None:
-            watch.progress.search_finished(search.name, len(jobs))
+            watch.progress.search_finished(search.name, len(verifying))
     return jobs
 
 

@@ -72,6 +72,10 @@ class _Batches:
     tuple_output: int = 0  # 0: a layer returns a tensor; n: a tuple of n
 
 
+class _Stop(BaseException):  # noqa: N818 - not an error: no library handler may catch it
+    """Ends the first pass's forward once the last layer's arguments are noted."""
+
+
 class StreamedModel:
     """``source``'s model with its decoder layers streamed from the checkpoint (see the
     module), on ``device``; ``quantize_layer`` makes each layer what a job measures."""
@@ -84,7 +88,9 @@ class StreamedModel:
 
         self.device, self.quantize_layer, self.on_layer = device, quantize_layer, on_layer
         with init_empty_weights(include_buffers=False):
-            model = source.model_class._from_config(source.config, dtype=source.dtype)
+            # A copy: _from_config writes the dtype into the config the worker caches.
+            model = source.model_class._from_config(copy.deepcopy(source.config),
+                                                    dtype=source.dtype)
         self.model = model.eval()
         self.prefix, self.layers = decoder_layers(model)
         self.skeletons = list(self.layers)  # the empty layers, copied for each turn
@@ -175,6 +181,8 @@ class StreamedModel:
             batches.tuple_output = len(output) if isinstance(output, tuple) else 0
             assert batches.current is not None  # set before each batch's forward
             batches.hidden[batches.current] = output[0] if isinstance(output, tuple) else output
+            if len(self.skeletons) == 1:
+                raise _Stop  # nothing after it to note: no head, no logits
 
         hook = first.register_forward_hook(keep)
         batches.recording = True
@@ -185,12 +193,16 @@ class StreamedModel:
             with self.no_grad():
                 for start in range(0, windows.size(0), batch_size):
                     batches.current = start
-                    self.model(input_ids=windows[start:start + batch_size].to(self.device),
-                               use_cache=False)
+                    try:
+                        self.model(input_ids=windows[start:start + batch_size].to(self.device),
+                                   use_cache=False)
+                    except _Stop:  # the last stand-in has noted its arguments
+                        pass
         finally:
             hook.remove()
             batches.current, batches.recording = None, False
-            self.layers[0] = self.skeletons[0]
+            for index, skeleton in enumerate(self.skeletons):
+                self.layers[index] = skeleton
             _let_go(first)
         self.timings.append(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
@@ -200,11 +212,13 @@ class StreamedModel:
         began, read = time.perf_counter(), self.reader.bytes_read
         layer = self.layer(index)
         loaded = time.perf_counter()
-        with self.no_grad():
-            for start, (args, kwargs) in batches.arguments[index].items():
-                output = layer(batches.hidden[start], *args, **kwargs)
-                batches.hidden[start] = output[0] if isinstance(output, tuple) else output
-        _let_go(layer)
+        try:
+            with self.no_grad():
+                for start, (args, kwargs) in batches.arguments[index].items():
+                    output = layer(batches.hidden[start], *args, **kwargs)
+                    batches.hidden[start] = output[0] if isinstance(output, tuple) else output
+        finally:  # an error (out of memory, say) must not keep the layer for the retry
+            _let_go(layer)
         self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
 
@@ -283,6 +297,8 @@ def _standin_class():
                     hidden = batches.hidden[batches.current]
                 elif batches.recording:
                     batches.arguments[self.index][batches.current] = (args[1:], kwargs)
+                    if self.index == len(batches.arguments) - 1:
+                        raise _Stop  # the first pass needs no final norm, head or logits
             if batches.tuple_output:
                 return (hidden, *([None] * (batches.tuple_output - 1)))
             return hidden
