@@ -389,3 +389,19 @@ def test_backends_a_search_cannot_use_say_why():
     for name in ("bitsandbytes", "autoround", "gptq", "awq"):
         backend = get_backend(name)
         assert not backend.module_keys and len(backend.unsearchable) > 40, name
+
+
+def test_a_modules_own_format_alone_takes_only_what_applies_to_it():
+    from quantdask.backends.per_module import module_options
+
+    torchao, hqq = get_backend("torchao"), get_backend("hqq")
+    mixed = torchao.normalize({"mode": "int4_weight_only", "group_size": 64,
+                               "modules": {"a": {"mode": "int8_weight_only"}, "b": None}}, "c")
+    alone = module_options(torchao, mixed, "a")  # int8 takes no group size: not the config's
+    assert (alone.mode, alone.group_size) == ("int8_weight_only", None)
+    assert module_options(torchao, mixed, "b") is None
+    assert (module_options(torchao, mixed, "z").mode, module_options(torchao, mixed, "z")
+            .group_size) == ("int4_weight_only", 64)
+    grouped = hqq.normalize({"bits": 4, "group_size": 32, "modules": {"a": {"bits": 2}}}, "c")
+    assert (module_options(hqq, grouped, "a").bits,
+            module_options(hqq, grouped, "a").group_size) == (2, 32)  # the config's group

@@ -75,6 +75,18 @@ def module_options(backend, options: BackendOptions, name: str) -> BackendOption
     own = module_format(name, options, backend.module_keys)
     if own is None:
         return None
-    alone = {key: value for key, value in {**options.as_dict(), **own}.items()
-             if key != "modules" and value is not None}
-    return backend.normalize(alone, f"modules.{name}")
+    shared = {key: value for key, value in options.as_dict().items()
+              if key != "modules" and key not in backend.module_keys and value is not None}
+    try:
+        return backend.normalize({**shared, **_given(own)}, f"modules.{name}")
+    except SpecError:
+        # A key the module left out may not apply to its own format (torchao's int8 takes
+        # no group size): the module's own keys alone then.
+        given = (options.get("modules") or {}).get(name) or {}
+        if set(given) >= set(own):
+            raise
+        return backend.normalize({**shared, **_given(given)}, f"modules.{name}")
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}

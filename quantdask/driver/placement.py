@@ -211,6 +211,23 @@ class Placement:
         return resources
 
 
+def _largest_worker(client: Client) -> tuple[str, float] | None:
+    """The job-taking worker that advertises the most device memory, and how much; None
+    (placement by memory off, said in the log) when none advertises any."""
+    advertised = advertised_memory(client)
+    known = {name: memory for name, memory in advertised.items() if memory}
+    if not known:
+        log.warning("placement by device memory is off for this sweep: %s",
+                    f"no worker advertises {DEVICE_MEMORY} (start workers with --preload "
+                    "quantdask.preload)" if advertised else "no worker has joined yet")
+        return None
+    if len(known) < len(advertised):
+        log.warning("workers %s advertise no %s: jobs that need an estimate will not go there "
+                    "(start them with --preload quantdask.preload)",
+                    ", ".join(sorted(set(advertised) - set(known))), DEVICE_MEMORY)
+    return max(known.items(), key=lambda item: item[1])
+
+
 def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | None = None,
                finished: Set[str] = frozenset(), stream: str = "auto") -> Placement:
     """``jobs`` with device-memory requests for the workers of ``client`` (see the module
@@ -221,18 +238,10 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     no worker advertises ``DEVICE_MEMORY``."""
     from quantdask.driver.model_facts import model_facts
 
-    advertised = advertised_memory(client)
-    known = {name: memory for name, memory in advertised.items() if memory}
-    if not known:
-        log.warning("placement by device memory is off for this sweep: %s",
-                    f"no worker advertises {DEVICE_MEMORY} (start workers with --preload "
-                    "quantdask.preload)" if advertised else "no worker has joined yet")
+    found = _largest_worker(client)
+    if found is None:
         return Placement(list(jobs))
-    if len(known) < len(advertised):
-        log.warning("workers %s advertise no %s: jobs that need an estimate will not go there "
-                    "(start them with --preload quantdask.preload)",
-                    ", ".join(sorted(set(advertised) - set(known))), DEVICE_MEMORY)
-    largest_worker, largest = max(known.items(), key=lambda item: item[1])
+    largest_worker, largest = found
     done, phases = done_results(run_dir), done_phases(run_dir)
     facts: dict[str, ModelFacts] = {}
     for job in jobs:

@@ -131,12 +131,8 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     rules = ProbeRules(sweep.retries, sweep.timeout_s, sweep.retry_backoff_s)
 
     def one(what: str, function: Callable, *args) -> Future | None:
-        task = ProbeTask(f"search {search.name}: {what}", lambda r, k, _: client.submit(
-            function, *args, resources=r.resources, key=k, pure=False))
-        # Closed here, not when collected: it unsubscribes and cancels as it closes.
-        with contextlib.closing(run_probe_tasks(client, [task], room, rules, f"{tag}-{what}",
-                                                watch.stop, watch.tick)) as finished:
-            return next((future for _, future in finished), None)
+        return _run_one(client, f"search {search.name}: {what}", room, rules, f"{tag}-{what}",
+                        watch, function, *args)
 
     found = one("units", search_units, model, search.granularity)
     if found is None:
@@ -175,6 +171,18 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
         if unit in measured and kl is not None:
             measured[unit][label] = (kl, size)
     return Probed(measured, int(rest[1]), found.result()["param_count"], units)
+
+
+def _run_one(client: Client, what: str, room: Room, rules: ProbeRules, tag: str,
+             watch: SearchWatch, function: Callable, *args) -> Future | None:
+    """One task of a search run to its end (``probe_runs``): its finished future, or None
+    when ``watch.stop`` ended it."""
+    task = ProbeTask(what, lambda r, k, _: client.submit(function, *args, resources=r.resources,
+                                                         key=k, pure=False))
+    # Closed here, not when collected: it unsubscribes and cancels as it closes.
+    with contextlib.closing(run_probe_tasks(client, [task], room, rules, tag, watch.stop,
+                                            watch.tick)) as finished:
+        return next((future for _, future in finished), None)
 
 
 def _chunk_submit(client: Client, model: ModelSpec, reference: Future, search: SearchSpec,
