@@ -58,8 +58,8 @@ def stream(run: JobRun) -> Streamed:
             run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
 
     quantize = layer_quantizer(backend, job.options) if backend.quantizes else None
-    model = StreamedModel(run.source, run.device, quantize, seen)
     with run.watch("quantize"):  # the rest of the model, read: the head, the embeddings
+        model = StreamedModel(run.source, run.device, quantize, seen)
         with model.outside_layers() as outside:
             parts.append(coverage(outside, None, backend.stored_bytes))
     if job.is_baseline:
