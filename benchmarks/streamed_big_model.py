@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def random_llama(directory: Path, shape: dict) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's tests/
     from tests.tiny_families import copy_demo_tokenizer
 
     torch.manual_seed(0)
