@@ -63,8 +63,7 @@ def stream(run: JobRun) -> Streamed:
         with model.outside_layers() as outside:
             parts.append(coverage(outside, None, backend.stored_bytes))
     if job.is_baseline:
-        for _ in model.each_layer():
-            pass
+        model.read_layers()
     else:
         meter = QualityMeter(run.reference.windows, run.reference.distribution)
         with run.watch("eval"):

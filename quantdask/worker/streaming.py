@@ -136,7 +136,7 @@ class StreamedModel:
             self.on_layer(prefix, layer, originals)
         return layer
 
-    def each_layer(self) -> Iterator[None]:
+    def read_layers(self) -> None:
         """Read (and quantize) each layer in turn without running it (``on_layer`` sees
         each): a baseline's coverage."""
         self.timings = []
@@ -145,7 +145,6 @@ class StreamedModel:
             _let_go(self.layer(index))
             self.timings.append(LayerTiming(index, self.reader.bytes_read - read,
                                             time.perf_counter() - began, 0.0))
-            yield
 
     @contextlib.contextmanager
     def outside_layers(self) -> Iterator[torch.nn.Module]:
