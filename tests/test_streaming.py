@@ -205,6 +205,57 @@ def test_placement_streams_a_model_that_fits_no_worker_resident():
         place_jobs(jobs, SmallDevices(streamed_need / 2), stream="auto")
 
 
+def test_a_model_that_cannot_stream_stays_resident_and_its_refusal_says_why(tmp_path):
+    from quantdask.driver.model_facts import model_facts
+    from quantdask.driver.placement import estimate_device_memory, place_jobs
+    from quantdask.errors import PlacementError
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+
+    data = streaming_sweep("auto")
+    data["models"] = [{"name": "moe", "path": str(build_tiny("mixtral", tmp_path / "moe"))}]
+    jobs = expand_grid(sweep_from_dict(data))
+    facts = model_facts(jobs[0], layers=False)
+    resident = min(estimate_device_memory(job, facts, __import__("polars").DataFrame()).firm
+                   for job in jobs)
+    # Under auto its jobs would stream on workers this small; its checkpoint cannot, so
+    # placement refuses them with that reason instead of a worker skipping each one.
+    with pytest.raises(PlacementError, match="it cannot stream one layer at a time: .*"
+                                             "converted as it loads"):
+        place_jobs(jobs, SmallDevices(resident / 4), stream="auto")
+
+
+def test_a_search_on_a_streamed_model_is_refused_before_anything_runs(tmp_path_factory,
+                                                                       write_sweep, capsys):
+    from quantdask.cli.main import main
+    from quantdask.driver.model_facts import model_facts
+    from quantdask.driver.placement import estimate_device_memory, place_jobs, streamed_estimate
+    from quantdask.driver.search import check_searches_resident
+    from quantdask.errors import SpecError
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+    from tests.conftest import calibration_file
+    from tests.test_search import search_sweep
+
+    data = search_sweep(calibration_file(tmp_path_factory, 40, seed=3))
+    assert main(["plan", write_sweep(dict(data, stream="always"))]) == 2
+    said = capsys.readouterr().err
+    assert "searches[0].model" in said and "stream: always" in said and "drop the" in said
+    # Under auto, placement streams it on workers too small to hold it: refused before the
+    # run directory is made (start_session checks the placed jobs).
+    sweep = sweep_from_dict(data)
+    jobs = expand_grid(sweep)
+    facts = model_facts(jobs[0], layers=False)
+    resident = max(estimate_device_memory(job, facts, __import__("polars").DataFrame()).firm
+                   for job in jobs)
+    streamed_need = max(streamed_estimate(job, facts).bytes for job in jobs)
+    placed = place_jobs(jobs, SmallDevices((resident + streamed_need) / 2), stream="auto")
+    with pytest.raises(SpecError, match="fits no worker resident") as error:
+        check_searches_resident(sweep, placed.jobs)
+    assert error.value.field == "searches[0].model"
+    check_searches_resident(sweep, jobs)  # resident: nothing to refuse
+
+
 def test_plan_says_when_a_model_streams_and_what_it_needs(write_sweep, capsys):
     from quantdask.cli.main import main
 

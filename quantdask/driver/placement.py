@@ -14,6 +14,7 @@ runs, with the numbers and the phase that sets its peak.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from quantdask.driver.phase_memory import (
     streamed_bytes,
 )
 from quantdask.errors import PlacementError, SpecError
+from quantdask.spec.model import ModelSpec
 from quantdask.spec.sweep import DEVICE_MEMORY, Job
 from quantdask.util import format_bytes
 from quantdask.words import Status
@@ -270,9 +272,7 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
         if firm > largest and job.id not in finished:
             note = estimate.peak_note
             if stream == "auto" and not job.streamed:
-                streamed_need = streamed_estimate(job, facts[job.model.label]).bytes
-                note += (f"; streamed one layer at a time it would need ~"
-                         f"{format_bytes(streamed_need)}" if streamed_need else "")
+                note += _streaming_note(job, facts[job.model.label])
             too_big.append((job.id, f"{job.model.label} {job.config_label}", firm,
                             estimate.basis, note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
@@ -284,12 +284,34 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     return Placement(placed, largest, reference_bytes)
 
 
+@functools.cache
+def unstreamable_model(model: ModelSpec) -> str | None:
+    """Why a model's checkpoint cannot be streamed (``checkpoint_reader.unstreamable``: no
+    safetensors files, tensors converted as they load), or None; once per model and
+    driver process."""
+    from quantdask.worker.checkpoint_reader import unstreamable
+
+    if model.hub:
+        return ("a hub model streams from a local directory only: download it "
+                "(huggingface-cli download) and give its path")
+    return unstreamable(model)
+
+
 def streamed_estimate(job: Job, facts: ModelFacts) -> MemoryEstimate:
     """A streamed job's estimate (``phase_memory.streamed_bytes``, ``SAFETY`` on top)."""
     need = int(streamed_bytes(job, facts) * SAFETY) or None
     return MemoryEstimate(need, "streamed: one layer, the hidden states, the head",
                           peak_phase="stream", peak_note="stream: one decoder layer at a time",
                           firm=need)
+
+
+def _streaming_note(job: Job, facts: ModelFacts) -> str:
+    """What streaming would need for a job that fits no worker resident, or why it cannot."""
+    refusal = get_backend(job.backend).stream_refusal() or unstreamable_model(job.model)
+    if refusal:
+        return f"; it cannot stream one layer at a time: {refusal}"
+    need = streamed_estimate(job, facts).bytes
+    return f"; streamed one layer at a time it would need ~{format_bytes(need)}" if need else ""
 
 
 def _firm(estimate: MemoryEstimate, largest: float) -> int:
@@ -315,11 +337,13 @@ def streaming_models(jobs: list[Job], estimates: dict[str, MemoryEstimate],
                      facts: dict[str, ModelFacts], largest: float,
                      finished: Set[str] = frozenset()) -> set[str]:
     """The models to stream: those with a job still to run that fits no worker resident,
-    when every job of the model fits one streamed (the reference and every job of such a
-    model stream, one layer at a time; a model that fits neither way is refused resident)."""
+    when their checkpoint can stream and every job of the model fits one streamed (the
+    reference and every job of such a model stream, one layer at a time; a model that fits
+    neither way is refused resident, with what streaming would need or why it cannot)."""
     tight = {job.model.label for job in jobs if job.id not in finished
              and _firm(estimates[job.id], largest) > largest
              and _weights_and_score(job, facts[job.model.label]) > largest}
-    return {model for model in tight
-            if all(0 < (streamed_estimate(job, facts[model]).bytes or 0) <= largest
+    models = {job.model.label: job.model for job in jobs}
+    return {model for model in tight if unstreamable_model(models[model]) is None
+            and all(0 < (streamed_estimate(job, facts[model]).bytes or 0) <= largest
                    for job in jobs if job.model.label == model and job.id not in finished)}

@@ -16,7 +16,6 @@ its model takes (null: its family sets no hard limit) and the phase that sets th
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
@@ -28,8 +27,13 @@ from quantdask.backends import get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.driver.lengths import check_lengths
 from quantdask.driver.model_facts import model_facts
-from quantdask.driver.placement import done_phases, estimate_device_memory, streamed_estimate
-from quantdask.spec.model import ModelSpec
+from quantdask.driver.placement import (
+    done_phases,
+    estimate_device_memory,
+    streamed_estimate,
+    unstreamable_model,
+)
+from quantdask.driver.search import check_searches_resident
 from quantdask.spec.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
 from quantdask.worker.coverage import Coverage, module_role
@@ -76,25 +80,13 @@ def _duration(job: Job, done: pl.DataFrame) -> tuple[float | None, str]:
     return None, "nothing run yet"
 
 
-@functools.cache
-def _unstreamable(model: ModelSpec) -> str | None:
-    """Why a model's checkpoint cannot be streamed (``checkpoint_reader.unstreamable``); once
-    per model and plan process."""
-    from quantdask.worker.checkpoint_reader import unstreamable
-
-    if model.hub:
-        return ("a hub model streams from a local directory only: download it "
-                "(huggingface-cli download) and give its path")
-    return unstreamable(model)
-
-
 def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str],
          skipped: dict[str, str], done: pl.DataFrame, phases: pl.DataFrame) -> dict:
     """One job's plan row (see ``plan_sweep``), its model's positions left out."""
     backend = get_backend(job.backend)
     reason = backend.check(job.options, model) if backend.check is not None else None
     if reason is None and job.streamed:
-        reason = backend.stream_refusal() or _unstreamable(job.model)
+        reason = backend.stream_refusal() or unstreamable_model(job.model)
     share = backend.predicted_share(job.options, model)
     if reason is None and share == 0 and backend.quantizes:
         reason = _nothing_quantized(job.backend, model)
@@ -127,6 +119,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
     limits = check_lengths(sweep)
     jobs = expand_grid(sweep)
+    check_searches_resident(sweep, jobs)
     history = _history(run_dir)
     phases = done_phases(run_dir) if history.height else pl.DataFrame()
     finished = (RunStore(run_dir).finished_job_ids() if run_dir is not None and history.height

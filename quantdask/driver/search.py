@@ -91,6 +91,21 @@ class SearchWatch:
     tick: Callable[[], None] = lambda: None
 
 
+def check_searches_resident(sweep: Sweep, jobs: list[Job]) -> None:
+    """Refuse a search whose model streams (``stream: always``, or placement found it fits
+    no worker resident): its probes hold the whole model on a worker."""
+    streamed = {job.model.label for job in jobs if job.streamed}
+    for i, search in enumerate(sweep.searches):
+        if search.model in streamed:
+            why = ("the sweep says stream: always" if sweep.stream == "always"
+                   else "it fits no worker resident")
+            raise SpecError(f"searches[{i}].model",
+                            f"{search.model!r} streams one decoder layer at a time ({why}), "
+                            "and a search's probes hold the whole model on a worker: search it "
+                            "on workers whose memory holds it (with stream: auto), or drop the "
+                            "search")
+
+
 def run_searches(sweep: Sweep, store: RunStore, client: Client,
                  placed: list[Job] | None = None, watch: SearchWatch | None = None
                  ) -> list[Job] | None:

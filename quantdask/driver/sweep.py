@@ -32,7 +32,7 @@ from quantdask.driver.lengths import check_lengths
 from quantdask.driver.loop import SweepDriver
 from quantdask.driver.placement import place_jobs
 from quantdask.driver.progress import SweepProgress
-from quantdask.driver.search import SearchWatch, run_searches
+from quantdask.driver.search import SearchWatch, check_searches_resident, run_searches
 from quantdask.driver.widget import progress_view
 from quantdask.spec.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.store.run_store import RunStore
@@ -122,6 +122,7 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     jobs = expand_grid(sweep)
     placement = place_jobs(jobs, client, run_dir, finished=finished_before, stream=sweep.stream)
+    check_searches_resident(sweep, placement.jobs)
     store = RunStore(run_dir).create()
     lock = contextlib.ExitStack()
     lock.enter_context(store.lock())
