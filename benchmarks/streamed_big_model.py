@@ -4,11 +4,13 @@
    two CPU slots whose memory limit (Dask's, which its nanny enforces) is below 1 GB: the
    baseline and two quantized configs, each streamed because placement finds it does not fit
    resident. Every job must be done, streamed, with its peak resident memory below the limit.
+   With ``--gptq``: the baseline and GPTQ 4-bit, fitted block by block from the checkpoint.
 2. ``cost``: the price of streaming on a model that fits: one pass over the same windows,
    resident (built from the checkpoint, then run) against streamed (each layer read, run over
    every window, dropped), in one process, so the ratio is measured under the same load.
 
     .venv/bin/python benchmarks/streamed_big_model.py big --limit 950MB
+    .venv/bin/python benchmarks/streamed_big_model.py big --limit 950MB --gptq
     .venv/bin/python benchmarks/streamed_big_model.py cost
 """
 
@@ -42,22 +44,28 @@ def random_llama(directory: Path, shape: dict) -> Path:
     return directory
 
 
-def big(directory: Path, limit: str) -> None:
+def big(directory: Path, limit: str, gptq: bool = False) -> None:
     import polars as pl
 
     import quantdask as qd
     from quantdask.demo_model import DEMO_EVAL_TEXT
+    from quantdask.spec.settings import CalibrationSettings
     from quantdask.util import format_bytes
 
     model = random_llama(directory / "big", BIG)
+    backends = [qd.BackendBlock("bitsandbytes", configs=[{"bits": 4}, {"bits": 8}])]
+    if gptq:  # GPTQ fitted block by block from the checkpoint (gptqmodel's offloading fit)
+        backends = [qd.BackendBlock("gptq", configs=[{"bits": 4, "group_size": 128}])]
     sweep = qd.Sweep(name="big", models=[qd.ModelSpec(path=str(model), name="big")],
-                     backends=[qd.BackendBlock("bitsandbytes", configs=[{"bits": 4},
-                                                                         {"bits": 8}])],
+                     backends=backends,
                      eval=qd.EvalSettings(text=DEMO_EVAL_TEXT, seq_len=128, samples=8,
-                                          batch_size=4), retries=0)
+                                          batch_size=4), retries=0,
+                     calibration=CalibrationSettings(text=DEMO_EVAL_TEXT, samples=16,
+                                                     seq_len=128) if gptq else None)
     began = time.perf_counter()
     with qd.start_cluster(workers=2, memory_limit=limit) as cluster:
-        results = qd.run_sweep(sweep, directory / "run", cluster.client)
+        results = qd.run_sweep(sweep, directory / ("run-gptq" if gptq else "run"),
+                               cluster.client)
     wall = time.perf_counter() - began
     shown = results.select("config_label", "status", "streamed", "perplexity", "kl_divergence",
                            "size_bytes", "peak_host_rss_bytes", "stream_bytes_read",
@@ -116,10 +124,12 @@ def main() -> None:
     parser.add_argument("what", choices=("big", "cost"))
     parser.add_argument("--dir", default="/tmp/quantdask-streaming", type=Path)
     parser.add_argument("--limit", default="950MB", help="each CPU slot's memory limit")
+    parser.add_argument("--gptq", action="store_true",
+                        help="big: GPTQ 4-bit (fitted from the checkpoint) instead of nf4, int8")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.what == "big":
-        big(args.dir, args.limit)
+        big(args.dir, args.limit, args.gptq)
     else:
         cost(args.dir)
 

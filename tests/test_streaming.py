@@ -299,9 +299,61 @@ def test_a_streamed_job_skips_what_needs_the_model_resident_and_says_why(tmp_pat
     assert "need the model resident" in record["tasks_error"]
     assert "generation speed" in record["stream_skipped"] and record.get("speed_s") is None
     assert not outcome.rows.get("tasks") and not outcome.rows.get("speed")
+    # AutoRound and AWQ cannot quantize a streamed model; GPTQ can, on the families its
+    # block-by-block fit was checked on (test_a_streamed_gptq_job_...).
     calibrated = streaming_sweep("always")
-    calibrated["backends"] = [{"backend": "gptq", "configs": [{"bits": 4}]}]
+    calibrated["backends"] = [{"backend": "autoround", "configs": [{"bits": 4}]},
+                              {"backend": "awq", "configs": [{"group_size": 32}]},
+                              {"backend": "gptq", "configs": [{"bits": 4, "group_size": 32}]}]
     calibrated["calibration"] = {"text": DEMO_EVAL_TEXT, "samples": 4, "seq_len": 32}
     plan = plan_sweep(sweep_from_dict(calibrated))
+    reasons = dict(zip(plan["backend"], plan["reason"], strict=True))
+    assert "cannot quantize a streamed model, one layer at a time: it calibrates" in \
+        reasons["autoround"]
+    assert "checkpoint-backed AWQ fit saves another model" in reasons["awq"]
+    assert reasons["gptq"] is None
+    calibrated["models"] = [{"name": "neox",
+                             "path": str(build_tiny("gpt_neox", tmp_path / "neox"))}]
+    calibrated["backends"] = calibrated["backends"][2:]
+    plan = plan_sweep(sweep_from_dict(calibrated))
     [reason] = plan.filter(plan["backend"] == "gptq")["reason"].to_list()
-    assert "cannot quantize a streamed model, one layer at a time: it calibrates" in reason
+    assert "fit from the checkpoint is checked on the families llama, gemma, qwen2, not " \
+           "'gpt_neox'" in reason
+
+
+@pytest.mark.parametrize("family", ["demo", "gemma"])
+def test_a_streamed_gptq_job_fits_block_by_block_and_records_what_the_resident_one_does(
+        family, tmp_path):
+    """GPTQ fitted from the checkpoint one decoder layer at a time (gptqmodel's own
+    checkpoint-backed fit) saves the model the resident fit saves, and its layers read one at
+    a time measure what transformers' plain load of it measures: every figure of the job's
+    row and its per-layer weight errors equal."""
+    pytest.importorskip("gptqmodel")
+    from dataclasses import replace
+
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.worker.job import run_job
+    from quantdask.worker.reference import combine_reference, compute_reference_shard
+
+    data = streaming_sweep("never", calibration={"text": DEMO_EVAL_TEXT, "samples": 8,
+                                                 "seq_len": 32})
+    if family != "demo":
+        data["models"] = [{"name": family, "path": str(build_tiny(family, tmp_path / family))}]
+    data["backends"] = [{"backend": "gptq", "configs": [{"bits": 4, "group_size": 32}]}]
+    [baseline, job] = expand_grid(sweep_from_dict(data))
+    assert job.backend == "gptq" and baseline.is_baseline
+    reference = combine_reference(job.model, job.eval, compute_reference_shard(
+        job.model, job.eval, job.eval.read_text(), (0, job.eval.samples)),
+        calibration=job.calibration, calibration_text=job.calibration.read_text())
+    outcomes = {streamed: run_job(replace(job, streamed=streamed), get_backend("gptq"), 1,
+                                  reference) for streamed in (False, True)}
+    resident_record, streamed_record = (outcomes[s].record for s in (False, True))
+    assert streamed_record["status"] == "done", streamed_record.get("error_message")
+    assert streamed_record["streamed"] and streamed_record["calibrate_s"] > 0
+    for column in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
+                   "quantized_params", "bits_per_quantized_weight", "full_precision"):
+        assert streamed_record[column] == resident_record[column], column
+    weights = {s: sorted((row["layer"], row["weight_rel_error"]) for row in
+                         outcomes[s].rows["layers"]) for s in (False, True)}
+    assert weights[True] == weights[False] and len(weights[True]) > 0

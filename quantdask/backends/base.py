@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 from quantdask.backends.options import BackendOptions, Option, options_class
 from quantdask.errors import SpecError, UnsupportedHere
@@ -78,6 +78,17 @@ class ModelFacts:
     head_dim: int = 0
     model_type: str = ""  # config.json's (the family: "llama"); empty: unknown
     hidden_size: int = 0  # the width of the hidden states between decoder layers (0: unknown)
+
+
+@dataclass(frozen=True)
+class SavedQuantized:
+    """A quantized model a backend saved (``Backend.quantize_streamed``): its folder, the
+    transformers quantization config to load it with (None: the one saved in it), and what
+    to do to each loaded module after loading (``prepare(module)``; None: nothing)."""
+
+    directory: str
+    loading: Any = None
+    prepare: Callable[[torch.nn.Module], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +249,23 @@ class Backend(Generic[OptionsT]):
     module's state the cell's stored bytes. Backends without it cannot be searched (the
     search is refused before it runs, with ``unsearchable``)."""
 
+    quantize_streamed: Callable[..., Any] | None = None
+    """``quantize_streamed(source, options, device, calibration, directory) ->
+    SavedQuantized``: a calibrated backend's fit made block by block from the checkpoint
+    (never the whole model in memory), its quantized model saved in a folder under
+    ``directory``, and how to load it. Called on the worker by a
+    streamed job (``worker.streamed_job``), which then reads the saved layers one at a time
+    (``worker.saved_layers``). Without it (and ``quantize_module``) the backend cannot
+    quantize a streamed model (``stream_refusal``)."""
+
+    stream_families: tuple[str, ...] = ()
+    """With ``quantize_streamed``: the families (``model_type``) its streamed fit is checked
+    on; others are refused for streaming, with the reason (empty: every family)."""
+
+    not_streamable: str = ""
+    """Without ``quantize_module`` or ``quantize_streamed``: why it cannot quantize a streamed
+    model (``stream_refusal``; a general reason when empty)."""
+
     module_keys: tuple[str, ...] = ()
     """With ``quantize_module``: the options a module's own format sets in the ``modules``
     option (``backends.per_module``), which a search's candidates give each module."""
@@ -272,15 +300,23 @@ class Backend(Generic[OptionsT]):
                      if self.selects(name, cls, options))
         return picked / facts.param_count
 
-    def stream_refusal(self) -> str | None:
-        """Why this backend cannot quantize a streamed model's layers one at a time
-        (``worker.streaming``), or None: it quantizes each module alone (``quantize_module``),
-        or nothing at all."""
+    def stream_refusal(self, model_type: str = "") -> str | None:
+        """Why this backend cannot quantize a streamed ``model_type`` model's layers one at a
+        time (``worker.streaming``), or None: it quantizes each module alone
+        (``quantize_module``), fits block by block from the checkpoint (``quantize_streamed``,
+        on ``stream_families`` when it names them; an unknown family passes here, and the
+        worker checks), or quantizes nothing at all."""
         if not self.quantizes or self.quantize_module is not None:
             return None
-        why = ("it calibrates each layer on the activations of the layers quantized before "
-               "it, which the stream does not carry block by block yet" if self.calibrated
-               else "it quantizes whole models only")
+        if self.quantize_streamed is not None:
+            if model_type and self.stream_families and model_type not in self.stream_families:
+                return (f"{self.name}'s block-by-block fit from the checkpoint is checked on "
+                        f"the families {', '.join(self.stream_families)}, not {model_type!r}")
+            return None
+        why = self.not_streamable or (
+            "it calibrates each layer on the activations of the layers quantized before it, "
+            "which the stream does not carry block by block yet" if self.calibrated
+            else "it quantizes whole models only")
         return f"{self.name} cannot quantize a streamed model, one layer at a time: {why}"
 
     def normalize(self, options: dict, where: str) -> OptionsT:

@@ -18,22 +18,25 @@ without it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from quantdask.backends.base import (
     Backend,
     ModelFacts,
+    SavedQuantized,
     missing_library,
     named_in,
     require_library,
 )
-from quantdask.backends.gptq_process import logs_in, process_state_kept
+from quantdask.backends.gptq_process import heap_trimmed, logs_in, process_state_kept
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere
@@ -49,6 +52,13 @@ AWQ_GROUPS = (-1, 16, 32, 64, 128)  # its torch kernel's
 # forward does, Falcon's reload leaves its layers random, AWQ on GPT-NeoX reloads to NaN.
 GPTQ_FAMILIES = ("llama", "gemma", "qwen2", "gpt_neox", "mixtral")
 AWQ_FAMILIES = ("llama",)  # gemma's and qwen2's tiny models here have no AWQ-sized layers
+
+# The families GPTQ's checkpoint-backed fit (a streamed job's) was checked on: the same saved
+# model, to the bit, as the resident fit. On GPT-NeoX gptqmodel's offloading loses the head.
+GPTQ_STREAMED_FAMILIES = ("llama", "gemma", "qwen2")
+AWQ_NOT_STREAMED = ("gptqmodel's checkpoint-backed AWQ fit saves another model than its resident "
+                    "fit (its scaled norms and weights differ), and a job's figures must not "
+                    "depend on where it runs")
 
 # AWQ searches a clipping range for every layer but these (by name), in batches of 64 outputs.
 AWQ_UNCLIPPED = ("q_", "k_", "query", "key", "Wqkv")
@@ -205,6 +215,37 @@ def _fittable_model(method: str, source, options, device: str):
     return model
 
 
+@contextlib.contextmanager
+def _gptqmodel(method: str, options, device: str) -> Iterator[tuple[Any, dict]]:
+    """gptqmodel imported, with what it changes in the process kept (``gptq_process``):
+    its ``QuantizeConfig`` for ``options`` on ``device``, and the extra ``quantize``
+    arguments (AWQ's torch kernel on the CPU)."""
+    with process_state_kept():
+        logging.getLogger("tokenicer").setLevel(logging.WARNING)  # its INFO notes, to stderr
+        require_library(*GPTQMODEL)
+        from gptqmodel import BACKEND, QuantizeConfig
+        from gptqmodel.models._const import normalize_device
+
+        logging.getLogger("logbar").setLevel(logging.ERROR)  # its logger (to stdout)
+        config = _quantize_config(QuantizeConfig, method, options)
+        config.device = normalize_device(device)
+        config.calculate_bits_per_weight()
+        yield config, ({"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu"
+                       else {})
+
+
+def _fit_and_save(wrapped, calibration, extra: dict, scratch: str, export: str) -> None:
+    """Fit gptqmodel's ``wrapped`` model on ``calibration``'s windows, save it to ``export``."""
+    windows = calibration.windows
+    wrapped.model.seqlen = windows.size(1)
+    # (alone among the worker's jobs: global_generators holds the others' tuning)
+    with global_generators(draws=True), calibration.measure(), \
+            logs_in(os.path.join(scratch, "logs")):
+        # Every window counts (it drops those of 10 tokens or fewer by default).
+        wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
+    wrapped.save(export)  # as quantized: the checkpoint's own layout
+
+
 def _quantize(method: str, source, options, device: str, calibration):
     """Fit on ``calibration``'s windows, save in the standard format, load that with plain
     ``from_pretrained``."""
@@ -212,35 +253,19 @@ def _quantize(method: str, source, options, device: str, calibration):
 
     model = _fittable_model(method, source, options, device)
     classes = {name: type(m) for name, m in model.named_modules() if _is_linear(type(m))}
-    with process_state_kept():
-        logging.getLogger("tokenicer").setLevel(logging.WARNING)  # its INFO notes, to stderr
-        require_library(*GPTQMODEL)
+    with _gptqmodel(method, options, device) as (config, extra):
         import defuser
-        from gptqmodel import BACKEND, QuantizeConfig
-        from gptqmodel.models._const import normalize_device
         from gptqmodel.models.auto import MODEL_MAP
         from gptqmodel.models.base import BaseQModel
 
-        logging.getLogger("logbar").setLevel(logging.ERROR)  # its logger (to stdout)
         defuser.convert_model(model, cleanup_original=False)  # Mixtral's experts, one per layer
-        config = _quantize_config(QuantizeConfig, method, options)
-        config.device = normalize_device(device)
-        config.calculate_bits_per_weight()
-        windows = calibration.windows
-        model.seqlen = windows.size(1)
         wrapped = MODEL_MAP.get(model.config.model_type, BaseQModel)(
             model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
             model_local_path=source.spec.location)
-        extra = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
         scratch = tempfile.mkdtemp(prefix=f"quantdask-{method}-")
+        export = os.path.join(scratch, "model")
         try:
-            # (alone among the worker's jobs: global_generators holds the others' tuning)
-            with global_generators(draws=True), calibration.measure(), \
-                    logs_in(os.path.join(scratch, "logs")):
-                # Every window counts (it drops those of 10 tokens or fewer by default).
-                wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
-            export = os.path.join(scratch, "model")
-            wrapped.save(export)  # as quantized: the checkpoint's own layout
+            _fit_and_save(wrapped, calibration, extra, scratch, export)
             del wrapped, model
             loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
                 export, device_map=device, output_loading_info=True,
@@ -251,14 +276,49 @@ def _quantize(method: str, source, options, device: str, calibration):
             raise
     _ships_its_export(shipped, scratch, export)
     _refuse_missing(method, loading)
+    _eager(shipped)
     for name, module in shipped.named_modules():
-        # Its torch kernel compiles its dequantization at the first call, once per layer
-        # shape: seconds of a C++ compiler per job, past torch's recompile limit (warned on
-        # stderr); the eager function is what runs here.
-        module.__dict__.pop("dequantize_weight", None)
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped.eval()
+
+
+def _eager(model) -> None:
+    """Its torch kernel compiles its dequantization at the first call, once per layer shape:
+    seconds of a C++ compiler per job, past torch's recompile limit (warned on stderr); the
+    eager function is what runs here."""
+    for module in model.modules():
+        module.__dict__.pop("dequantize_weight", None)
+
+
+def quantize_gptq_streamed(source, options: GptqOptions, device: str, calibration,
+                           directory: str) -> SavedQuantized:
+    """GPTQ fitted block by block from the checkpoint, as gptqmodel fits a model larger than
+    memory (its ``offload_to_disk``: the model built empty, each decoder layer read from the
+    checkpoint for its turn, quantized, written to disk and dropped), then saved under
+    ``directory``: the same checkpoint, to the bit, as the resident fit saves
+    (``tests/test_streaming.py``)."""
+    import torch
+
+    shapes = {name: (m.in_features, m.out_features)
+              for name, m in source.empty_model().named_modules()
+              if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
+    reason = unsupported("gptq", options, source.config.model_type, shapes)
+    if reason:
+        raise UnsupportedHere(reason)
+    with _gptqmodel("gptq", options, device) as (config, extra):
+        from gptqmodel import GPTQModel
+
+        config.offload_to_disk = True
+        config.offload_to_disk_path = os.path.join(directory, "offload")
+        wrapped = GPTQModel.load(source.spec.location, config, dtype=source.dtype,
+                                 trust_remote_code=source.spec.trust_remote_code)
+        export = os.path.join(directory, "model")
+        with heap_trimmed():
+            _fit_and_save(wrapped, calibration, extra, directory, export)
+    shutil.rmtree(config.offload_to_disk_path, ignore_errors=True)
+    return SavedQuantized(export, _cpu_kernel("gptq", options) if device == "cpu" else None,
+                          prepare=_eager)
 
 
 def _refuse_missing(method: str, loading: dict) -> None:
@@ -314,6 +374,8 @@ gptq_backend = Backend(
     name="gptq",
     unsearchable=CALIBRATED_ALONE,
     quantize=quantize_gptq,
+    quantize_streamed=quantize_gptq_streamed,
+    stream_families=GPTQ_STREAMED_FAMILIES,
     options=GptqOptions,
     complete=complete_gptq,
     label=gptq_label,
@@ -329,6 +391,7 @@ awq_backend = Backend(
     name="awq",
     unsearchable=CALIBRATED_ALONE,
     quantize=quantize_awq,
+    not_streamable=AWQ_NOT_STREAMED,
     options=AwqOptions,
     label=awq_label,
     complete=_head_only,

@@ -100,15 +100,32 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job,
 def streamed_bytes(job: Job, facts: ModelFacts) -> int:
     """A streamed job's device memory (``worker.streaming``): the weights outside the decoder
     layers (the embedding and an untied head, at most), one layer as loaded and its quantized
-    copy, the float32 hidden states of every eval window, and the score's logits; 0 when the
-    checkpoint or the model's shape is unknown."""
+    copy, the float32 hidden states of every eval window, and the score's logits, or a
+    calibrated fit's block by block (``streamed_fit_bytes``) if more; 0 when the checkpoint
+    or the model's shape is unknown."""
     if not facts.weight_bytes or not facts.layers or not facts.hidden_size:
         return 0
     loaded = facts.weight_bytes * facts.loaded_bits / facts.checkpoint_bits
     outside = min(loaded, 2 * facts.vocab_size * facts.hidden_size * facts.loaded_bits / 8)
     layer = (loaded - outside) / facts.layers
     hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
-    return int(outside + 2 * layer + hidden + eval_bytes(job.eval, facts))
+    passing = outside + 2 * layer + hidden + eval_bytes(job.eval, facts)
+    return int(max(passing, streamed_fit_bytes(job, facts, outside, layer)))
+
+
+def streamed_fit_bytes(job: Job, facts: ModelFacts, outside: float, layer: float) -> float:
+    """A calibrated backend's fit block by block from the checkpoint (``quantize_streamed``):
+    one layer, the float32 inputs and outputs of every calibration window at that layer, the
+    float32 Hessians of its linear layers (in x in each: about twice the layer's float32
+    weights, a bound from Llama's shapes), and the quantized model it assembles to save (at
+    its bits, half a bit more for the scales and zero points, and the weights outside the
+    layers); 0 for any other job. (RESULTS.md section 15: measured on a 2.09 GB model.)"""
+    if job.calibration is None or get_backend(job.backend).quantize_streamed is None:
+        return 0.0
+    states = 2 * job.calibration.samples * job.calibration.seq_len * facts.hidden_size * 4
+    bits = getattr(job.options, "bits", None) or facts.loaded_bits
+    saved = layer * facts.layers * (bits + 0.5) / facts.loaded_bits + outside
+    return saved + layer + states + 2 * layer * 32 / facts.loaded_bits
 
 
 def peak_note(phase: str, job: Job, facts: ModelFacts) -> str:

@@ -256,7 +256,8 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
         # A backend that cannot quantize one layer at a time stays resident (and is refused
         # below when it does not fit).
         jobs = [replace(job, streamed=True) if job.model.label in streaming
-                and get_backend(job.backend).stream_refusal() is None else job for job in jobs]
+                and get_backend(job.backend).stream_refusal(facts[job.model.label].model_type)
+                is None else job for job in jobs]
     placed, too_big, reference_bytes = [], [], {}
     for job in jobs:
         estimate = estimates[job.id]
@@ -307,7 +308,8 @@ def streamed_estimate(job: Job, facts: ModelFacts) -> MemoryEstimate:
 
 def _streaming_note(job: Job, facts: ModelFacts) -> str:
     """What streaming would need for a job that fits no worker resident, or why it cannot."""
-    refusal = get_backend(job.backend).stream_refusal() or unstreamable_model(job.model)
+    refusal = (get_backend(job.backend).stream_refusal(facts.model_type)
+               or unstreamable_model(job.model))
     if refusal:
         return f"; it cannot stream one layer at a time: {refusal}"
     need = streamed_estimate(job, facts).bytes

@@ -86,7 +86,7 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
     backend = get_backend(job.backend)
     reason = backend.check(job.options, model) if backend.check is not None else None
     if reason is None and job.streamed:
-        reason = backend.stream_refusal() or unstreamable_model(job.model)
+        reason = backend.stream_refusal(model.model_type) or unstreamable_model(job.model)
     share = backend.predicted_share(job.options, model)
     if reason is None and share == 0 and backend.quantizes:
         reason = _nothing_quantized(job.backend, model)

@@ -9,6 +9,7 @@ model between jobs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import threading
@@ -85,6 +86,15 @@ class ModelSource:
             quantization_config=quantization_config, device_map=device)
         model.eval()
         return model
+
+    def empty_model(self) -> Any:  # a transformers PreTrainedModel
+        """The model on the meta device (nothing allocated but its buffers): its modules and
+        shapes, no weights."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            # A copy: _from_config writes the dtype into the config the worker caches.
+            return self.model_class._from_config(copy.deepcopy(self.config), dtype=self.dtype)
 
     def _from_checkpoint(self, device: str, quantization_config: Any = None) -> torch.nn.Module:
         model = self.model_class.from_pretrained(

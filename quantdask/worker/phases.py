@@ -117,16 +117,21 @@ def quantize(run: JobRun) -> Quantized:
 
 def _calibrated_model(run: JobRun) -> torch.nn.Module:
     """The quantized model of a backend that calibrates on the reference's windows."""
-    backend = run.backend
+    return run.backend.quantize(run.source, run.job.options, run.device,
+                                calibration=calibration_of(run))
+
+
+def calibration_of(run: JobRun) -> Calibration:
+    """The calibration windows the job's reference carries, for a calibrated backend (kept
+    in ``run.calibration`` for the quantize figures)."""
     if run.reference.calibration is None:
         error = run.reference.calibration_error
         raise ValueError(
-            f"{backend.name} calibrates on data and this job's reference carries none: "
+            f"{run.backend.name} calibrates on data and this job's reference carries none: "
             + (f"the calibration windows could not be cut ({error})" if error
                else "give the sweep a calibration block"))
     run.calibration = Calibration(run.reference.calibration, run.cuda)
-    return backend.quantize(run.source, run.job.options, run.device,
-                            calibration=run.calibration)
+    return run.calibration
 
 
 def check_coverage(run: JobRun) -> Covered:

@@ -14,17 +14,28 @@ from __future__ import annotations
 
 import functools
 import logging
+import tempfile
 from typing import TYPE_CHECKING
 
+from quantdask.errors import UnsupportedHere
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.layers import weight_errors
 from quantdask.worker.metrics import QualityMeter
 from quantdask.worker.model_source import cached_model_source
-from quantdask.worker.phases import PHASES, JobRun, check_coverage, layer_weights, score
+from quantdask.worker.phases import (
+    PHASES,
+    JobRun,
+    calibration_of,
+    check_coverage,
+    layer_weights,
+    score,
+)
 from quantdask.worker.records import Loaded, Quantized, Streamed, TaskScores
 
 if TYPE_CHECKING:
     import torch
+
+    from quantdask.worker.streaming import LayerHook
 
 log = logging.getLogger("quantdask.job")
 
@@ -43,7 +54,7 @@ def load_streamed(run: JobRun) -> Loaded:
 def stream(run: JobRun) -> Streamed:
     """The one pass over the layers (see the module): coverage, weight errors and, but for
     the baseline (whose figures are the reference's), the quality meter."""
-    from quantdask.worker.streaming import StreamedModel, layer_quantizer
+    from quantdask.worker.streaming import StreamedModel
 
     backend, job = run.backend, run.job
     parts: list[Coverage] = []
@@ -57,9 +68,8 @@ def stream(run: JobRun) -> Streamed:
                             "layer": f"{prefix}.{row['layer']}"} for row in rows]
             run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
 
-    quantize = layer_quantizer(backend, job.options) if backend.quantizes else None
-    with run.watch("quantize"):  # the rest of the model, read: the head, the embeddings
-        model = StreamedModel(run.source, run.device, quantize, seen)
+    with run.watch("quantize"):  # a calibrated fit, then the rest of the model read
+        model = StreamedModel(run.source, run.device, _layer_hook(run), seen)
         with model.outside_layers() as outside:
             parts.append(coverage(outside, None, backend.stored_bytes))
     if job.is_baseline:
@@ -78,11 +88,34 @@ def stream(run: JobRun) -> Streamed:
     seconds["quantize"] += reading
     if "eval" in seconds:
         seconds["eval"] -= reading
-    return Streamed(Quantized(seconds["quantize"]), streamed=True,
+    calibration = run.calibration.figures() if run.calibration is not None else None
+    return Streamed(Quantized(seconds["quantize"], calibration), streamed=True,
                     stream_bytes_read=model.reader.bytes_read,
                     stream_layer_s=sum(t.load_s + t.run_s for t in model.timings)
                     / len(model.skeletons),
                     stream_skipped=RESIDENT_ONLY)
+
+
+def _layer_hook(run: JobRun) -> LayerHook | None:
+    """What each streamed layer becomes: the backend's own quantization of it, module by
+    module; for a calibrated backend that fits block by block from the checkpoint
+    (``Backend.quantize_streamed``), its fit first, then each layer as saved."""
+    from quantdask.worker.saved_layers import SavedLayers
+    from quantdask.worker.streaming import layer_quantizer
+
+    backend, job = run.backend, run.job
+    if not backend.quantizes:
+        return None
+    refusal = backend.stream_refusal(getattr(run.source.config, "model_type", ""))
+    if refusal:
+        raise UnsupportedHere(refusal)
+    if backend.quantize_module is None and backend.quantize_streamed is not None:
+        folder = run.holding.enter_context(
+            tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-"))
+        saved = backend.quantize_streamed(run.source, job.options, run.device,
+                                          calibration_of(run), folder)
+        return SavedLayers(saved, run.device).layer
+    return layer_quantizer(backend, job.options)
 
 
 def _joined(a: Coverage, b: Coverage) -> Coverage:

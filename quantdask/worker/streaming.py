@@ -84,13 +84,9 @@ class StreamedModel:
                  quantize_layer: LayerHook | None = None,
                  on_layer: LayerSeen | None = None):
         import torch
-        from accelerate import init_empty_weights
 
         self.device, self.quantize_layer, self.on_layer = device, quantize_layer, on_layer
-        with init_empty_weights(include_buffers=False):
-            # A copy: _from_config writes the dtype into the config the worker caches.
-            model = source.model_class._from_config(copy.deepcopy(source.config),
-                                                    dtype=source.dtype)
+        model = source.empty_model()
         self.model = model.eval()
         self.prefix, self.layers = decoder_layers(model)
         self.skeletons = list(self.layers)  # the empty layers, copied for each turn
@@ -105,20 +101,20 @@ class StreamedModel:
                 value = torch.nn.Parameter(self.reader.read(found).to(
                     device=device, dtype=parameter.dtype), requires_grad=False)
                 for name in outside:
-                    _assign(model, name, value, parameter=True)
+                    assign(model, name, value, parameter=True)
         for target, origin in tied.items():  # a head the checkpoint leaves to its embedding
             if target not in self.reader:
-                _assign(model, target, model.get_parameter(origin), parameter=True)
+                assign(model, target, model.get_parameter(origin), parameter=True)
         for name, buffer in model.named_buffers():
             if not name.startswith(f"{self.prefix}."):
-                _assign(model, name, buffer.to(device), parameter=False)
+                assign(model, name, buffer.to(device), parameter=False)
         self.timings: list[LayerTiming] = []
         self.no_grad = torch.inference_mode
 
     def _set(self, root: torch.nn.Module, name: str, like: torch.nn.Parameter,
              full_name: str) -> None:
         value = self.reader.read(full_name).to(device=self.device, dtype=like.dtype)
-        _assign(root, name, value, parameter=True)
+        assign(root, name, value, parameter=True)
 
     def layer(self, index: int) -> torch.nn.Module:
         """Decoder layer ``index`` read from the checkpoint onto the device, then made what
@@ -128,7 +124,7 @@ class StreamedModel:
         for name, parameter in list(layer.named_parameters()):
             self._set(layer, name, parameter, f"{prefix}.{name}")
         for name, buffer in list(layer.named_buffers()):
-            _assign(layer, name, buffer.to(self.device), parameter=False)
+            assign(layer, name, buffer.to(self.device), parameter=False)
         originals = {name: tensor.detach() for name, tensor in layer.state_dict().items()}
         if self.quantize_layer is not None:
             layer = self.quantize_layer(layer, prefix)
@@ -142,7 +138,7 @@ class StreamedModel:
         self.timings = []
         for index in range(len(self.skeletons)):
             began, read = time.perf_counter(), self.reader.bytes_read
-            _let_go(self.layer(index))
+            let_go(self.layer(index))
             self.timings.append(LayerTiming(index, self.reader.bytes_read - read,
                                             time.perf_counter() - began, 0.0))
 
@@ -202,7 +198,7 @@ class StreamedModel:
             batches.current, batches.recording = None, False
             for index, skeleton in enumerate(self.skeletons):
                 self.layers[index] = skeleton
-            _let_go(first)
+            let_go(first)
         self.timings.append(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
         return batches
@@ -217,7 +213,7 @@ class StreamedModel:
                     output = layer(batches.hidden[start], *args, **kwargs)
                     batches.hidden[start] = output[0] if isinstance(output, tuple) else output
         finally:  # an error (out of memory, say) must not keep the layer for the retry
-            _let_go(layer)
+            let_go(layer)
         self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
 
@@ -309,7 +305,7 @@ def _StandIn(skeleton, batches: _Batches, index: int, final: bool = False):  # n
     return _standin_class()(skeleton, batches, index, final)
 
 
-def _let_go(layer: torch.nn.Module) -> None:
+def let_go(layer: torch.nn.Module) -> None:
     """Free a dropped layer's memory now. Quantized layers hold reference cycles
     (bitsandbytes' parameters point back at their module) that only the cycle collector
     would free, late, and a full collection in a worker takes a third of a second: each module
@@ -343,7 +339,7 @@ def _shared(model: torch.nn.Module) -> dict[tuple[str, ...], torch.nn.Parameter]
     return {tuple(group): parameters[key] for key, group in names.items()}
 
 
-def _assign(root: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
+def assign(root: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
     """Put ``value`` in ``root`` under ``name`` (a parameter, or a buffer)."""
     import torch
 
