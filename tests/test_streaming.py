@@ -162,8 +162,9 @@ def test_a_streamed_sweep_records_what_the_resident_one_does(cluster, tmp_path):
     assert streamed_run["stream_skipped"].str.contains("need the model resident").all()
     weights = {stream: read_frame(tmp_path / stream, "layers").sort("job_id", "layer")
                for stream in runs}
-    assert weights["always"]["weight_rel_error"].to_list() == \
-        weights["never"]["weight_rel_error"].to_list()
+    for column in ("layer", "weight_rel_error", "output_rel_error"):
+        assert weights["always"][column].to_list() == weights["never"][column].to_list(), column
+    assert weights["always"]["output_rel_error"].is_not_null().all()
 
 
 class SmallDevices:
@@ -354,6 +355,30 @@ def test_a_streamed_gptq_job_fits_block_by_block_and_records_what_the_resident_o
     for column in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
                    "quantized_params", "bits_per_quantized_weight", "full_precision"):
         assert streamed_record[column] == resident_record[column], column
-    weights = {s: sorted((row["layer"], row["weight_rel_error"]) for row in
-                         outcomes[s].rows["layers"]) for s in (False, True)}
+    weights = {s: sorted((row["layer"], row["weight_rel_error"], row["output_rel_error"])
+                         for row in outcomes[s].rows["layers"]) for s in (False, True)}
     assert weights[True] == weights[False] and len(weights[True]) > 0
+
+
+def test_a_streamed_gptq_estimate_counts_its_fit_and_its_calibration_states():
+    """GPTQ's fit from the checkpoint holds the quantized model it saves and every calibration
+    window's inputs and outputs at one layer: its streamed estimate is above a module-wise
+    backend's, and grows by those float32 states when the windows double."""
+    from dataclasses import replace
+
+    from quantdask.driver.model_facts import model_facts
+    from quantdask.driver.phase_memory import streamed_bytes
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+
+    data = streaming_sweep("always", calibration={"text": DEMO_EVAL_TEXT, "samples": 64,
+                                                  "seq_len": 128})
+    data["backends"] = [{"backend": "gptq", "configs": [{"bits": 4, "group_size": 32}]},
+                        {"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
+    jobs = {job.backend: job for job in expand_grid(sweep_from_dict(data))}
+    facts = model_facts(jobs["gptq"], layers=False)
+    gptq = streamed_bytes(jobs["gptq"], facts)
+    assert gptq > streamed_bytes(jobs["hqq"], facts) > 0
+    doubled = replace(jobs["gptq"], calibration=replace(jobs["gptq"].calibration, samples=128))
+    states = 2 * 64 * 128 * facts.hidden_size * 4  # 64 more windows in, and out, float32
+    assert streamed_bytes(doubled, facts) - gptq == pytest.approx(states, abs=1)

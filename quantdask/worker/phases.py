@@ -179,7 +179,7 @@ def score(run: JobRun) -> Scored:
             raise ValueError("this job's reference carries no baseline scores")
         return Scored(0.0, reference.baseline, reference.kl_kind, reference.kl_tail_mass,
                       windows=list(reference.baseline_windows), layers=_positioned(run.layers))
-    if run.meter is not None:  # streamed: measured in its one pass (no output errors)
+    if run.meter is not None:  # streamed: measured in its one pass, output errors too
         return Scored(run.watch.seconds["eval"], run.meter.scores(), reference.kl_kind,
                       reference.kl_tail_mass, windows=run.meter.window_rows(),
                       layers=_positioned(run.layers))

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 from quantdask.errors import UnsupportedHere
 from quantdask.worker.coverage import Coverage, coverage
-from quantdask.worker.layers import weight_errors
+from quantdask.worker.layers import OutputErrors, weight_errors
 from quantdask.worker.metrics import QualityMeter
 from quantdask.worker.model_source import cached_model_source
 from quantdask.worker.phases import (
     PHASES,
+    PROBE_WINDOWS,
     JobRun,
     calibration_of,
     check_coverage,
@@ -58,15 +59,20 @@ def stream(run: JobRun) -> Streamed:
 
     backend, job = run.backend, run.job
     parts: list[Coverage] = []
+    measured: list[tuple[str, OutputErrors]] = []
 
-    def seen(prefix: str, layer: torch.nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    def seen(prefix: str, layer: torch.nn.Module, originals: dict[str, torch.Tensor]
+             ) -> OutputErrors | None:
         parts.append(coverage(layer, originals, backend.stored_bytes))
-        if job.layer_stats and backend.dequantize_layer is not None and backend.quantizes:
-            rows, unmeasured = weight_errors(layer, backend.dequantize_layer, originals)
-            # As a resident job's rows, but for the output error, not measured when streamed.
-            run.layers += [{**{k: v for k, v in row.items() if k != "transposed"},
-                            "layer": f"{prefix}.{row['layer']}"} for row in rows]
-            run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
+        if not (job.layer_stats and backend.dequantize_layer is not None and backend.quantizes):
+            return None
+        rows, unmeasured = weight_errors(layer, backend.dequantize_layer, originals)
+        run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
+        # Each measured linear's output error on the first PROBE_WINDOWS windows, taken by
+        # hooks while the layer runs over them, as a resident job's (phases.score).
+        outputs = OutputErrors(layer, rows, originals, PROBE_WINDOWS)
+        measured.append((prefix, outputs))
+        return outputs
 
     with run.watch("quantize"):  # a calibrated fit, then the rest of the model read
         model = StreamedModel(run.source, run.device, _layer_hook(run), seen)
@@ -80,6 +86,10 @@ def stream(run: JobRun) -> Streamed:
             for piece in model.log_probs(run.reference.windows, job.eval.batch_size):
                 meter.add(piece.rows, piece.positions, piece.log_probs)
         run.meter = meter
+    for prefix, outputs in measured:
+        for name, reason in outputs.failed.items():
+            log.warning("per-layer output error skips %s.%s: %s", prefix, name, reason)
+        run.layers += [{**row, "layer": f"{prefix}.{row['layer']}"} for row in outputs.rows()]
     run.covered = functools.reduce(_joined, parts)
     # The layers are read and quantized as the pass reaches them: that part of the pass is
     # the quantize time, the rest the eval's.

@@ -29,7 +29,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quantdask.errors import UnsupportedHere
 from quantdask.worker.checkpoint_reader import CheckpointReader
@@ -45,8 +45,20 @@ if TYPE_CHECKING:
 
 LayerHook = Callable[["torch.nn.Module", str], "torch.nn.Module"]
 """``quantize_layer(layer, its module name) -> layer``: a decoder layer as a job runs it."""
-LayerSeen = Callable[[str, "torch.nn.Module", dict[str, "torch.Tensor"]], None]
-"""``on_layer(its module name, layer as run, its full-precision state)``: each layer's turn."""
+LayerSeen = Callable[[str, "torch.nn.Module", dict[str, "torch.Tensor"]], "LayerWatch | None"]
+"""``on_layer(its module name, layer as run, its full-precision state)``: each layer's turn;
+what it returns watches the layer while it runs (``LayerWatch``)."""
+
+
+class LayerWatch(Protocol):
+    """Watches one layer while it runs over the batches (``layers.OutputErrors``): entered
+    around its run, told each batch's window rows before that batch runs."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+    def batch(self, rows: slice) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,7 @@ class StreamedModel:
         import torch
 
         self.device, self.quantize_layer, self.on_layer = device, quantize_layer, on_layer
+        self.watch: LayerWatch | None = None  # what on_layer returned for the layer just read
         model = source.empty_model()
         self.model = model.eval()
         self.prefix, self.layers = decoder_layers(model)
@@ -128,8 +141,8 @@ class StreamedModel:
         originals = {name: tensor.detach() for name, tensor in layer.state_dict().items()}
         if self.quantize_layer is not None:
             layer = self.quantize_layer(layer, prefix)
-        if self.on_layer is not None:
-            self.on_layer(prefix, layer, originals)
+        self.watch = (self.on_layer(prefix, layer, originals) if self.on_layer is not None
+                      else None)
         return layer
 
     def read_layers(self) -> None:
@@ -185,9 +198,10 @@ class StreamedModel:
         for index in range(1, len(self.skeletons)):
             self.layers[index] = _StandIn(self.skeletons[index], batches, index)
         try:
-            with self.no_grad():
+            with self.no_grad(), self._watching() as watch:
                 for start in range(0, windows.size(0), batch_size):
                     batches.current = start
+                    watch(slice(start, min(start + batch_size, windows.size(0))))
                     try:
                         self.model(input_ids=windows[start:start + batch_size].to(self.device),
                                    use_cache=False)
@@ -208,14 +222,27 @@ class StreamedModel:
         layer = self.layer(index)
         loaded = time.perf_counter()
         try:
-            with self.no_grad():
+            with self.no_grad(), self._watching() as watch:
                 for start, (args, kwargs) in batches.arguments[index].items():
-                    output = layer(batches.hidden[start], *args, **kwargs)
+                    hidden = batches.hidden[start]
+                    watch(slice(start, start + hidden.size(0)))
+                    output = layer(hidden, *args, **kwargs)
                     batches.hidden[start] = output[0] if isinstance(output, tuple) else output
         finally:  # an error (out of memory, say) must not keep the layer for the retry
             let_go(layer)
         self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
                                         time.perf_counter() - loaded))
+
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[Callable[[slice], None]]:
+        """The layer just read runs inside its watch (if any), which each batch's rows are
+        told to: yields the function to tell them to."""
+        watch, self.watch = self.watch, None
+        if watch is None:
+            yield lambda rows: None
+            return
+        with watch:
+            yield watch.batch
 
     def _head(self, windows: torch.Tensor, batch_size: int, batches: _Batches,
               on_batch: Callable[[slice], None] | None) -> Iterator[LogProbSlice]:
