@@ -382,3 +382,29 @@ def test_a_streamed_gptq_estimate_counts_its_fit_and_its_calibration_states():
     doubled = replace(jobs["gptq"], calibration=replace(jobs["gptq"].calibration, samples=128))
     states = 2 * 64 * 128 * facts.hidden_size * 4  # 64 more windows in, and out, float32
     assert streamed_bytes(doubled, facts) - gptq == pytest.approx(states, abs=1)
+
+
+def test_parameters_transformers_keeps_in_float32_stream_in_float32(tmp_path, monkeypatch):
+    """A family's ``_keep_in_fp32_modules_strict`` (DeepSeek-V3's router) keeps those weights
+    in float32 in a bfloat16 model as ``from_pretrained`` loads it: each streamed layer holds
+    the tensors transformers' own load holds, dtype and value (the demo model in bfloat16,
+    its MLP gates declared kept; it cannot run so, a gate being a plain linear layer)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from tests.tiny_families import copy_demo_tokenizer
+
+    AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "bf16")
+    copy_demo_tokenizer(tmp_path / "bf16")
+    monkeypatch.setattr(LlamaForCausalLM, "_keep_in_fp32_modules_strict", ["mlp.gate_proj"])
+    source = load_model_source(ModelSpec(path=str(tmp_path / "bf16")))
+    stream = StreamedModel(source, "cpu")
+    with source.weights():
+        own = source.build("cpu")
+        kept = {name for name, p in own.named_parameters() if p.dtype == torch.float32}
+        assert kept and all("gate_proj" in name for name in kept)
+        for index, layer in enumerate(own.model.layers):
+            streamed_layer = dict(stream.layer(index).named_parameters())
+            for name, parameter in layer.named_parameters():
+                assert streamed_layer[name].dtype == parameter.dtype, name
+                assert torch.equal(streamed_layer[name], parameter), name

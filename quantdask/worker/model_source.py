@@ -94,7 +94,9 @@ class ModelSource:
 
         with init_empty_weights(include_buffers=False):
             # A copy: _from_config writes the dtype into the config the worker caches.
-            return self.model_class._from_config(copy.deepcopy(self.config), dtype=self.dtype)
+            model = self.model_class._from_config(copy.deepcopy(self.config), dtype=self.dtype)
+        _kept_in_float32(model, self.dtype)
+        return model
 
     def _from_checkpoint(self, device: str, quantization_config: Any = None) -> torch.nn.Module:
         model = self.model_class.from_pretrained(
@@ -158,6 +160,26 @@ def _empty_model(spec: ModelSpec) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, stored) if isinstance(stored, str) else stored,
             trust_remote_code=spec.trust_remote_code)
+
+
+def _kept_in_float32(model: Any, dtype: Any) -> None:
+    """The parameters ``from_pretrained`` keeps in float32 whatever ``dtype`` (the family's
+    ``_keep_in_fp32_modules``: DeepSeek-V3's router, say), made float32 in ``model`` as it
+    loads them: its dtype plan, matched by transformers' own patterns."""
+    import torch
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return
+    pattern, groups, _ = build_glob_alternation(list(plan))
+    for name, parameter in list(model.named_parameters()):
+        found = pattern.search(name)
+        if found is not None and found.lastgroup is not None:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._parameters[leaf] = torch.nn.Parameter(
+                parameter.to(plan[groups[found.lastgroup]]), requires_grad=False)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
