@@ -37,8 +37,9 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 6.3 to 8 minutes on our 2-core machines,
-# where the suite is CPU-bound (more processes are slower: 12 minutes with -n 4).
+# process), the longest files first (tests/conftest.py): 8.9 minutes last measured on our 2-core
+# machines with other work running beside it (7.8 before, measured with less), where the suite
+# is CPU-bound (more processes are slower: 12 minutes with -n 4).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 

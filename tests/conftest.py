@@ -19,12 +19,17 @@ REPO = Path(__file__).resolve().parent.parent
 # torch is imported; the commands the tests start inherit it.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The files that take longest, longest first (measured serially on 2 cores). `make test` runs
-# two pytest processes that take whole files in collection order (--no-loadscope-reorder):
-# starting with the long files, the last file to finish is a short one, not test_multinode.
-LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_install.py",
-                 "test_benchmarks.py", "test_gptq.py", "test_cli.py", "test_backends.py",
-                 "test_sweep_cluster.py", "test_families.py", "test_operator.py")
+# The files that take longest, longest first (each file's test durations summed under `make
+# test`; every file of 10 s or more). `make test` runs two pytest processes that take whole
+# files in collection order (--no-loadscope-reorder): starting with the long files, the last
+# file to finish is a short one, not test_multinode (nor test_tasks, last alphabetically).
+LONGEST_FIRST = ("test_multinode.py", "test_benchmarks.py", "test_faults.py", "test_install.py",
+                 "test_report.py", "test_gptq.py", "test_search.py", "test_for_people.py",
+                 "test_handle.py", "test_tasks.py", "test_sweep_cluster.py",
+                 "test_calibration.py", "test_quantized_size.py", "test_kl_exact.py",
+                 "test_families.py", "test_tasks_sweep.py", "test_artifacts.py",
+                 "test_operator.py", "test_quality_independent.py", "test_speed.py",
+                 "test_bad_input.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -57,17 +57,23 @@ def test_run_status_and_plan_on_a_real_cluster(cluster, write_sweep, tmp_path, c
 
 
 @pytest.mark.slow
-def test_run_with_a_failing_job_exits_1_and_points_at_its_log(cluster, write_sweep, tmp_path):
+def test_run_with_a_failing_job_exits_1_and_points_at_its_log(cluster, write_sweep, tmp_path,
+                                                              capsys, monkeypatch):
     # More eval tokens than the text holds: the model's reference (eval windows) fails on the
-    # worker, every attempt, and so does each job that depends on it.
+    # worker, every attempt, and so does each job that depends on it. The command runs in
+    # this process: the program exits with main's status (the quick-exit test below), and
+    # the first test runs it as a subprocess.
     data = sweep_dict(retries=1)
     data["eval"]["samples"] = 100_000
-    run = quantdask("run", write_sweep(data), "--scheduler", cluster.client.scheduler.address,
-                    "--run-dir", "out", "--no-report", cwd=tmp_path)
-    assert run.returncode == 1, run.stderr
-    assert not (tmp_path / "out" / "report.html").exists() and "report:" not in run.stdout
-    assert "2 jobs: 0 done, 2 failed, 0 skipped" in run.stdout
-    log_line = [line for line in run.stdout.splitlines() if line.startswith("failed:")][0]
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    status = main(["run", write_sweep(data), "--scheduler", cluster.client.scheduler.address,
+                   "--run-dir", "out", "--no-report"])
+    out, err = capsys.readouterr()
+    assert status == 1, err
+    assert not (tmp_path / "out" / "report.html").exists() and "report:" not in out
+    assert "2 jobs: 0 done, 2 failed, 0 skipped" in out
+    log_line = [line for line in out.splitlines() if line.startswith("failed:")][0]
     log_path = tmp_path / log_line.rsplit("(log: ", 1)[1].rstrip(")")
     assert ("attempt=2 failed outside the job (job_error): ValueError: in its model's "
             "reference: eval text has") in log_path.read_text()

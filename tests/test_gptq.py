@@ -98,12 +98,18 @@ def test_the_plan_refuses_families_and_widths_gptqmodel_cannot_take(calibration,
 
 @pytest.fixture(scope="module")
 def methods_run(cluster, calibration, tmp_path_factory):
+    """Every method on the demo model (layer rows, saved and verified models); on the families
+    only what the tests look at there (GPTQ, nf4's share to compare, AWQ's refusal): AutoRound,
+    HQQ and the saved models of the families cost a third of the module's time, checked by none."""
     root = tmp_path_factory.mktemp("gptq")
-    models = {"demo": DEMO_MODEL_DIR}
-    models |= {family: str(build_tiny(family, root / family)) for family in FAMILIES}
-    data = gptq_sweep(calibration, models, layer_stats=True,
+    data = gptq_sweep(calibration, {"demo": DEMO_MODEL_DIR}, layer_stats=True,
                       artifacts={"keep": "done", "to": str(root / "models"), "verify": True})
     results = run_sweep(sweep_from_dict(data), root / "run", cluster.client)
+    families = gptq_sweep(calibration, {f: str(build_tiny(f, root / f)) for f in FAMILIES},
+                          name="families")
+    families["backends"] = [b for b in METHODS if b["backend"] in ("gptq", "awq", "bitsandbytes")]
+    results = pl.concat([results, run_sweep(sweep_from_dict(families), root / "families",
+                                            cluster.client)], how="diagonal_relaxed")
     return root, results, read_layers(root / "run")
 
 

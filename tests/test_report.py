@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import json
 import math
 import os
@@ -357,8 +359,19 @@ def chromium():
 
 
 @pytest.fixture(scope="module")
-def html_report(mixed_run):
-    return write_report(mixed_run)
+def report_command(mixed_run, tmp_path_factory):
+    """`quantdask report RUN_DIR -o FILE` into folders it makes first: (its status, FILE, what
+    it printed). The report every test here reads: one run of the report notebook for all."""
+    out = tmp_path_factory.mktemp("report") / "shared" / "new" / "report.html"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["report", str(mixed_run), "-o", str(out)])
+    return status, out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def html_report(report_command):
+    return report_command[1]
 
 
 def test_report_html_is_self_contained(html_report, mixed_run):
@@ -371,7 +384,7 @@ def test_report_html_is_self_contained(html_report, mixed_run):
     assert 'data-mime-type="application/vnd.jupyter.stderr"' not in html
     for job_id in read_results(mixed_run)["job_id"]:
         assert job_id in html  # the report includes every job
-    assert (mixed_run / "report.ipynb").exists()
+    assert html_report.with_suffix(".ipynb").exists()  # the executed notebook, beside it
 
 
 def test_report_renders_every_chart_offline_in_chromium(html_report, chromium, mixed_run):
@@ -473,8 +486,8 @@ def test_every_notebook_is_tested():
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOK_PARAMETERS))
 def test_notebook_runs_green(name, mixed_run, html_report, tmp_path):
-    if name == "report":  # write_report ran it on the same run (html_report) and kept it
-        nb = nbformat.read(mixed_run / "report.ipynb", as_version=4)
+    if name == "report":  # the report command ran it on the same run (html_report), kept it
+        nb = nbformat.read(html_report.with_suffix(".ipynb"), as_version=4)
     else:
         nb = execute_notebook(name, NOTEBOOK_PARAMETERS[name](mixed_run), cwd=tmp_path,
                               output=tmp_path / f"{name}.ipynb")
@@ -514,10 +527,10 @@ def test_a_failing_notebook_names_the_cell(tmp_path):
         execute_notebook("nope")
 
 
-def test_report_command_writes_the_html_where_asked(mixed_run, tmp_path, capsys):
-    out = tmp_path / "shared" / "new" / "report.html"  # its folders are made first
-    assert main(["report", str(mixed_run), "-o", str(out)]) == 0
-    assert out.exists() and f"report: {out}" in capsys.readouterr().out
+def test_report_command_writes_the_html_where_asked(report_command, tmp_path, capsys):
+    status, out, printed = report_command  # into folders it made first
+    assert status == 0
+    assert out.exists() and f"report: {out}" in printed
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no run directory" in capsys.readouterr().err
     empty = tmp_path / "empty"

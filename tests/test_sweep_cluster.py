@@ -17,7 +17,7 @@ import quantdask.backends
 from quantdask.backends import Backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP, DEMO_TASKS_DIR
 from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.spec.sweep_file import sweep_from_dict
 from quantdask.store.run_store import read_device_samples, read_frame, read_layers, read_results
 from quantdask.store.summary import device_summary
 from quantdask.worker.devices import drain_this_worker
@@ -32,11 +32,22 @@ def reference_events(cluster, sweep) -> int:
     return sum(msg["key"] == key for _, msg in cluster.client.get_events(REFERENCE_TOPIC))
 
 
+def demo_data() -> dict:
+    """The demo sweep (data/demo_sweep.yaml) as data, its paths made absolute, each job scoring
+    16 of its task's questions instead of 160: no test here reads the task scores (the demo as
+    shipped runs whole in tests/test_install.py), and those questions cost seconds a job."""
+    data = yaml.safe_load(Path(DEMO_SWEEP).read_text())
+    data["models"][0]["path"] = DEMO_MODEL_DIR
+    data["eval"]["text"] = DEMO_EVAL_TEXT
+    data["tasks"].update(include_path=DEMO_TASKS_DIR, limit=16)
+    return data
+
+
 @pytest.fixture(scope="module")
 def demo_run(cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("demo-run")
     arrived = []
-    sweep = load_sweep(DEMO_SWEEP)
+    sweep = sweep_from_dict(demo_data())
     before = reference_events(cluster, sweep)
     results = run_sweep(sweep, run_dir, cluster.client, on_result=arrived.append)
     run_dir.joinpath("references-computed").write_text(
@@ -134,10 +145,7 @@ def test_one_layer_row_per_quantized_linear_per_job(demo_run):
 def test_a_fresh_run_reproduces_the_metrics(demo_run, cluster, tmp_path):
     _, results, _ = demo_run
     # Three of the demo's jobs, one of each kind (the same job ids), in a new run directory.
-    data = yaml.safe_load(Path(DEMO_SWEEP).read_text())
-    data["models"][0]["path"] = DEMO_MODEL_DIR
-    data["eval"]["text"] = DEMO_EVAL_TEXT
-    data["tasks"]["include_path"] = DEMO_TASKS_DIR
+    data = demo_data()
     data["backends"] = [{"backend": "bitsandbytes", "configs": [
         {"bits": 4, "quant_type": "nf4", "double_quant": True},
         {"bits": 8, "int8_threshold": 0.0}]}]
@@ -232,7 +240,8 @@ def test_rerun_executes_no_job_and_changes_nothing(demo_run, cluster):
     files = sorted((Path(run_dir) / "results").glob("*.parquet"))
     stamps = [(f.name, f.stat().st_mtime_ns) for f in files]
     arrived = []
-    again = run_sweep(load_sweep(DEMO_SWEEP), run_dir, cluster.client, on_result=arrived.append)
+    again = run_sweep(sweep_from_dict(demo_data()), run_dir, cluster.client,
+                      on_result=arrived.append)
     assert arrived == []
     assert [(f.name, f.stat().st_mtime_ns) for f in files] == stamps
     assert again.sort("job_id").equals(results.sort("job_id"))
