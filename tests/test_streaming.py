@@ -352,6 +352,8 @@ def test_a_streamed_gptq_job_fits_block_by_block_and_records_what_the_resident_o
     resident_record, streamed_record = (outcomes[s].record for s in (False, True))
     assert streamed_record["status"] == "done", streamed_record.get("error_message")
     assert streamed_record["streamed"] and streamed_record["calibrate_s"] > 0
+    # Its pass read the model's checkpoint and the saved model's layers.
+    assert streamed_record["stream_bytes_read"] > checkpoint_bytes(job.model.location) > 0
     for column in ("perplexity", "kl_divergence", "top1_agreement", "size_bytes",
                    "quantized_params", "bits_per_quantized_weight", "full_precision"):
         assert streamed_record[column] == resident_record[column], column

@@ -85,3 +85,5 @@ class SavedLayers:
                 module.source_cls = classes[key]  # per-layer stats: how the checkpoint held it
         let_go(full_precision)
         return layer.eval()
+
+    __call__ = layer  # the stream's quantize_layer hook

@@ -55,6 +55,7 @@ def load_streamed(run: JobRun) -> Loaded:
 def stream(run: JobRun) -> Streamed:
     """The one pass over the layers (see the module): coverage, weight errors and, but for
     the baseline (whose figures are the reference's), the quality meter."""
+    from quantdask.worker.saved_layers import SavedLayers
     from quantdask.worker.streaming import StreamedModel
 
     backend, job = run.backend, run.job
@@ -75,7 +76,8 @@ def stream(run: JobRun) -> Streamed:
         return outputs
 
     with run.watch("quantize"):  # a calibrated fit, then the rest of the model read
-        model = StreamedModel(run.source, run.device, _layer_hook(run), seen)
+        hook = _layer_hook(run)
+        model = StreamedModel(run.source, run.device, hook, seen)
         with model.outside_layers() as outside:
             parts.append(coverage(outside, None, backend.stored_bytes))
     if job.is_baseline:
@@ -100,7 +102,9 @@ def stream(run: JobRun) -> Streamed:
         seconds["eval"] -= reading
     calibration = run.calibration.figures() if run.calibration is not None else None
     return Streamed(Quantized(seconds["quantize"], calibration), streamed=True,
-                    stream_bytes_read=model.reader.bytes_read,
+                    # (and a calibrated fit's saved layers, read in their turn)
+                    stream_bytes_read=model.reader.bytes_read + (
+                        hook.reader.bytes_read if isinstance(hook, SavedLayers) else 0),
                     stream_layer_s=sum(t.load_s + t.run_s for t in model.timings)
                     / len(model.skeletons),
                     stream_skipped=RESIDENT_ONLY)
@@ -124,7 +128,7 @@ def _layer_hook(run: JobRun) -> LayerHook | None:
             tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-"))
         saved = backend.quantize_streamed(run.source, job.options, run.device,
                                           calibration_of(run), folder)
-        return SavedLayers(saved, run.device).layer
+        return SavedLayers(saved, run.device)
     return layer_quantizer(backend, job.options)
 
 
