@@ -253,8 +253,8 @@ class Backend(Generic[OptionsT]):
     """``quantize_streamed(source, options, device, calibration, directory) ->
     SavedQuantized``: a calibrated backend's fit made block by block from the checkpoint
     (never the whole model in memory), its quantized model saved in a folder under
-    ``directory``, and how to load it. Called on the worker by a
-    streamed job (``worker.streamed_job``), which then reads the saved layers one at a time
+    ``directory``, and how to load it. Called on the worker by a streamed job
+    (``worker.streamed_job``), which then reads the saved layers one at a time
     (``worker.saved_layers``). Without it (and ``quantize_module``) the backend cannot
     quantize a streamed model (``stream_refusal``)."""
 
