@@ -65,6 +65,32 @@ def format_bytes(value: int | None) -> str:
     return f"{size:.1f} GiB"
 
 
+def import_offline(module: str):
+    """``module`` imported with the Hugging Face Hub offline while its import runs.
+
+    bitsandbytes, on a processor with AVX512-BF16 and with ``kernels`` installed (transformers
+    requires it), fetches a CPU kernel from the Hub as it is imported: code downloaded at
+    import, a network lookup per worker, and 4-bit figures that would depend on whether the
+    fetch worked. quantdask downloads nothing: its own CPU kernel runs everywhere. Only the
+    import is offline (a model named by Hub id still loads). Raises ImportError as
+    ``importlib.import_module`` does."""
+    import importlib
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module]
+    try:
+        from huggingface_hub import constants as hub
+    except ImportError:  # no Hub client: nothing could reach the Hub
+        return importlib.import_module(module)
+    online = hub.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = True
+    try:
+        return importlib.import_module(module)
+    finally:
+        hub.HF_HUB_OFFLINE = online
+
+
 def import_datasets_offline():
     """The ``datasets`` module, set never to reach the network (quantdask downloads nothing).
 

@@ -81,6 +81,7 @@ class FaultKind(StrEnum):
     OOM = "oom"  # CUDA out of memory
     KILL = "kill"  # the worker process killed (SIGKILL)
     HANG = "hang"  # a hang past any deadline
+    MEMORY = "memory"  # host memory grown until the worker's nanny restarts it at its limit
     SLOW = "slow"  # a delay only: the attempt then runs as usual
 
 

@@ -178,6 +178,22 @@ def test_a_hang_is_cut_at_the_deadline_and_retried_on_a_fresh_worker(fault_clust
     assert [name for name in before if after.get(name) != before[name]] == [hung_on]
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_restarted_at_its_memory_limit_is_named_in_the_failure(tmp_path):
+    """A job whose worker's nanny restarts it at its memory limit (Dask logs that below the
+    level the terminal shows) fails as worker_lost with the memory it held and the limit."""
+    data = sweep_dict(faults=[{"config": "nf4", "attempt": 1, "kind": "memory"}])
+    with start_cluster(workers=1, memory_limit="1GB") as cluster:
+        results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    row = results.filter(pl.col("config_label") == "nf4").row(0, named=True)
+    assert (row["status"], row["failure_class"]) == ("failed", "worker_lost")
+    held = re.search(r"its worker held ([\d.]+) MiB \((\d+)% of its 953.7 MiB memory limit\) "
+                     r"when last sampled.*likely killed for memory", row["error_message"])
+    assert held, row["error_message"]
+    assert 80 <= int(held[2]) <= 100, row["error_message"]
+    assert results.filter(pl.col("config_label") == "baseline")["status"].to_list() == ["done"]
+
+
 def slow_bitsandbytes(source, options, device):
     """bitsandbytes after two seconds: a kill within a second of a job's start hits it mid-job,
     however fast the machine, with a second to spare however slow."""

@@ -410,3 +410,55 @@ def test_parameters_transformers_keeps_in_float32_stream_in_float32(tmp_path, mo
             for name, parameter in layer.named_parameters():
                 assert streamed_layer[name].dtype == parameter.dtype, name
                 assert torch.equal(streamed_layer[name], parameter), name
+
+
+def test_a_streamed_job_holds_no_layer_past_its_turn(tmp_path, monkeypatch):
+    """Each layer a streamed job lets go, and the original weights its errors were measured
+    against, are freed by the next layer's turn, by their last reference (the cycle
+    collector off): a pass that kept them would hold the whole model by its end, as a 2 GB
+    model's GPTQ job once did until its worker was killed at its memory limit."""
+    import gc
+    import re
+    import weakref
+
+    import quantdask.worker.streamed_job as streamed_job
+    import quantdask.worker.streaming as streaming
+    from quantdask.spec.sweep import expand_grid
+    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.worker.job import run_job
+    from quantdask.worker.reference import combine_reference, compute_reference_shard
+
+    data = streaming_sweep("always")
+    data["backends"] = [{"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]
+    [_, job] = expand_grid(sweep_from_dict(data))
+    reference = combine_reference(job.model, job.eval, compute_reference_shard(
+        job.model, job.eval, job.eval.read_text(), (0, job.eval.samples), streamed=True))
+    noted: list[weakref.ref] = []  # each let-go layer's tensors, each layer's originals
+    settled = [0]  # how many of them belong to turns that have ended
+    still_held: list[int] = []  # at each layer's let-go: those of ended turns still alive
+    let_go, weight_errors = streaming.let_go, streamed_job.weight_errors
+
+    def noting_let_go(layer):
+        still_held.append(sum(ref() is not None for ref in noted[:settled[0]]))
+        noted.extend(weakref.ref(t) for t in [*layer.parameters(), *layer.buffers()])
+        let_go(layer)
+        settled[0] = len(noted)
+
+    def noting_weight_errors(layer, dequantize, originals):
+        noted.extend(weakref.ref(t) for t in originals.values())
+        return weight_errors(layer, dequantize, originals)
+
+    monkeypatch.setattr(streaming, "let_go", noting_let_go)
+    monkeypatch.setattr(streamed_job, "weight_errors", noting_weight_errors)
+    gc.collect()
+    gc.disable()
+    try:
+        outcome = run_job(job, get_backend("hqq"), 1, reference)
+    finally:
+        gc.enable()
+    assert outcome.record["status"] == "done" and outcome.record["streamed"]
+    assert outcome.rows["layers"] and all(row["output_rel_error"] is not None
+                                          for row in outcome.rows["layers"])
+    decoder_layers = {re.search(r"layers\.\d+", row["layer"])[0] for row in outcome.rows["layers"]}
+    assert len(still_held) == len(decoder_layers) > 1
+    assert still_held == [0] * len(still_held)

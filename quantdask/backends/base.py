@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 from quantdask.backends.options import BackendOptions, Option, options_class
 from quantdask.errors import SpecError, UnsupportedHere
+from quantdask.util import import_offline
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +28,7 @@ def require_library(module: str, name: str, install: str):
     """``module`` imported on this worker, or :class:`UnsupportedHere` saying how to install
     ``name`` (the job is skipped with that reason, not failed)."""
     try:
-        return importlib.import_module(module)
+        return import_offline(module)  # (bitsandbytes would fetch a kernel as it imports)
     except ImportError as err:
         raise UnsupportedHere(f"{name} is not installed on this worker ({err}); "
                               f"pip install {install}") from err

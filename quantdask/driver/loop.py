@@ -30,6 +30,7 @@ from quantdask.driver.policy import (
     Grace,
     Requeues,
     WorkerWatch,
+    memory_limit_note,
     outcome_of_error,
     past_deadline,
     stranded,
@@ -231,7 +232,8 @@ class SweepDriver:
     def _on_telemetry(self, event) -> None:
         _, sample = event  # on the client's event loop thread: note it, nothing more
         self.progress.telemetry(sample["name"], sample["device"], sample.get("job_id"),
-                                sample.get("memory_used_bytes"))
+                                sample.get("memory_used_bytes"), sample.get("host_rss_bytes"),
+                                sample.get("host_memory_limit_bytes"))
 
     def show_progress(self, final: bool = False) -> None:
         """Write ``progress.json`` and call ``on_progress``, a few times a second at most."""
@@ -323,7 +325,8 @@ class SweepDriver:
             return
         self._finish(attempt, outcome_of_error(
             error, job, lost=lost, cut=cut, worker=attempt.worker_name,
-            in_reference=self.references.failed(job, attempt.reference_key)))
+            in_reference=self.references.failed(job, attempt.reference_key),
+            memory_note=memory_limit_note(*self.progress.host_memory(attempt.key))))
 
     def _enforce_deadlines(self) -> None:
         for _, address in self.references.overdue():

@@ -62,6 +62,8 @@ class RunningJob:
     worker: str
     started_at: str  # ISO 8601, UTC
     peak_memory_bytes: int | None = None  # the worker's device memory (or RSS) since it began
+    peak_host_rss_bytes: int | None = None  # the worker process's, sampled once a second
+    host_memory_limit_bytes: int | None = None  # its Dask memory limit (None: no limit)
 
 
 @dataclass
@@ -167,8 +169,10 @@ class SweepProgress:
                         f"{worker}")
 
     def telemetry(self, worker: str, device: str, job_id: str | None,
-                  memory_used_bytes: int | None) -> None:
-        """A worker's latest device reading: the peak so far of the attempt it runs."""
+                  memory_used_bytes: int | None, host_rss_bytes: int | None = None,
+                  host_memory_limit_bytes: int | None = None) -> None:
+        """A worker's latest device reading (and its process's memory against its limit):
+        the peaks so far of the attempt it runs."""
         with self._lock:
             if worker not in self.workers:  # a worker that joined (or restarted) since
                 self.workers.append(worker)
@@ -179,6 +183,10 @@ class SweepProgress:
                     if memory_used_bytes is not None:
                         running.peak_memory_bytes = max(running.peak_memory_bytes or 0,
                                                         memory_used_bytes)
+                    if host_rss_bytes is not None:
+                        running.peak_host_rss_bytes = max(running.peak_host_rss_bytes or 0,
+                                                          host_rss_bytes)
+                    running.host_memory_limit_bytes = host_memory_limit_bytes
 
     def attempt_ended(self, key: str, job_id: str, label: str, attempt: int, record: dict,
                       final: bool) -> None:
@@ -207,6 +215,15 @@ class SweepProgress:
             then = "retrying" if not final else "no more retries"
             self._event(f"{record['status']:7} {label} (attempt {attempt}){where}, "
                         f"{failure.failure_class}: {failure.message}; {then}")
+
+    def host_memory(self, key: str) -> tuple[int | None, int | None]:
+        """Running attempt ``key``'s peak worker-process memory, sampled, and its worker's
+        memory limit (None where unknown or unlimited)."""
+        with self._lock:
+            running = self.running.get(key)
+            if running is None:
+                return None, None
+            return running.peak_host_rss_bytes, running.host_memory_limit_bytes
 
     def attempt_dropped(self, key: str) -> None:
         """An attempt that will be submitted again (requeued, cut at its deadline)."""

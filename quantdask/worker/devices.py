@@ -206,9 +206,19 @@ class DeviceSampler(WorkerPlugin):
             # (what the results and samples call a worker) as "name".
             self._worker.log_event(TELEMETRY_TOPIC, {
                 **{k: v for k, v in sample.items() if k != "worker"},
-                "name": self.worker_name, "time": sample["time"].isoformat()})
+                "name": self.worker_name, "time": sample["time"].isoformat(),
+                **self._host_memory()})
         except Exception as error:  # noqa: BLE001 - a closing worker; telemetry is optional
             log.debug("telemetry not sent: %s", error)
+
+    def _host_memory(self) -> dict[str, int]:
+        """The worker process's resident memory and its Dask memory limit (none: no limit),
+        past which its nanny restarts it: what the driver says of a worker that died."""
+        import psutil
+
+        limit = getattr(getattr(self._worker, "memory_manager", None), "memory_limit", None)
+        return {"host_rss_bytes": int(psutil.Process().memory_info().rss),
+                **({"host_memory_limit_bytes": int(limit)} if limit else {})}
 
     def drain(self) -> list[Row]:
         """Every sample taken since the last drain (and forget them)."""

@@ -48,3 +48,21 @@ def inject_fault(kind: FaultKind, attempt: int) -> None:
     if kind == FaultKind.HANG:
         while True:  # only the scheduler's deadline (a worker restart) ends this
             time.sleep(60)
+    if kind == FaultKind.MEMORY:
+        _grow_until_restarted()
+
+
+def _grow_until_restarted(step: int = 8 * 2**20, every_s: float = 0.1) -> None:
+    """Hold ``step`` more bytes of host memory every ``every_s`` seconds (slowly, so the
+    telemetry, once a second, sees it near the limit) until the nanny restarts the worker past
+    its memory limit. Refused on a worker without a limit: this would fill the machine."""
+    import torch
+    from distributed import get_worker
+
+    if not get_worker().memory_manager.memory_limit:
+        raise RuntimeError("the memory fault needs workers with a memory limit "
+                           "(start_cluster(memory_limit=...))")
+    held = []
+    while True:
+        held.append(torch.ones(step // 4))  # written, so resident
+        time.sleep(every_s)

@@ -101,7 +101,8 @@ class OutputErrors:
 
     def __init__(self, model: torch.nn.Module, rows: list[Row],
                  originals: dict[str, torch.Tensor], probe: int):
-        self.model, self.originals, self.probe = model, originals, probe
+        self.model: torch.nn.Module | None = model  # None once measured (``__exit__``)
+        self.originals, self.probe = originals, probe
         self._rows = rows
         self.sums = {row["layer"]: [0.0, 0.0] for row in rows}
         self.transposed = {row["layer"]: row["transposed"] for row in rows}
@@ -120,6 +121,8 @@ class OutputErrors:
             self._remove_hooks()
 
     def __enter__(self) -> OutputErrors:
+        if self.model is None:
+            raise RuntimeError("an OutputErrors measures once: make another")
         try:
             for name in self.sums:
                 module = self.model.get_submodule(name)
@@ -131,6 +134,10 @@ class OutputErrors:
 
     def __exit__(self, *exc) -> None:
         self._remove_hooks()
+        # Measured: the model and its original weights go, and ``rows()`` keeps the sums. A
+        # streamed pass keeps each layer's watch to its end; holding them would hold every
+        # layer and its float32 originals, the whole model (a worker killed at its limit).
+        self.model, self.originals = None, {}
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:

@@ -1,7 +1,8 @@
 """Known notices of third-party libraries that are noise, not news, kept off the terminal.
 
 bitsandbytes logs one per 8-bit matmul of a float32 model, and one saying its optional
-hub-downloaded CPU kernel is absent (we want it so); torchao (imported by transformers when
+hub-downloaded CPU kernel is absent (we want it so: ``util.import_offline``), as does
+``kernels``, which would have fetched it; torchao (imported by transformers when
 installed) says its CUDA-only extensions are absent; torch warns of an Enum registration
 change in torchao. None is actionable by a user, and none is ours.
 
@@ -22,6 +23,7 @@ SHOW_ENV = "QUANTDASK_SHOW_LIBRARY_NOTICES"
 NOTICES = {
     "bitsandbytes.autograd._functions": "inputs will be cast",
     "bitsandbytes.backends.cpu.ops": "from kernels-community",
+    "kernels._internals.hf_hub": "Skipping publisher trust check",
     "torchao": "Failed to load",
     "torchao.kernel.intmm": "Detected no triton",
     "torch.utils._pytree": "is an Enum subclass",

@@ -93,13 +93,13 @@ class WarmImports(WorkerPlugin):
     modules = ("torch", "transformers", "transformers.modeling_utils", "bitsandbytes")
 
     def setup(self, worker) -> None:
-        import importlib
+        from quantdask.util import import_offline
 
         if os.environ.get(library_noise.SHOW_ENV) != "1":
             quiet_libraries()  # before bitsandbytes' import-time notices
         for module in self.modules:
             try:
-                importlib.import_module(module)
+                import_offline(module)  # (bitsandbytes would fetch a kernel as it imports)
             except ImportError:  # an optional backend: its jobs are skipped with the reason
                 pass
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (lazy)
