@@ -69,7 +69,8 @@ def big(directory: Path, limit: str, gptq: bool = False) -> None:
     wall = time.perf_counter() - began
     shown = results.select("config_label", "status", "streamed", "perplexity", "kl_divergence",
                            "size_bytes", "peak_host_rss_bytes", "stream_bytes_read",
-                           "stream_layer_s", "wall_s", "error_message")
+                           "stream_layer_s", "calibrate_s", "quantize_s", "eval_s", "wall_s",
+                           "error_message")
     with pl.Config(tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60):
         print(shown)
     limit_bytes = cluster_limit(limit)

@@ -65,6 +65,19 @@ def format_bytes(value: int | None) -> str:
     return f"{size:.1f} GiB"
 
 
+def scratch_root() -> str | None:
+    """Where a job's temporary folders go: the Dask worker's own local directory when this
+    runs in a worker (Dask removes it with the worker, and a killed worker's at the next
+    start), else None, the system's temporary folder. A worker process ends without Python's
+    exit handlers, so a folder left to a model's finalizer (the last job's) stayed in /tmp."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().local_directory
+    except (ImportError, ValueError):  # not in a worker
+        return None
+
+
 def import_offline(module: str):
     """``module`` imported with the Hugging Face Hub offline while its import runs.
 

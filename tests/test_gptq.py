@@ -14,6 +14,7 @@ import sys
 
 import polars as pl
 import pytest
+import torch
 
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_MODEL_DIR
@@ -281,3 +282,67 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
     changed = {k for k in set(alone[0]) | set(after[0]) if alone[0].get(k) != after[0].get(k)
                and not k.startswith("_TORCHINDUCTOR_")}
     assert not changed and after[1:] == alone[1:], (changed, after[1:], alone[1:])
+
+
+def unpacked_gptq_weights(directory) -> dict:
+    """Each linear's weight (out, in) unpacked from a saved GPTQ checkpoint by the format's
+    own arithmetic, independently of any kernel: 4-bit values packed eight to an int32 (along
+    the input in ``qweight``, along the output in ``qzeros``), zero points stored less one
+    (GPTQ's v1 checkpoint format), ``W[o, i] = scales[g[i], o] * (q[i, o] - zero[g[i], o])``
+    rounded once to the scales' precision."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    weights = {}
+    for key in [k for k in tensors if k.endswith(".qweight")]:
+        name = key.removesuffix(".qweight")
+        qweight, qzeros = tensors[key], tensors[f"{name}.qzeros"]
+        scales, g_idx = tensors[f"{name}.scales"], tensors[f"{name}.g_idx"].long()
+        q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, qweight.size(1))
+        zeros = ((qzeros.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF).reshape(qzeros.size(0), -1)
+        exact = scales[g_idx].float() * (q.float() - (zeros[g_idx].float() + 1))
+        weights[name] = exact.to(scales.dtype).float().t()
+    return weights
+
+
+def test_a_packed_layers_weight_is_read_as_its_checkpoint_holds_it(methods_run):
+    """The per-layer weight error reads a GPTQ layer's weight through its own kernel
+    (``dequantize_packed_layer``): on the CPU through a float32 identity, where its half
+    precision scales would make a matmul 60 times slower. It is the checkpoint's weight to
+    the bit, unpacked here by the format's arithmetic."""
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.backends.gptq import _cpu_kernel
+    from quantdask.backends.packed import dequantize_packed_layer
+
+    root, results, _ = methods_run
+    job = row(results.filter(pl.col("model") == "demo"), "demo", "gptq 4b g32")
+    directory = root / "models" / job["job_id"]
+    options = get_backend("gptq").normalize({"bits": 4, "group_size": 32}, "options")
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, device_map="cpu", quantization_config=_cpu_kernel("gptq", options))
+    expected = unpacked_gptq_weights(directory)
+    read = {name: dequantize_packed_layer(module) for name, module in model.named_modules()
+            if hasattr(module, "qweight")}
+    assert sorted(read) == sorted(expected) and len(read) == 28
+    for name, weight in read.items():
+        assert weight.dtype == expected[name].dtype
+        assert torch.equal(weight, expected[name]), name
+
+
+def test_a_jobs_scratch_folders_are_inside_its_workers_own_directory(cluster):
+    """GPTQ's and AutoRound's saved exports (and a streamed fit's) are made under the Dask
+    worker's local directory, which Dask removes with the worker: a worker ends without
+    Python's exit handlers, and the last job's export, left to its model's finalizer, stayed
+    in the system's temporary folder (75 MB per worker on the demo families)."""
+    from quantdask.util import scratch_root
+
+    client = cluster.client
+    own = client.run(lambda dask_worker: dask_worker.local_directory)
+    made = client.submit(scratch_root, pure=False)
+    root = made.result()
+    [where] = client.who_has(made)[made.key]
+    assert root == own[where] and "dask-scratch-space" in root
+    assert scratch_root() is None  # outside a worker: the system's temporary folder

@@ -30,6 +30,7 @@ from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_mod
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError
 from quantdask.randomness import global_generators
+from quantdask.util import scratch_root
 
 BITS = (2, 3, 4, 8)
 DEFAULT_ITERS = 200  # AutoRound's own default
@@ -120,7 +121,7 @@ def quantize_autoround(source, options: AutoRoundOptions, device: str, calibrati
             batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
         with calibration.measure():
             tuner.quantize()
-    scratch = tempfile.mkdtemp(prefix="quantdask-autoround-")
+    scratch = tempfile.mkdtemp(prefix="quantdask-autoround-", dir=scratch_root())
     try:
         export = os.path.join(scratch, "model")
         tuner.save_quantized(export, format="auto_round", inplace=True)

@@ -41,6 +41,7 @@ from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_mod
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere
 from quantdask.randomness import global_generators
+from quantdask.util import scratch_root
 
 GPTQMODEL = ("gptqmodel", "gptqmodel", "'quantdask[gptq]'")  # module, name, install
 
@@ -262,7 +263,7 @@ def _quantize(method: str, source, options, device: str, calibration):
         wrapped = MODEL_MAP.get(model.config.model_type, BaseQModel)(
             model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
             model_local_path=source.spec.location)
-        scratch = tempfile.mkdtemp(prefix=f"quantdask-{method}-")
+        scratch = tempfile.mkdtemp(prefix=f"quantdask-{method}-", dir=scratch_root())
         export = os.path.join(scratch, "model")
         try:
             _fit_and_save(wrapped, calibration, extra, scratch, export)

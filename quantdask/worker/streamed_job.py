@@ -18,6 +18,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from quantdask.errors import UnsupportedHere
+from quantdask.util import scratch_root
 from quantdask.worker.coverage import Coverage, coverage
 from quantdask.worker.layers import OutputErrors, weight_errors
 from quantdask.worker.metrics import QualityMeter
@@ -125,7 +126,7 @@ def _layer_hook(run: JobRun) -> LayerHook | None:
         raise UnsupportedHere(refusal)
     if backend.quantize_module is None and backend.quantize_streamed is not None:
         folder = run.holding.enter_context(
-            tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-"))
+            tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-", dir=scratch_root()))
         saved = backend.quantize_streamed(run.source, job.options, run.device,
                                           calibration_of(run), folder)
         return SavedLayers(saved, run.device)
