@@ -90,7 +90,7 @@ def import_offline(module: str):
     import importlib
     import sys
 
-    if module in sys.modules:
+    if sys.modules.get(module) is not None:  # (None there: its import fails, as it should)
         return sys.modules[module]
     try:
         from huggingface_hub import constants as hub
