@@ -5,6 +5,8 @@ on the demo model and test families; each layer read once, only while its turn l
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -165,6 +167,13 @@ def test_a_streamed_sweep_records_what_the_resident_one_does(cluster, tmp_path):
     for column in ("layer", "weight_rel_error", "output_rel_error"):
         assert weights["always"][column].to_list() == weights["never"][column].to_list(), column
     assert weights["always"]["output_rel_error"].is_not_null().all()
+    # Each job's log says each layer's turn as it ends (what `quantdask logs` shows of a
+    # long pass while it runs).
+    layers = json.loads((Path(DEMO_MODEL_DIR) / "config.json").read_text())["num_hidden_layers"]
+    for job_id in streamed_run["job_id"]:
+        log = (tmp_path / "always" / "logs" / "jobs" / f"{job_id}.log").read_text()
+        turns = re.findall(r"layer (\d+)/(\d+) streamed: [\d.]+ \w+ read in [\d.]+ s, ran in", log)
+        assert turns == [(str(i), str(layers)) for i in range(1, layers + 1)], log
 
 
 class SmallDevices:
@@ -418,7 +427,6 @@ def test_a_streamed_job_holds_no_layer_past_its_turn(tmp_path, monkeypatch):
     collector off): a pass that kept them would hold the whole model by its end, as a 2 GB
     model's GPTQ job once did until its worker was killed at its memory limit."""
     import gc
-    import re
     import weakref
 
     import quantdask.worker.streamed_job as streamed_job

@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quantdask.errors import UnsupportedHere
+from quantdask.util import format_bytes
 from quantdask.worker.checkpoint_reader import CheckpointReader
 from quantdask.worker.logits import LogProbSlice, sliced_log_probs
 from quantdask.worker.probes import decoder_layers
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 
 LayerHook = Callable[["torch.nn.Module", str], "torch.nn.Module"]
 """``quantize_layer(layer, its module name) -> layer``: a decoder layer as a job runs it."""
+log = logging.getLogger("quantdask.job")  # the running attempt's own log
+
 LayerSeen = Callable[[str, "torch.nn.Module", dict[str, "torch.Tensor"]], "LayerWatch | None"]
 """``on_layer(its module name, layer as run, its full-precision state)``: each layer's turn;
 what it returns watches the layer while it runs (``LayerWatch``)."""
@@ -152,8 +156,16 @@ class StreamedModel:
         for index in range(len(self.skeletons)):
             began, read = time.perf_counter(), self.reader.bytes_read
             let_go(self.layer(index))
-            self.timings.append(LayerTiming(index, self.reader.bytes_read - read,
-                                            time.perf_counter() - began, 0.0))
+            self._took(LayerTiming(index, self.reader.bytes_read - read,
+                                   time.perf_counter() - began, 0.0))
+
+    def _took(self, timing: LayerTiming) -> None:
+        """Note a layer's turn, and say so in the job's log: a streamed pass of a large
+        model runs for minutes, and its log is what ``quantdask logs`` shows meanwhile."""
+        self.timings.append(timing)
+        log.info("layer %d/%d streamed: %s read in %.2f s, ran in %.2f s", timing.index + 1,
+                 len(self.skeletons), format_bytes(timing.bytes_read), timing.load_s,
+                 timing.run_s)
 
     @contextlib.contextmanager
     def outside_layers(self) -> Iterator[torch.nn.Module]:
@@ -213,8 +225,8 @@ class StreamedModel:
             for index, skeleton in enumerate(self.skeletons):
                 self.layers[index] = skeleton
             let_go(first)
-        self.timings.append(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
-                                        time.perf_counter() - loaded))
+        self._took(LayerTiming(0, self.reader.bytes_read - read, loaded - began,
+                               time.perf_counter() - loaded))
         return batches
 
     def _run_layer(self, index: int, batches: _Batches) -> None:
@@ -230,8 +242,8 @@ class StreamedModel:
                     batches.hidden[start] = output[0] if isinstance(output, tuple) else output
         finally:  # an error (out of memory, say) must not keep the layer for the retry
             let_go(layer)
-        self.timings.append(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
-                                        time.perf_counter() - loaded))
+        self._took(LayerTiming(index, self.reader.bytes_read - read, loaded - began,
+                               time.perf_counter() - loaded))
 
     @contextlib.contextmanager
     def _watching(self) -> Iterator[Callable[[slice], None]]:
