@@ -520,9 +520,16 @@ def test_quickstart_notebook_runs_a_sweep_on_its_own_cluster(tmp_path, write_swe
     assert blocking.select(metrics).sort("job_id").equals(results.select(metrics).sort("job_id"))
 
 
-def test_a_failing_notebook_names_the_cell(tmp_path):
+def test_a_failing_notebook_names_the_cell(tmp_path, monkeypatch):
+    import tempfile
+
+    temporary = tmp_path / "temporary"  # the system's temporary folder, for this test
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     with pytest.raises(ReportError, match="holds no results"):
         execute_notebook("report", {"run_dir": str(tmp_path)}, cwd=tmp_path)
+    # The kernel's sockets, its stderr and its connection file went with it.
+    assert list(temporary.iterdir()) == []
     with pytest.raises(ReportError, match="no notebook 'nope'"):
         execute_notebook("nope")
 

@@ -160,8 +160,11 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
     # is shown only when something failed.
     with tempfile.TemporaryDirectory(prefix="quantdask-kernel-") as scratch, \
             open(os.path.join(scratch, "stderr.log"), "w+") as kernel_stderr:
+        # Its connection file there too: by default jupyter_client writes it to a temporary
+        # file of its own and leaves it behind, one per report.
         kernel = _report_kernel_manager()(kernel_name="python3", transport="ipc",
-                                          ip=os.path.join(scratch, "kernel"))
+                                          ip=os.path.join(scratch, "kernel"),
+                                          connection_file=os.path.join(scratch, "kernel.json"))
         client = NotebookClient(nb, km=kernel, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": str(cwd)}})
         try:
