@@ -523,13 +523,19 @@ def test_quickstart_notebook_runs_a_sweep_on_its_own_cluster(tmp_path, write_swe
 def test_a_failing_notebook_names_the_cell(tmp_path, monkeypatch):
     import tempfile
 
-    temporary = tmp_path / "temporary"  # the system's temporary folder, for this test
-    temporary.mkdir()
+    import psutil
+
+    # The system's temporary folder, for this test (short: the kernel's sockets are in it)
+    temporary = Path(tempfile.mkdtemp())
     monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     with pytest.raises(ReportError, match="holds no results"):
         execute_notebook("report", {"run_dir": str(tmp_path)}, cwd=tmp_path)
-    # The kernel's sockets, its stderr and its connection file went with it.
+    # The kernel's sockets, its stderr and its connection file went with it, and so did the
+    # kernel itself.
     assert list(temporary.iterdir()) == []
+    temporary.rmdir()
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if "quantdask.report.kernel" in " ".join(p.cmdline())]
     with pytest.raises(ReportError, match="no notebook 'nope'"):
         execute_notebook("nope")
 

@@ -168,7 +168,10 @@ def execute_notebook(notebook: str | os.PathLike, parameters: dict[str, Any] | N
         client = NotebookClient(nb, km=kernel, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": str(cwd)}})
         try:
-            client.execute(stderr=kernel_stderr)
+            # cleanup_kc: shut the kernel down at the end. nbclient does so only for a kernel
+            # manager it made itself; given ours, it left each report's kernel running (a
+            # process of 300-900 MB) until this process exited.
+            client.execute(stderr=kernel_stderr, cleanup_kc=True)
         except CellExecutionError as error:
             raise ReportError(f"notebook {path} failed:\n{error}") from None
         except Exception as error:  # the kernel died or timed out
