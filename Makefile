@@ -37,9 +37,9 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 6.2 minutes (371 s) last measured on
-# an otherwise idle 2-core machine, 2026-12-04, where the suite is CPU-bound (more processes
-# are slower: 12 minutes with -n 4).
+# process), the longest files first (tests/conftest.py): 6.2 and 7.0 minutes (371 s, 419 s)
+# in two runs on an otherwise idle 2-core machine, 2026-12-04, where the suite is CPU-bound
+# (more processes are slower: 12 minutes with -n 4).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
