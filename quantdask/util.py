@@ -1,11 +1,13 @@
 """Small helpers every layer uses: one clock reading for records, one atomic write, one way to
-format durations and byte counts. Standard library only, so any module may import it."""
+format durations and byte counts, where a job's scratch goes, imports that reach no network.
+Importing it imports the standard library only, so any module may import it."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 _UMASK = os.umask(0)
@@ -78,6 +80,9 @@ def scratch_root() -> str | None:
         return None
 
 
+_OFFLINE_IMPORTS = threading.RLock()  # (re-entrant: an import may import another)
+
+
 def import_offline(module: str):
     """``module`` imported with the Hugging Face Hub offline while its import runs.
 
@@ -96,12 +101,13 @@ def import_offline(module: str):
         from huggingface_hub import constants as hub
     except ImportError:  # no Hub client: nothing could reach the Hub
         return importlib.import_module(module)
-    online = hub.HF_HUB_OFFLINE
-    hub.HF_HUB_OFFLINE = True
-    try:
-        return importlib.import_module(module)
-    finally:
-        hub.HF_HUB_OFFLINE = online
+    with _OFFLINE_IMPORTS:  # two jobs' imports at once would put back each other's setting
+        online = hub.HF_HUB_OFFLINE
+        hub.HF_HUB_OFFLINE = True
+        try:
+            return importlib.import_module(module)
+        finally:
+            hub.HF_HUB_OFFLINE = online
 
 
 def import_datasets_offline():

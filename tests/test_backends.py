@@ -405,3 +405,25 @@ def test_a_modules_own_format_alone_takes_only_what_applies_to_it():
     grouped = hqq.normalize({"bits": 4, "group_size": 32, "modules": {"a": {"bits": 2}}}, "c")
     assert (module_options(hqq, grouped, "a").bits,
             module_options(hqq, grouped, "a").group_size) == (2, 32)  # the config's group
+
+
+def test_libraries_are_imported_with_the_hub_offline_and_the_setting_put_back(tmp_path,
+                                                                           monkeypatch):
+    """bitsandbytes fetches a CPU kernel from the Hub as it is imported (on AVX512-BF16, with
+    ``kernels`` installed): quantdask's imports of the libraries see the Hub offline, and
+    leave the setting as it was, after an import that fails too."""
+    from huggingface_hub import constants as hub
+
+    from quantdask.util import import_offline
+
+    (tmp_path / "sees_the_hub.py").write_text(
+        "from huggingface_hub import constants\nOFFLINE = constants.HF_HUB_OFFLINE\n")
+    (tmp_path / "fails_to_import.py").write_text("raise ImportError('not here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    assert import_offline("sees_the_hub").OFFLINE is True
+    assert hub.HF_HUB_OFFLINE is False
+    with pytest.raises(ImportError, match="not here"):
+        import_offline("fails_to_import")
+    assert hub.HF_HUB_OFFLINE is False
+    monkeypatch.delitem(sys.modules, "sees_the_hub")
