@@ -137,14 +137,17 @@ def memory_limit_note(peak_rss: int | None, limit: int | None) -> str | None:
     >>> memory_limit_note(500 * 2**20, 1_144 * 2**20) is None
     True
     """
+    import dask
+
     from quantdask.util import format_bytes
 
     if not peak_rss or not limit or peak_rss < NEAR_THE_LIMIT * limit:
         return None
+    terminate = dask.config.get("distributed.worker.memory.terminate") or 0.95
     return (f"; its worker held {format_bytes(peak_rss)} ({peak_rss / limit:.0%} of its "
             f"{format_bytes(limit)} memory limit) when last sampled, and Dask's nanny restarts "
-            f"a worker past 95% of its limit: likely killed for memory (give the workers a "
-            f"larger memory_limit, or run fewer jobs per worker)")
+            f"a worker past {terminate:.0%} of its limit: likely killed for memory (give the "
+            f"workers a larger memory_limit, or run fewer jobs per worker)")
 
 
 def outcome_of_error(error: BaseException, job: Job, *, lost: bool, cut: bool,
