@@ -19,10 +19,11 @@ RULES = ProbeRules(retries=2, timeout_s=3600.0, backoff_s=0.05)
 ROOM = Room({"GPU": 0.5}, batch_size=8)
 
 
-def failing_first(counter: str, first: str, then_sleep: float = 0.0):
+def failing_first(counter: str, first: str, then_sleep: float = 0.0, hold_until: str = ""):
     """A task that raises ``first`` (an exception's name, "" for none) on its first attempt
-    (or sleeps ``then_sleep`` seconds, announcing its start) and then returns (its attempt,
-    the batch it was given, the resources Dask held for it). Made by value for the workers."""
+    (or sleeps ``then_sleep`` seconds, or until the file ``hold_until`` exists, announcing its
+    start) and then returns (its attempt, the batch it was given, the resources Dask held for
+    it). Made by value for the workers."""
     def task(batch_size: int):
         import builtins
         import pathlib
@@ -35,7 +36,11 @@ def failing_first(counter: str, first: str, then_sleep: float = 0.0):
         number = int(path.read_text() or 0) + 1 if path.exists() else 1
         path.write_text(str(number))
         announce_start()
-        if number == 1 and then_sleep:
+        if number == 1 and hold_until:
+            deadline = time.monotonic() + 60.0
+            while not pathlib.Path(hold_until).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        elif number == 1 and then_sleep:
             time.sleep(then_sleep)
         elif number == 1 and first:
             raise (UnsupportedHere if first == "UnsupportedHere"
@@ -89,16 +94,22 @@ def test_a_task_past_its_retries_or_unsupported_stops_the_search_naming_it(clust
 def test_a_task_past_its_deadline_is_cut_its_worker_restarted_and_it_runs_again(
         cluster, tmp_path, monkeypatch):
     restarted: list[str | None] = []
-    monkeypatch.setattr(operations, "restart_worker",
-                        lambda client, address, wait=True: restarted.append(address))
+    released = tmp_path / "restarted"  # the first attempt holds until its worker "restarts":
+    # it cannot end before its cut, however slow the polls (a fixed sleep raced them in CI)
+
+    def restart(client, address, wait=True) -> None:
+        restarted.append(address)
+        released.touch()
+
+    monkeypatch.setattr(operations, "restart_worker", restart)
     now = [0.0]  # the driver's clock: each poll moves it on 10 s
 
     def tick() -> None:
         now[0] += 10.0
 
     rules = ProbeRules(retries=2, timeout_s=30.0, backoff_s=0.05)
-    got = run_all(cluster.client, {"slow": failing_first(str(tmp_path / "slow"), "", 2.0)},
-                  rules, tick=tick, clock=lambda: now[0])
+    slow = failing_first(str(tmp_path / "slow"), "", hold_until=str(released))
+    got = run_all(cluster.client, {"slow": slow}, rules, tick=tick, clock=lambda: now[0])
     assert got["slow"][0] == 2
     assert len(restarted) == 1 and restarted[0] in cluster.client.scheduler_info()["workers"]
 
