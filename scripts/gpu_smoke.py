@@ -452,6 +452,16 @@ class Packer:
         raise Terminated("SIGTERM")
 
 
+def no_cuda() -> bool:
+    """True when torch imports and sees no CUDA GPU (a torch that cannot import is named with
+    the rest by ``cannot_import``)."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - any import failure: reported by cannot_import
+        return False
+    return not torch.cuda.is_available()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU slots instead of GPUs")
@@ -465,6 +475,10 @@ def main() -> int:
     print(f"smoke: {host_memory()}", flush=True)
     print(f"smoke: {backends_left_out()}", flush=True)
     out = fresh_directory(args.out)  # before the imports: a refusal costs nothing
+    if not args.dry_run and no_cuda():  # before the other imports too (seconds of CPU)
+        print("smoke: no CUDA GPU visible (torch.cuda.is_available() is False); "
+              "use --dry-run to check the script on CPU", file=sys.stderr)
+        return 2
     stages = Stages()
     with stages("imports"):
         missing = cannot_import()
@@ -474,12 +488,6 @@ def main() -> int:
               "here); elsewhere run 'make test' first or set PYTHON", file=sys.stderr)
         return 2
     import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
-        print("smoke: no CUDA GPU visible (torch.cuda.is_available() is False); "
-              "use --dry-run to check the script on CPU", file=sys.stderr)
-        return 2
     out.mkdir(parents=True, exist_ok=True)
     print(f"smoke: writing {out}; torch {torch.__version__} (CUDA {torch.version.cuda})",
           flush=True)
