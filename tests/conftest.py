@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
+from quantdask.report.kernel import leave_out_iri_checker
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,6 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 # slot does, instead of two OpenMP threads apiece spinning against the other process. (Before
 # torch is imported; the commands the tests start inherit it.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The tests' processes check charts and notebooks as the `quantdask` command does: without
+# jsonschema's IRI format checker, whose import took 3.7 s of CPU in each pytest process.
+leave_out_iri_checker()
 
 # The files that take longest, longest first (each file's test durations summed under `make
 # test`; every file of 10 s or more). `make test` runs two pytest processes that take whole
@@ -153,3 +158,22 @@ def calibration_file(tmp_path_factory, sentences: int, seed: int) -> str:
     path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
     path.write_text(generate_text(sentences, seed=seed))
     return str(path)
+
+
+# scripts/suite_cpu.py: each test's span (its process, start, end), to attribute the CPU of
+# every process the suite starts to the test that started it.
+_TEST_SPANS = os.environ.get("QUANTDASK_TEST_SPANS")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import time
+
+    started = time.time()
+    yield
+    if _TEST_SPANS:
+        import json
+
+        with open(_TEST_SPANS, "a", encoding="utf-8") as spans:
+            spans.write(json.dumps({"pid": os.getpid(), "test": item.nodeid, "start": started,
+                                    "end": time.time()}) + "\n")

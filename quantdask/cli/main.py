@@ -29,6 +29,7 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
+from quantdask.report.kernel import leave_out_iri_checker
 from quantdask.worker import library_noise
 
 
@@ -223,7 +224,10 @@ def command() -> NoReturn:
     The exit skips Python's teardown of the modules (after the exit handlers have run, logging's
     flush among them): with torch and transformers imported, that teardown took about 2 s of
     CPU after the command had finished its work. An exception still ends the program as usual.
+    Its reports' charts and notebooks are checked without jsonschema's IRI format checker
+    (``leave_out_iri_checker``), as in the report kernel.
     """
+    leave_out_iri_checker()
     status = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
