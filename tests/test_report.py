@@ -611,3 +611,26 @@ def test_the_iri_format_checker_is_left_out_and_notebooks_and_charts_still_valid
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == {"chart": "point", "iri_parser": False,
                                       "format_checker": True}
+
+
+def test_the_vega_bundle_is_built_once_per_vl_convert_version_and_kept_whole(tmp_path,
+                                                                             monkeypatch):
+    from importlib.metadata import version
+
+    import vl_convert
+
+    from quantdask.report.html import vega_bundle
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = []
+    monkeypatch.setattr(vl_convert, "javascript_bundle",
+                        lambda: built.append(1) or 'var a = "</script>";')
+    assert vega_bundle() == 'var a = "<\\/script>";' == vega_bundle()  # a closing tag escaped
+    assert built == [1]  # the second read the cache
+    [cached] = (tmp_path / "quantdask").iterdir()
+    assert version("vl-convert-python") in cached.name
+    cached.write_text('var a = "cut sho')  # not a whole bundle (no end mark): built again
+    assert vega_bundle() == 'var a = "<\\/script>";' and built == [1, 1]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")  # a cache folder that cannot be made: built each time
+    assert vega_bundle() == 'var a = "<\\/script>";' and built == [1, 1, 1]
