@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -167,13 +169,9 @@ _TEST_SPANS = os.environ.get("QUANTDASK_TEST_SPANS")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    import time
-
     started = time.time()
     yield
     if _TEST_SPANS:
-        import json
-
         with open(_TEST_SPANS, "a", encoding="utf-8") as spans:
             spans.write(json.dumps({"pid": os.getpid(), "test": item.nodeid, "start": started,
                                     "end": time.time()}) + "\n")

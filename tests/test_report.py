@@ -634,3 +634,6 @@ def test_the_vega_bundle_is_built_once_per_vl_convert_version_and_kept_whole(tmp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     (tmp_path / "file").write_text("")  # a cache folder that cannot be made: built each time
     assert vega_bundle() == 'var a = "<\\/script>";' and built == [1, 1, 1]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    assert vega_bundle() == 'var a = "<\\/script>";' and built == [1, 1, 1, 1]  # none kept

@@ -112,9 +112,10 @@ def vega_bundle() -> str:
 
     import vl_convert
 
-    cached = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask"
-              / f"vega-bundle-vl-convert-{version('vl-convert-python')}.js")
-    with contextlib.suppress(OSError, UnicodeDecodeError):
+    cached: Path | None = None  # no home folder (RuntimeError): nothing kept
+    with contextlib.suppress(OSError, RuntimeError, UnicodeDecodeError):
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask"
+        cached = folder / f"vega-bundle-vl-convert-{version('vl-convert-python')}.js"
         text = cached.read_text(encoding="utf-8")
         if text.endswith(BUNDLE_END):  # a whole file (it is written all or nothing)
             return text[:-len(BUNDLE_END)]
@@ -122,8 +123,10 @@ def vega_bundle() -> str:
     # the optional `snippet` required: its default assigns vegaEmbed etc. to `window`.)
     bundle = vl_convert.javascript_bundle().replace(  # type: ignore[call-arg]
         "</script", "<\\/script")
-    with contextlib.suppress(OSError):
-        atomic_write(cached, lambda f: f.write((bundle + BUNDLE_END).encode()), durable=False)
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            atomic_write(cached, lambda f: f.write((bundle + BUNDLE_END).encode()),
+                         durable=False)
     return bundle
 
 
