@@ -73,10 +73,11 @@ def attribute(about: dict, cpu: dict, spans: list[dict]) -> tuple[collections.Co
             key = max(parents, key=lambda k: about[k]["start"])
         return None
 
-    def at(key: str, when: float) -> float:
-        series = cpu[key]
-        i = bisect.bisect_right([t for t, _ in series], when)
-        return series[i - 1][1] if i else 0.0
+    times = {key: [t for t, _ in series] for key, series in cpu.items()}
+
+    def at(key: str, when: float) -> float:  # its CPU at ``when`` (0 before it was seen)
+        i = bisect.bisect_right(times[key], when)
+        return cpu[key][i - 1][1] if i else 0.0
 
     per_test, per_kind, unattributed = (collections.Counter() for _ in range(3))
     roots = {key: runner(key) for key in about}
