@@ -333,9 +333,20 @@ def test_truncated_prompts_are_counted_as_lm_eval_cuts_them(monkeypatch):
         == {0}
 
 
-def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path):
+def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, monkeypatch):
     """A generate_until task: lm-eval keeps the last max_length - max_gen_toks tokens of a
-    prompt (max_new_tokens spelled as the task spells it)."""
+    prompt (max_new_tokens spelled as the task spells it). Scoring starts no command (lm-eval
+    would run git and torch's collect_env: pip, conda, nvidia-smi... at every job)."""
+    import subprocess
+
+    commands = []
+
+    class RecordedPopen(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            commands.append(args)
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", RecordedPopen)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantdask.worker.tasks import evaluate_tasks
@@ -363,6 +374,7 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path):
     [row] = evaluate_tasks(model, tokenizer, settings)
     assert row["metric"] == "exact_match" and row["samples"] == 12
     assert row["truncated_samples"] == sum(n > window - 4 for n in lengths) > 0
+    assert commands == []
 
 
 # --- the task phase inside a job: failures and deadlines -------------------------------------
