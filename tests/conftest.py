@@ -9,6 +9,7 @@ import socket
 import time
 from pathlib import Path
 
+import dask
 import pytest
 import yaml
 
@@ -21,6 +22,18 @@ REPO = Path(__file__).resolve().parent.parent
 # slot does, instead of two OpenMP threads apiece spinning against the other process. (Before
 # torch is imported; the commands the tests start inherit it.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Dask's own monitoring, at a pace the suite can afford: its sampling profiler (every worker's
+# stack every 10 ms, for the dashboard's profile page) off, and the event loop's tick (its
+# "unresponsive" warning, every 20 ms) once a second. An idle 2-slot cluster took 12% of a core
+# with them (4% with these), and the suite keeps one per pytest process. Nothing a test checks
+# depends on either; the commands the tests start inherit them.
+DASK_MONITORING = {"distributed.worker.profile.enabled": False,
+                   "distributed.admin.tick.interval": "1s"}
+for _key, _value in DASK_MONITORING.items():
+    os.environ.setdefault("DASK_" + _key.upper().replace(".", "__").replace("-", "_"),
+                          str(_value))
+dask.config.set(DASK_MONITORING)
 
 # The tests' processes check charts and notebooks as the `quantdask` command does: without
 # jsonschema's IRI format checker, whose import took 3.7 s of CPU in each pytest process.
