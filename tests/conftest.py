@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -113,6 +114,12 @@ def in_process_jobs_run_on_the_cpu():
 def demo_model() -> str:
     assert os.path.isfile(os.path.join(DEMO_MODEL_DIR, "config.json")), "data/demo-model missing"
     return DEMO_MODEL_DIR
+
+
+OUR_LINE = re.compile(
+    r"^(quantdask[: ]|\d{4}-\d\d-\d\d[ T][\d:,.]+ (INFO|WARNING|ERROR) quantdask)")
+"""A line quantdask itself writes to the terminal's stderr (the libraries' notices go to the
+logs unless -v)."""
 
 
 def sweep_dict(**overrides) -> dict:

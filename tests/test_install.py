@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import OUR_LINE
+
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 # What a checkout holds that is not source: the venv, runs, caches, earlier builds.
@@ -176,4 +178,8 @@ def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_p
     # Every section filled: the demo's speed block gives the speed section its figures.
     assert "this sweep timed no generation" not in report.read_text(encoding="utf-8")
     assert "WARNING" not in demo.stderr  # notebook and kernel clean-up stay quiet
+    # Only quantdask's own lines on stderr: the libraries' notices (their imports, lm-eval's
+    # `git describe` in a folder that is no repository, as this one) stay in the logs.
+    assert all(OUR_LINE.match(line) for line in demo.stderr.splitlines() if line.strip()), \
+        demo.stderr
     assert _snapshot(site / "quantdask") == installed  # the demo wrote nothing into the install
