@@ -133,11 +133,12 @@ def test_gpu_smoke_judges_sharing_by_what_surely_ran_at_once_not_by_the_clock(tm
 
 def test_gpu_smoke_names_the_import_that_fails(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
-    (tmp_path / "polars.py").write_text("raise ImportError('polars is broken here')\n")
+    # The first of its imports (the others would cost seconds before it)
+    (tmp_path / "bitsandbytes.py").write_text("raise ImportError('bitsandbytes is broken here')\n")
     run = subprocess.run(["bash", "scripts/gpu_smoke.sh", "--dry-run"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 2
-    assert "ImportError: polars is broken here" in run.stderr  # the real error, not hidden
+    assert "ImportError: bitsandbytes is broken here" in run.stderr  # the real error, not hidden
     assert "make gpu-bundle" in run.stderr
 
 
