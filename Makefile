@@ -37,10 +37,10 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 371-530 s on one otherwise idle
-# 2-core machine, 2026-12-04 (471 s on the last commit of that day), where the suite is
-# CPU-bound (more processes are slower: 12 minutes with -n 4). scripts/suite_cpu.py says
-# which tests and processes spend the CPU (benchmarks/RESULTS.md section 16).
+# process), the longest files first (tests/conftest.py): 369-390 s on one otherwise idle
+# 2-core machine, 2026-12-04 (454-530 s before that day's last changes), where the suite is
+# CPU-bound (-n 3: 358 s; 12 minutes with -n 4). scripts/suite_cpu.py says which tests and
+# processes spend the CPU (benchmarks/RESULTS.md section 16).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 

@@ -45,16 +45,15 @@ dask.config.set(DASK_MONITORING)
 leave_out_iri_checker()
 
 # The files that take longest, longest first (each file's test durations summed under `make
-# test`; every file of 10 s or more). `make test` runs two pytest processes that take whole
+# test`; every file of 9 s or more). `make test` runs two pytest processes that take whole
 # files in collection order (--no-loadscope-reorder): starting with the long files, the last
 # file to finish is a short one, not test_multinode (nor test_tasks, last alphabetically).
-LONGEST_FIRST = ("test_multinode.py", "test_benchmarks.py", "test_faults.py", "test_install.py",
-                 "test_report.py", "test_gptq.py", "test_search.py", "test_for_people.py",
-                 "test_handle.py", "test_tasks.py", "test_sweep_cluster.py",
-                 "test_calibration.py", "test_quantized_size.py", "test_kl_exact.py",
-                 "test_families.py", "test_tasks_sweep.py", "test_artifacts.py",
-                 "test_operator.py", "test_quality_independent.py", "test_speed.py",
-                 "test_bad_input.py")
+LONGEST_FIRST = ("test_multinode.py", "test_benchmarks.py", "test_faults.py", "test_gptq.py",
+                 "test_report.py", "test_install.py", "test_search.py", "test_handle.py",
+                 "test_tasks.py", "test_calibration.py", "test_streaming.py",
+                 "test_for_people.py", "test_sweep_cluster.py", "test_tasks_sweep.py",
+                 "test_quantized_size.py", "test_kl_exact.py", "test_operator.py",
+                 "test_artifacts.py")
 
 
 def pytest_collection_modifyitems(items):
