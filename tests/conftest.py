@@ -28,9 +28,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # stack every 10 ms, for the dashboard's profile page) off, the event loop's tick (its
 # "unresponsive" warning) every second instead of 20 ms, the memory monitor's reading of each
 # worker's memory every 0.5 s instead of 0.1 s, and the system monitor's (the dashboard's
-# graphs) every 2 s instead of 0.5 s. An idle 2-slot cluster took 12% of a core with Dask's
-# defaults, 1.7% with these, and the suite keeps one per pytest process. Nothing a test checks
-# depends on their pace; the commands the tests start inherit them.
+# graphs) every 2 s instead of 0.5 s. An idle 2-slot cluster takes 13% of a core with Dask's
+# defaults, 2% with these (benchmarks/idle_cluster.py), and the suite keeps one per pytest
+# process. Nothing a test checks depends on their pace; the commands the tests start inherit
+# them.
 DASK_MONITORING = {"distributed.worker.profile.enabled": False,
                    "distributed.admin.tick.interval": "1s",
                    "distributed.worker.memory.monitor-interval": "500ms",
