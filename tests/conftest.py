@@ -23,6 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 # slot does, instead of two OpenMP threads apiece spinning against the other process. (Before
 # torch is imported; the commands the tests start inherit it.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A CPU slot's job borrows the cores of idle slots (quantdask.worker.cpu_share), which are not
+# idle here: the other pytest process computes on them. OpenMP's threads then spin while they
+# wait (libgomp's default): two sweeps beside a busy process took 8.3 s of CPU with borrowed
+# cores, 5.0 s without; with passive waiting, 3.7 s and 3.2 s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Dask's own monitoring, at a pace the suite can afford: its sampling profiler (every worker's
 # stack every 10 ms, for the dashboard's profile page) off, the event loop's tick (its
