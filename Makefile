@@ -37,7 +37,7 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 369-396 s on one otherwise idle
+# process), the longest files first (tests/conftest.py): 369-411 s on one otherwise idle
 # 2-core machine, 2026-12-04 (454-530 s before that day's last changes), where the suite is
 # CPU-bound (-n 3: 358 s; 12 minutes with -n 4). scripts/suite_cpu.py says which tests and
 # processes spend the CPU (benchmarks/RESULTS.md section 16).
