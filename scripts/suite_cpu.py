@@ -9,7 +9,9 @@ The suite is CPU-bound on 2 cores (benchmarks/RESULTS.md section 16), so its tim
 of this CPU over two. A process is charged to the test that was running in the pytest process
 it descends from, for the CPU it spent during that test (a session cluster's worker is charged
 test by test). Samples every 0.3 s: a process that lives less than that is missed. What no test
-started (the kernel's own threads, other tenants) is listed apart.
+started (the kernel's own threads, other tenants) is listed apart, and so is the machine's idle
+time during each test: what tests that wait leave unused. SUITE_CPU_JSON=FILE writes every
+figure there.
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ KINDS = (("forkserver import main", "cluster worker (forked)"),
          ("gpu_smoke", "gpu smoke"), ("chromium", "chromium"), (r"\bpip\b", "pip"))
 
 
-def sample(stop: subprocess.Popen) -> tuple[dict, dict]:
-    """Until ``stop`` ends: each process's (pid, parent, start, command) and its CPU series."""
+def sample(stop: subprocess.Popen) -> tuple[dict, dict, list]:
+    """Until ``stop`` ends: each process's (pid, parent, start, command), its CPU series, and
+    the machine's idle CPU-seconds series."""
     about: dict[str, dict] = {}
     cpu: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    idle: list[tuple[float, float]] = []
     while stop.poll() is None:
         now = time.time()
+        machine = psutil.cpu_times()
+        idle.append((now, machine.idle + getattr(machine, "iowait", 0.0)))
         for process in psutil.process_iter(["pid", "ppid", "cmdline", "cpu_times",
                                             "create_time", "name"]):
             info = process.info
@@ -52,7 +58,20 @@ def sample(stop: subprocess.Popen) -> tuple[dict, dict]:
                                    "cmd": " ".join(info["cmdline"] or [info["name"] or ""])})
             cpu[key].append((now, info["cpu_times"].user + info["cpu_times"].system))
         time.sleep(0.3)
-    return about, cpu
+    return about, cpu, idle
+
+
+def idle_per_test(idle: list, spans: list[dict]) -> collections.Counter:
+    """The machine's idle CPU-seconds during each test (a test beside another in the other
+    pytest process shares that idle time with it): what tests that wait leave unused."""
+    times = [t for t, _ in idle]
+
+    def at(when: float) -> float:
+        i = bisect.bisect_right(times, when)
+        return idle[i - 1][1] if i else 0.0
+
+    return collections.Counter({span["test"]: at(span["end"]) - at(span["start"])
+                                for span in spans})
 
 
 def attribute(about: dict, cpu: dict, spans: list[dict]) -> tuple[collections.Counter, ...]:
@@ -108,22 +127,29 @@ def main() -> int:
             [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile",
              "--no-loadscope-reorder", "-q", "-p", "no:cacheprovider", *sys.argv[1:]],
             cwd=REPO, env={**os.environ, "QUANTDASK_TEST_SPANS": str(spans_file)})
-        about, cpu = sample(suite)
+        about, cpu, idle = sample(suite)
         wall = time.monotonic() - started
         spans = [json.loads(line) for line in spans_file.read_text().splitlines()] \
             if spans_file.exists() else []
     per_test, per_kind, unattributed = attribute(about, cpu, spans)
+    idle_during = idle_per_test(idle, spans)
     per_file = collections.Counter()
     for (test_file, _), spent in per_kind.items():
         per_file[test_file] += spent
     print(f"\nwall {wall:.0f} s; CPU charged to tests {sum(per_test.values()):.0f} s; "
-          f"started by no test {sum(unattributed.values()):.0f} s")
+          f"started by no test {sum(unattributed.values()):.0f} s; machine idle "
+          f"{idle[-1][1] - idle[0][1] if idle else 0:.0f} CPU-s")
     for title, counts, n in (("per test file", per_file, 25), ("per file and process kind",
                              per_kind, 40), ("per test", per_test, 30),
-                             ("started by no test", unattributed, 8)):
+                             ("started by no test", unattributed, 8),
+                             ("machine idle during each test", idle_during, 25)):
         print(f"\nCPU s, {title}:")
         for what, spent in counts.most_common(n):
             print(f"{spent:8.1f}  {' / '.join(what) if isinstance(what, tuple) else what}")
+    if os.environ.get("SUITE_CPU_JSON"):  # every figure, for a closer look
+        Path(os.environ["SUITE_CPU_JSON"]).write_text(json.dumps({
+            "per_test": per_test, "idle_during": idle_during,
+            "per_kind": {" / ".join(k): v for k, v in per_kind.items()}}, indent=1))
     return suite.returncode
 
 

@@ -155,17 +155,21 @@ def test_gates_judge_each_figure_and_fail_an_unmeasured_one():
 
 
 def choice_log_likelihoods(model, tokenizer, query: str, choices: list[str]) -> list[float]:
-    """Sum of the log-probs of " " + choice after ``query``, one forward pass per choice, in
-    float64, with plain transformers: the whole string and the query tokenized with the
-    tokenizer's defaults, the continuation being the whole's tokens past the query's."""
+    """Sum of the log-probs of " " + choice after ``query``, with plain transformers, the
+    log-softmax in float64: the whole string and the query tokenized with the tokenizer's
+    defaults, the continuation being the whole's tokens past the query's. The choices go in
+    one forward pass, each padded at its end: a causal model's logits at a position depend on
+    the tokens before it only, so the padding changes none that is read."""
     context = tokenizer(query)["input_ids"]
+    wholes = [tokenizer(query + " " + choice)["input_ids"] for choice in choices]
+    width = max(len(whole) for whole in wholes) - 1
+    inputs = torch.tensor([whole[:-1] + [0] * (width - len(whole) + 1) for whole in wholes])
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits.double()
     sums = []
-    for choice in choices:
-        whole = tokenizer(query + " " + choice)["input_ids"]
+    for row, whole in zip(logits, wholes):
         continuation = whole[len(context):]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([whole[:-1]])).logits[0].double()
-        log_probs = torch.log_softmax(logits, dim=-1)[-len(continuation):]
+        log_probs = torch.log_softmax(row[:len(whole) - 1], dim=-1)[-len(continuation):]
         sums.append(log_probs.gather(1, torch.tensor(continuation)[:, None]).sum().item())
     return sums
 
@@ -279,8 +283,9 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monk
     acc, acc_norm, closest, right = hand_scores(model, tokenizer, _docs(settings))
     [(task, samples)] = per_sample["samples"].items()
     assert [bool(s["acc"]) for s in sorted(samples, key=lambda s: s["doc_id"])] == right
-    # lm-eval computes in float32 and batched; the hand computation in float64, one choice at
-    # a time: a choice within float32's rounding of the best would make the two disagree.
+    # lm-eval batches its requests its own way and sums in float32; the hand computation
+    # batches one question's choices and sums in float64: a choice within float32's rounding
+    # of the best would make the two disagree.
     assert closest > 1e-4, f"a near tie ({closest:.2g} nats): the comparison cannot decide it"
     assert rows["acc"]["samples"] == len(_docs(settings))
     assert rows["acc"]["value"] == acc
