@@ -3,6 +3,7 @@ device memory, adaptive scaling, TLS, and the SLURM recipe's job script."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import ipaddress
 import logging
@@ -19,6 +20,7 @@ import yaml
 from conftest import sweep_dict, with_slow_jobs
 from dask_processes import DaskProcesses
 from distributed import Client
+from distributed.security import Security
 
 from quantdask.cluster.local import Adapt, start_cluster, tls_security
 from quantdask.driver.sweep import run_sweep
@@ -35,35 +37,38 @@ FOUR_BIT = {"backend": BNB, "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def dask_processes(tmp_path):
-    """Factory: a DaskProcesses in tmp_path; every process it started is ended afterwards."""
-    made = []
-
-    def make(tls=None) -> DaskProcesses:
-        made.append(DaskProcesses(tmp_path, tls))
-        return made[-1]
-
-    yield make
-    for processes in made:
-        processes.close()
-
-
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    """Two `dask worker` nodes ("node-1", "node-2": nanny and all) and their scheduler, shared
-    by the tests below in order: the first kills node-2 mid-sweep, the next runs on node-1
-    alone, the last takes node-1 away for good."""
-    nodes = DaskProcesses(tmp_path_factory.mktemp("nodes"))
+    """Two `dask worker` nodes ("node-1", "node-2": nanny and all) and their scheduler, every
+    connection over TLS with certificates made here (``Nodes``), shared by the tests below in
+    order: the first checks who gets in, the next kills node-2 mid-sweep, the next runs on
+    node-1 alone, the last takes node-1 away for good."""
+    directory = tmp_path_factory.mktemp("nodes")
+    tls = make_certificates(directory)
+    nodes = DaskProcesses(directory, tls)
     try:
         address = nodes.start_scheduler()
         for name in ("node-1", "node-2"):
             # One thread each: Dask queues a second task on a node while one runs.
             nodes.start_worker(name)
-        wait_for_workers(address, {"node-1", "node-2"})
-        yield nodes, address
+        security = tls_security(*tls)
+        wait_for_workers(address, {"node-1", "node-2"}, security)
+        yield Nodes(nodes, address, tls, security)
     finally:
         nodes.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    processes: DaskProcesses
+    address: str
+    tls: tuple[str, str, str]  # (ca, cert, key) PEM paths
+    security: Security
+
+    def tls_args(self) -> list[str]:
+        """The same certificates as `quantdask run` takes them."""
+        ca, cert, key = self.tls
+        return ["--tls-ca-file", ca, "--tls-cert", cert, "--tls-key", key]
 
 
 def wait_for_workers(address: str, names: set[str], security=None, timeout_s: float = 90):
@@ -87,12 +92,36 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 # -- separate `dask worker` processes: a node lost mid-sweep -------------------------------------
 
 
+@pytest.mark.timeout(300)
+def test_nodes_over_tls_let_in_only_certificates_from_their_ca(two_nodes, tmp_path):
+    # The sweeps through the shared nodes (the tests below) run over the same TLS.
+    assert two_nodes.address.startswith("tls://127.0.0.1:")
+    wait_for_workers(two_nodes.address, {"node-1", "node-2"}, two_nodes.security)
+    # Without a certificate from this CA nobody gets in: not plain TCP, not TLS with a
+    # certificate from another CA.
+    (tmp_path / "other").mkdir()
+    plain = "tcp://" + two_nodes.address.removeprefix("tls://")
+    for where, security in ((plain, None), (two_nodes.address,
+                                            tls_security(*make_certificates(tmp_path / "other")))):
+        with pytest.raises((OSError, TimeoutError)):
+            Client(where, security=security, timeout=3)
+    assert two_nodes.processes.listening_addresses() == {"127.0.0.1"}
+    # A local cluster takes the same settings: every address it has is tls://.
+    with start_cluster(workers=1, security=two_nodes.security,
+                       dashboard_address=None) as cluster:
+        assert cluster.client.scheduler.address.startswith("tls://127.0.0.1:")
+        assert all(a.startswith("tls://127.0.0.1:")
+                   for a in cluster.client.scheduler_info()["workers"])
+
+
 @pytest.mark.timeout(420)
-def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, tmp_path):
-    nodes, address = two_nodes  # node-2 is killed here; the tests after it use node-1 alone
-    resources = wait_for_workers(address, {"node-1", "node-2"})
+def test_a_sweep_over_tls_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes,
+                                                                              tmp_path):
+    # node-2 is killed here; the tests after it use node-1 alone
+    nodes, address = two_nodes.processes, two_nodes.address
+    resources = wait_for_workers(address, {"node-1", "node-2"}, two_nodes.security)
     # Each worker advertises its device memory (here a CPU slot: its memory limit).
-    with Client(address) as client:
+    with Client(address, security=two_nodes.security) as client:
         limits = {str(w["name"]): w["memory_limit"]
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
     assert {name: r["GPU"] for name, r in resources.items()} == dict.fromkeys(limits, 1)
@@ -109,7 +138,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
     with open(tmp_path / "driver.log", "wb") as log:
         driver = subprocess.Popen(
             [QUANTDASK, "run", str(sweep_file), "--scheduler", address, "--run-dir", str(run_dir),
-             "--no-report"], stdout=log, stderr=subprocess.STDOUT)
+             "--no-report", *two_nodes.tls_args()], stdout=log, stderr=subprocess.STDOUT)
     try:
         def quantizing_on_node_2() -> bool:
             # The driver prints each start within a quarter second (it writes to a file, so
@@ -126,6 +155,7 @@ def test_a_sweep_through_scheduler_survives_a_node_killed_mid_sweep(two_nodes, t
             driver.kill()
     results = read_results(run_dir)
     jobs = 1 + 4 + 2  # the baseline, four 4-bit configs, two 8-bit
+    assert f"{jobs} jobs: {jobs} done, 0 failed, 0 skipped" in (tmp_path / "driver.log").read_text()
     assert results.height == jobs and results["job_id"].n_unique() == jobs
     assert results["status"].to_list() == ["done"] * jobs
     attempts = read_attempts(run_dir)
@@ -142,8 +172,8 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
         two_nodes, tmp_path, caplog):
     from quantdask.cluster.operations import retire_worker
 
-    nodes, address = two_nodes
-    wait_for_workers(address, {"node-1"})  # node-2 was killed by the test above
+    address, security = two_nodes.address, two_nodes.security
+    wait_for_workers(address, {"node-1"}, security)  # node-2 was killed by the test above
     # nf4 goes first (the highest priority) and kills its worker; the others wait on that
     # worker meanwhile (Dask sends resource-restricted tasks to it at once).
     data = sweep_dict(name="requeue", retries=1,
@@ -154,7 +184,7 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
                                  }, {"backend": BNB, "grid": {"bits": [8]}}],
                       faults=[{"config": "nf4", "attempt": 1, "kind": "kill"}])
     caplog.set_level(logging.INFO, logger="quantdask.driver")
-    with start_cluster(address=address) as cluster:
+    with start_cluster(address=address, security=security) as cluster:
         results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
         # The last worker is kept however it fails: a sweep without workers gets nowhere.
         assert retire_worker(cluster.client, "node-1") is False
@@ -176,8 +206,9 @@ def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_pat
     import quantdask.driver.loop
 
     monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
-    nodes, address = two_nodes  # node-1, taken away below: this test comes last of the three
-    wait_for_workers(address, {"node-1"})
+    # node-1, taken away below: this test comes last of those on the shared nodes
+    nodes, address, security = two_nodes.processes, two_nodes.address, two_nodes.security
+    wait_for_workers(address, {"node-1"}, security)
     data = with_slow_jobs(sweep_dict(name="gone", retries=1, backends=[  # 1.5 s a job at least
         {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 3.0, 6.0]}}]))
 
@@ -185,7 +216,7 @@ def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_pat
         if nodes.processes["node-1"].poll() is None:
             nodes.kill("node-1")
 
-    with start_cluster(address=address) as cluster:
+    with start_cluster(address=address, security=security) as cluster:
         started = time.monotonic()
         results = run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client,
                             on_result=lose_the_only_node)
@@ -410,40 +441,6 @@ def make_certificates(directory: Path) -> tuple[str, str, str]:
                                            serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return tuple(str(p) for p in paths)
-
-
-@pytest.mark.timeout(300)
-def test_a_sweep_over_tls_with_certificates_made_here(dask_processes, tmp_path):
-    ca, cert, key = make_certificates(tmp_path)
-    nodes = dask_processes(tls=(ca, cert, key))
-    address = nodes.start_scheduler()
-    assert address.startswith("tls://127.0.0.1:")
-    nodes.start_worker("node-1")
-    wait_for_workers(address, {"node-1"}, security=tls_security(ca, cert, key))
-    # Without a certificate from this CA nobody gets in: not plain TCP, not TLS with a
-    # certificate from another CA.
-    (tmp_path / "other").mkdir()
-    plain = "tcp://" + address.removeprefix("tls://")
-    for where, security in ((plain, None),
-                            (address, tls_security(*make_certificates(tmp_path / "other")))):
-        with pytest.raises((OSError, TimeoutError)):
-            Client(where, security=security, timeout=3)
-    sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump(sweep_dict(name="tls")))
-    run = subprocess.run(
-        [QUANTDASK, "run", str(sweep_file), "--scheduler", address, "--run-dir",
-         str(tmp_path / "run"), "--no-report", "--tls-ca-file", ca, "--tls-cert", cert,
-         "--tls-key", key], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 jobs: 2 done, 0 failed, 0 skipped" in run.stdout
-    assert read_results(tmp_path / "run")["status"].to_list() == ["done"] * 2
-    assert nodes.listening_addresses() == {"127.0.0.1"}
-    # A local cluster takes the same settings: every address it has is tls://.
-    with start_cluster(workers=1, security=tls_security(ca, cert, key),
-                       dashboard_address=None) as cluster:
-        assert cluster.client.scheduler.address.startswith("tls://127.0.0.1:")
-        assert all(a.startswith("tls://127.0.0.1:")
-                   for a in cluster.client.scheduler_info()["workers"])
 
 
 def test_tls_options_name_what_is_missing(tmp_path, capsys, monkeypatch):
