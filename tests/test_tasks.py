@@ -548,3 +548,25 @@ def test_a_task_folder_reached_through_a_link_is_local(tmp_path):
     direct = TaskSettings(names=["demo_facts"], include_path=DEMO_TASKS_DIR)
     assert settings.digests == direct.digests and len(settings.digests["demo_facts"]) == 64
     assert isinstance(settings.specs()[0], dict)
+
+
+def test_each_template_of_a_task_is_compiled_once_per_process(monkeypatch):
+    """lm-eval compiles a task's Jinja templates at every use (six times a question); jobs
+    compile each once, and score the same (the argmax tests above check the scores)."""
+    import lm_eval.utils
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantdask.worker import tasks
+
+    tasks._compiled_template.cache_clear()
+    compiled: list[str] = []
+    real = lm_eval.utils.env.from_string
+    monkeypatch.setattr(lm_eval.utils.env, "from_string",
+                        lambda source, *args, **kwargs: compiled.append(source)
+                        or real(source, *args, **kwargs))
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    rows = tasks.evaluate_tasks(model, AutoTokenizer.from_pretrained(DEMO_MODEL_DIR),
+                                TaskSettings(**DEMO_TASK, limit=16))
+    assert {row["samples"] for row in rows} == {16}
+    # Before: 99 compiles of 3 templates for 16 questions.
+    assert compiled and len(compiled) == len(set(compiled)), compiled

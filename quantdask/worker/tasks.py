@@ -96,6 +96,9 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
     # (few-shot: random.Random(seed); bootstrap: random.Random(i); loglikelihood and greedy
     # scoring draw nothing): it runs beside other seeding calls, never while a packed job's
     # library draws from the global ones (quantdask.randomness).
+    import lm_eval.utils
+
+    lm_eval.utils.apply_template = render_template  # (every caller looks it up there)
     with _offline_and_quiet(), global_generators():
         lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
                                     batch_size=settings.batch_size,
@@ -112,6 +115,22 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
                         "tokens: its %s is not the task's", row["task"], row["truncated_samples"],
                         row["samples"], lm.max_length, row["metric"])
     return rows
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled_template(source: str):
+    import lm_eval.utils
+
+    return lm_eval.utils.env.from_string(source)
+
+
+def render_template(template: str, doc: dict) -> str:
+    """lm-eval's ``utils.apply_template`` (a task's Jinja ``doc_to_text``, ``doc_to_choice``,
+    ``doc_to_target``... rendered on a document, in lm-eval's own Jinja environment), with each
+    template compiled once per process: lm-eval compiles the template string at every call,
+    about six times a question, a fifth of the task phase's CPU on the demo's task (0.45 s of
+    2.1 s for 160 questions on a CPU slot)."""
+    return _compiled_template(template).render(**doc)
 
 
 @contextlib.contextmanager
