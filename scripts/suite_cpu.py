@@ -149,7 +149,8 @@ def main() -> int:
     if os.environ.get("SUITE_CPU_JSON"):  # every figure, for a closer look
         Path(os.environ["SUITE_CPU_JSON"]).write_text(json.dumps({
             "per_test": per_test, "idle_during": idle_during,
-            "per_kind": {" / ".join(k): v for k, v in per_kind.items()}}, indent=1))
+            "per_kind": {" / ".join(k): v for k, v in per_kind.items()}, "spans": spans},
+            indent=1))
     return suite.returncode
 
 
