@@ -570,3 +570,22 @@ def test_each_template_of_a_task_is_compiled_once_per_process(monkeypatch):
     assert {row["samples"] for row in rows} == {16}
     # Before: 99 compiles of 3 templates for 16 questions.
     assert compiled and len(compiled) == len(set(compiled)), compiled
+
+
+def test_each_string_of_a_loglikelihood_task_is_tokenized_once():
+    """lm-eval encodes a question's context once per choice, and the truncation count encoded
+    every pair again: each string is encoded once (16 questions of 4 choices: 512 calls
+    before); the argmax tests above check the scores."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantdask.worker.tasks import evaluate_tasks
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    encoded: list[tuple] = []
+    real = tokenizer.encode
+    tokenizer.encode = lambda text, *args, **kwargs: encoded.append(
+        (text, *args, *sorted(kwargs.items()))) or real(text, *args, **kwargs)
+    rows = evaluate_tasks(model, tokenizer, TaskSettings(**DEMO_TASK, limit=16))
+    assert {row["samples"] for row in rows} == {16} and rows[0]["truncated_samples"] == 0
+    assert encoded and len(encoded) == len(set(encoded)), len(encoded)

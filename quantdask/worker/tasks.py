@@ -45,12 +45,35 @@ def _truncation_aware_lm():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.truncated: dict[str, set[int]] = defaultdict(set)
+            self._encodings: dict[tuple, list[int]] | None = None
+
+        def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None,
+                       **kwargs):
+            # Within one loglikelihood call each pair is encoded twice (here, to note the
+            # cuts, then by lm-eval) and a question's context once per choice: the same
+            # strings, encoded once (the demo task's phase: 1.26 s to 1.12 s of CPU).
+            if self._encodings is None or kwargs:
+                return super().tok_encode(string, add_special_tokens, left_truncate_len,
+                                          **kwargs)
+            key = (string, add_special_tokens, left_truncate_len)
+            if key not in self._encodings:
+                self._encodings[key] = super().tok_encode(string, add_special_tokens,
+                                                          left_truncate_len)
+            return list(self._encodings[key])
 
         def _note(self, request, cut: bool) -> None:
             if cut:
                 self.truncated[request.task_name].add(request.doc_id)
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self._encodings = {}
+            try:
+                self._note_cut_pairs(requests)
+                return super().loglikelihood(requests, disable_tqdm=True)
+            finally:
+                self._encodings = None
+
+        def _note_cut_pairs(self, requests) -> None:
             # The pairs as TemplateLM.loglikelihood encodes them, and the rule of
             # HFLM._loglikelihood_tokens: context + continuation longer than max_length + 1
             # tokens loses its left end.
@@ -66,7 +89,6 @@ def _truncation_aware_lm():
                         else (continuation_enc[:1], continuation_enc[1:]))
                 self._note(request, len(context_enc) + len(continuation_enc)
                            > self.max_length + 1)
-            return super().loglikelihood(requests, disable_tqdm=True)
 
         def generate_until(self, requests, disable_tqdm: bool = False):
             # HFLM.generate_until keeps the last max_length - max_gen_toks tokens of a prompt.
