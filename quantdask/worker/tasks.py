@@ -37,41 +37,49 @@ BOOTSTRAP_ITERS = 1000
 accuracy's, is analytic)."""
 
 
+class _EncodesEachStringOnce:
+    """For lm-eval's ``HFLM``: inside ``encoding_once()`` each string is tokenized once. Within
+    one loglikelihood call each pair is encoded twice (by ``TruncationAwareLM``, to note the
+    cuts, then by lm-eval) and a question's context once per choice (the demo task's phase:
+    1.26 s to 1.12 s of CPU)."""
+
+    _encodings: dict[tuple, list[int]] | None = None
+
+    def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None, **kwargs):
+        encode = super().tok_encode  # type: ignore[misc]  # HFLM's, after this in the MRO
+        if self._encodings is None or kwargs:
+            return encode(string, add_special_tokens, left_truncate_len, **kwargs)
+        key = (string, add_special_tokens, left_truncate_len)
+        if key not in self._encodings:
+            self._encodings[key] = encode(string, add_special_tokens, left_truncate_len)
+        return list(self._encodings[key])
+
+    @contextlib.contextmanager
+    def encoding_once(self):
+        self._encodings = {}
+        try:
+            yield
+        finally:
+            self._encodings = None
+
+
 def _truncation_aware_lm():
     """``HFLM`` that notes, per task, which samples lm-eval cuts to fit the model's window."""
     from lm_eval.models.huggingface import HFLM
 
-    class TruncationAwareLM(HFLM):
+    class TruncationAwareLM(_EncodesEachStringOnce, HFLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.truncated: dict[str, set[int]] = defaultdict(set)
-            self._encodings: dict[tuple, list[int]] | None = None
-
-        def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None,
-                       **kwargs):
-            # Within one loglikelihood call each pair is encoded twice (here, to note the
-            # cuts, then by lm-eval) and a question's context once per choice: the same
-            # strings, encoded once (the demo task's phase: 1.26 s to 1.12 s of CPU).
-            if self._encodings is None or kwargs:
-                return super().tok_encode(string, add_special_tokens, left_truncate_len,
-                                          **kwargs)
-            key = (string, add_special_tokens, left_truncate_len)
-            if key not in self._encodings:
-                self._encodings[key] = super().tok_encode(string, add_special_tokens,
-                                                          left_truncate_len)
-            return list(self._encodings[key])
 
         def _note(self, request, cut: bool) -> None:
             if cut:
                 self.truncated[request.task_name].add(request.doc_id)
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
-            self._encodings = {}
-            try:
+            with self.encoding_once():
                 self._note_cut_pairs(requests)
                 return super().loglikelihood(requests, disable_tqdm=True)
-            finally:
-                self._encodings = None
 
         def _note_cut_pairs(self, requests) -> None:
             # The pairs as TemplateLM.loglikelihood encodes them, and the rule of
