@@ -37,10 +37,11 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 369-411 s on one otherwise idle
-# 2-core machine, 2026-12-04 (454-530 s before that day's last changes), where the suite is
-# CPU-bound (-n 3: 358 s; 12 minutes with -n 4). scripts/suite_cpu.py says which tests and
-# processes spend the CPU (benchmarks/RESULTS.md section 16).
+# process), the longest files first (tests/conftest.py): 323-342 s on one otherwise idle
+# 2-core machine at the end of 2026-12-04, the clean clone the slowest (454-530 s that
+# morning), where the suite is CPU-bound (-n 3: no faster; 12 minutes with -n 4).
+# scripts/suite_cpu.py says which tests and processes spend the CPU, and which wait
+# (benchmarks/RESULTS.md section 16).
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
