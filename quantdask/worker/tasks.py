@@ -120,15 +120,14 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
     """The tasks frame's rows for ``model`` (a transformers causal LM, on its device):
     ``simple_evaluate`` over ``settings``' tasks, batched, seeded, offline."""
     import lm_eval
+    import lm_eval.utils
 
+    lm_eval.utils.apply_template = render_template  # (every caller looks it up there)
     seed = settings.seed
     # lm-eval seeds the process-global generators (random, numpy, torch) and draws from its own
     # (few-shot: random.Random(seed); bootstrap: random.Random(i); loglikelihood and greedy
     # scoring draw nothing): it runs beside other seeding calls, never while a packed job's
     # library draws from the global ones (quantdask.randomness).
-    import lm_eval.utils
-
-    lm_eval.utils.apply_template = render_template  # (every caller looks it up there)
     with _offline_and_quiet(), global_generators():
         lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
                                     batch_size=settings.batch_size,
@@ -158,8 +157,8 @@ def render_template(template: str, doc: dict) -> str:
     """lm-eval's ``utils.apply_template`` (a task's Jinja ``doc_to_text``, ``doc_to_choice``,
     ``doc_to_target``... rendered on a document, in lm-eval's own Jinja environment), with each
     template compiled once per process: lm-eval compiles the template string at every call,
-    about six times a question, a fifth of the task phase's CPU on the demo's task (0.45 s of
-    2.1 s for 160 questions on a CPU slot)."""
+    about six times a question (the demo task's phase, 160 questions on a CPU slot: 1.41 s to
+    1.20 s of CPU)."""
     return _compiled_template(template).render(**doc)
 
 
