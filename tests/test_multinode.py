@@ -60,6 +60,8 @@ def two_nodes(tmp_path_factory):
 
 @dataclasses.dataclass(frozen=True)
 class Nodes:
+    """The shared nodes: their processes, the scheduler's address, the certificates."""
+
     processes: DaskProcesses
     address: str
     tls: tuple[str, str, str]  # (ca, cert, key) PEM paths
