@@ -58,7 +58,6 @@ def test_submit_returns_at_once_and_waits_for_what_a_blocking_run_gives(cluster,
 
 def test_cancel_then_rerun_finishes_exactly_the_rest_none_twice(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    sweep = slow_sweep(bits=(4, 8))
     sweep = sweep_from_dict(with_slow_jobs(sweep_dict(backends=[
         {"backend": "bitsandbytes", "grid": {"bits": [4], "quant_type": ["nf4", "fp4"],
                                              "double_quant": [False, True]}}])))
