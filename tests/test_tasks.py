@@ -88,6 +88,49 @@ def test_bad_task_settings_are_refused_naming_the_field(tasks, field, words, wri
     assert err.startswith(f"quantdask: error: {field}: ") and "Traceback" not in err
 
 
+def test_a_name_in_no_task_file_is_refused_without_lm_evals_built_in_index(monkeypatch):
+    # lm-eval's index of its ~14,000 task files takes seconds of CPU; reading them as text to
+    # look for the name takes a tenth of that (tasks.builtin_task_files).
+    import quantdask.spec.tasks
+
+    built = quantdask.spec.tasks._task_manager
+
+    def without_the_built_in_index(include_paths, defaults, fingerprint):
+        assert not defaults, "lm-eval's built-in index was built"
+        return built(include_paths, defaults, fingerprint)
+
+    monkeypatch.setattr(quantdask.spec.tasks, "_task_manager", without_the_built_in_index)
+    with pytest.raises(SpecError) as error:
+        sweep_from_dict(tasks_sweep(names=["demo_facts", "hellaswg"]))
+    assert error.value.field == "tasks.names[1]"
+    assert "no lm-eval task or group is named 'hellaswg'" in error.value.message
+    assert "did you mean hellaswag" in error.value.message  # a built-in name, from its file
+
+
+def test_every_name_lm_evals_index_holds_is_in_the_task_files_text(tmp_path):
+    """The shapes lm-eval's own task files take: quoted keys, tags as flow and block lists,
+    a tag from an included file without the .yaml suffix, a name with parentheses."""
+    from lm_eval.tasks._index import TaskIndex
+
+    from quantdask.spec.tasks import task_files
+
+    (tmp_path / "a.yaml").write_text("task: alpha\ntag: [t_flow_1, t_flow_2]\n"
+                                     "dataset_path: x\n")
+    (tmp_path / "b.yaml").write_text('"task": "beta_(x)"\n"tag": "t_quoted"\n')
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "_base").write_text("tag:\n  - t_included\n  - t_two\n"
+                                            "output_type: multiple_choice\n")
+    (tmp_path / "sub" / "c.yaml").write_text("include: _base\ntask: gamma\n")
+    (tmp_path / "g.yaml").write_text("group: grp\ntask:\n  - alpha\n  - gamma\n")
+    index = TaskIndex.build([tmp_path])
+    assert set(index) == {"alpha", "beta_(x)", "gamma", "grp", "t_flow_1", "t_flow_2",
+                          "t_quoted", "t_included", "t_two"}
+    files = task_files(tmp_path)
+    assert all(name.encode() in files.text for name in index)
+    assert set(files.names) == set(index)
+    assert b"delta" not in files.text
+
+
 def test_tasks_without_lm_eval_are_refused_with_the_install_command(monkeypatch, write_sweep,
                                                                     capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError

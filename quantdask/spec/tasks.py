@@ -16,6 +16,7 @@ import difflib
 import functools
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,54 @@ def _task_manager(include_paths: tuple[str, ...], defaults: bool, fingerprint: t
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(include_paths) or None, include_defaults=defaults)
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """The text of every task file under a folder, and the names it gives tasks, groups and
+    tags (for suggestions)."""
+
+    text: bytes
+    names: tuple[str, ...]
+
+
+# A task:, group: or tag: line's value (the key quoted or not); a tag: line's block or flow
+# list; an include: line's file.
+_NAME = re.compile(rb"""^[ \t]*['"]?(?:task|group|tag)['"]?[ \t]*:[ \t]*['"]?([\w.\-()]+)""",
+                   re.M)
+_TAGS = re.compile(rb"""^[ \t]*['"]?tag['"]?[ \t]*:[ \t]*"""
+                   rb"""(\[[^\]\n]*\]|\n(?:[ \t]*-[ \t]*\S+[ \t]*\n)+)""", re.M)
+_INCLUDE = re.compile(rb"""^[ \t]*include[ \t]*:[ \t]*['"]?([^\s'"#]+)""", re.M)
+
+
+def task_files(root: Path) -> TaskFiles:
+    """Every YAML file under ``root`` as lm-eval's index walks them, and every file they
+    include (some have no .yaml suffix), read as text. Each name lm-eval's index of ``root``
+    holds (a task's, a group's, a tag's) is written in one of them, so a name found in none is
+    not there."""
+    to_read = [p for p in sorted(root.glob("**/*.yaml"))
+               if not {"__pycache__", ".ipynb_checkpoints"} & set(p.parts)]
+    texts: dict[Path, bytes] = {}
+    while to_read:
+        path = to_read.pop()
+        if path in texts or not path.is_file():
+            continue
+        texts[path] = path.read_bytes()
+        to_read += [path.parent / os.fsdecode(file) for file in _INCLUDE.findall(texts[path])]
+    text = b"\n".join(texts.values())
+    names = set(_NAME.findall(text))
+    for items in _TAGS.findall(text):
+        names.update(item.strip().lstrip(b"-").strip().strip(b"'\"")
+                     for item in re.split(rb"[\n,]", items.strip(b"[] \n")) if item.strip())
+    return TaskFiles(text, tuple(sorted(n.decode() for n in names - {b"null"})))
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_task_files() -> TaskFiles:
+    """lm-eval's own task files (about 0.3 s to read; its index of them takes seconds)."""
+    import lm_eval.tasks
+
+    return task_files(Path(lm_eval.tasks.__file__).parent)
 
 
 def _fingerprint(folders: tuple[str, ...]) -> tuple:
@@ -142,16 +191,18 @@ class TaskSettings:
         version. Unknown names, and a local task whose data files are missing, are refused."""
         import lm_eval
 
+        local = task_manager(self.include_paths, False).task_index if self.include_paths else {}
+        for i, name in enumerate(self.names):
+            # A name in no built-in task file is refused without lm-eval's built-in index, which
+            # takes seconds to build (a typo is told at once).
+            if name not in local and name.encode() not in builtin_task_files().text:
+                raise self._unknown(i, name, [*local, *builtin_task_files().names])
         index = self.manager().task_index
         digests = {}
         for i, name in enumerate(self.names):
             entry = index.get(name)
             if entry is None:
-                close = difflib.get_close_matches(name, list(index), n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise SpecError(f"names[{i}]", f"no lm-eval task or group is named {name!r} "
-                                f"(lm-eval {lm_eval.__version__}, include_path: "
-                                f"{list(self.include_paths) or 'none'}){hint}")
+                raise self._unknown(i, name, list(index))
             if not self._is_local(entry):
                 digests[name] = f"lm-eval {lm_eval.__version__}"
                 continue
@@ -169,6 +220,15 @@ class TaskSettings:
                 sha.update(str(path.name).encode() + b"\0" + path.read_bytes())
             digests[name] = sha.hexdigest()
         return digests
+
+    def _unknown(self, i: int, name: str, known: list[str]) -> SpecError:
+        import lm_eval
+
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return SpecError(f"names[{i}]", f"no lm-eval task or group is named {name!r} (lm-eval "
+                                        f"{lm_eval.__version__}, include_path: "
+                                        f"{list(self.include_paths) or 'none'}){hint}")
 
     def _is_local(self, entry) -> bool:
         yaml_path = getattr(entry, "yaml_path", None)
