@@ -289,6 +289,10 @@ def fresh_directory(path: str | None) -> Path:
 
 def cannot_import() -> str:
     """The last lines of the error if what the smoke needs does not import here, else ''."""
+    # Offline, as quantdask's workers import it (quantdask.util.import_offline): on a processor
+    # with AVX512-BF16, bitsandbytes would look for a CPU kernel on the Hub as it is imported.
+    # The smoke needs nothing from the network (the lent machine reaches none).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import bitsandbytes  # noqa: F401
         import dask.distributed  # noqa: F401
@@ -564,6 +568,9 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
     check(all(re.fullmatch(device_pattern, d or "") for d in results["device"]),
           f"every job recorded its device as {device_pattern}: "
           f"{sorted(set(results['device'].to_list()))}")
+    # (Said as soon as the sweep's results are in: a smoke cut later still says it.)
+    print(f"smoke: no HTML report here; where the Jupyter stack is: quantdask report "
+          f"{out / 'sweep'}", flush=True)
     print_tasks(tasks, results)
     for ok, what in task_checks(tasks, results, TASK_LIMIT[args.dry_run]):
         check(ok, what)
@@ -613,8 +620,6 @@ def run_checks(args, out: Path, check, stages: Stages) -> None:
     with stages("tests/test_gpu.py"):
         ok, summary = run_gpu_tests(out, args.dry_run)
     check(ok, f"tests/test_gpu.py: {summary}")
-    print(f"smoke: no HTML report here; where the Jupyter stack is: quantdask report "
-          f"{out / 'sweep'}", flush=True)
 
 
 if __name__ == "__main__":
