@@ -54,11 +54,11 @@ leave_out_iri_checker()
 # test`; every file of 9 s or more). `make test` runs two pytest processes that take whole
 # files in collection order (--no-loadscope-reorder): starting with the long files, the last
 # file to finish is a short one, not test_multinode (nor test_tasks, last alphabetically).
-# test_faults comes before the smoke (test_benchmarks): its deadlines then wait beside
-# test_multinode's busy start, not beside its waiting end (machine idle 91 to 85 CPU-s).
-LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_benchmarks.py", "test_gptq.py",
-                 "test_report.py", "test_install.py", "test_search.py", "test_handle.py",
-                 "test_tasks.py", "test_calibration.py", "test_streaming.py",
+# test_faults comes second: its deadlines then wait beside test_multinode's busy start, not
+# beside its waiting end (machine idle 91 to 85 CPU-s).
+LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_gptq.py",
+                 "test_install.py", "test_benchmarks.py", "test_handle.py", "test_search.py",
+                 "test_calibration.py", "test_tasks.py", "test_streaming.py",
                  "test_for_people.py", "test_sweep_cluster.py", "test_tasks_sweep.py",
                  "test_quantized_size.py", "test_kl_exact.py", "test_operator.py",
                  "test_artifacts.py")
