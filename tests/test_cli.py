@@ -19,33 +19,28 @@ from tests.conftest import REPO, sweep_dict
 pytestmark = pytest.mark.timeout(240)
 
 
-def quantdask(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantdask.cli", *args], capture_output=True,
-                          text=True, timeout=200, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
 @pytest.mark.slow
 def test_run_status_and_plan_on_a_real_cluster(cluster, write_sweep, tmp_path, capsys,
                                                 monkeypatch):
     # `quantdask run` on a cluster of its own, to its report at the end, is run end to end by
     # tests/test_install.py (`quantdask demo`, the same path: run, then report, from an
-    # installed wheel); here the command runs on the session's cluster.
+    # installed wheel); as a process of its own on an external scheduler, to its summary and
+    # exit 0, by tests/test_multinode.py (over TLS). Here the command runs in this process on
+    # the session's cluster, and the program exits with main's status (the quick-exit test).
     sweep = write_sweep(sweep_dict(backends=[{"backend": "bitsandbytes",
                                               "grid": {"bits": [4, 8]}}]))
-    run = quantdask("run", sweep, "--scheduler", cluster.client.scheduler.address,
-                    "--no-report", cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert "2 workers (external); Dask dashboard: http://127.0.0.1:" in run.stdout
-    assert "3 jobs: 3 done, 0 failed, 0 skipped" in run.stdout
-    run_dir = tmp_path / "runs" / "t"  # the default: runs/<sweep name>
-    assert len(list((run_dir / "results").glob("*.parquet"))) == 3
-    assert "report:" not in run.stdout and not (run_dir / "report.html").exists()
-    assert "WARNING" not in run.stderr
-
-    # The same commands in this process (the subprocess path is the run's, above).
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
+    assert main(["run", sweep, "--scheduler", cluster.client.scheduler.address,
+                 "--no-report"]) == 0
+    out, err = capsys.readouterr()
+    assert "2 workers (external); Dask dashboard: http://127.0.0.1:" in out
+    assert "3 jobs: 3 done, 0 failed, 0 skipped" in out
+    run_dir = tmp_path / "runs" / "t"  # the default: runs/<sweep name>
+    assert len(list((run_dir / "results").glob("*.parquet"))) == 3
+    assert "report:" not in out and not (run_dir / "report.html").exists()
+    assert "WARNING" not in err
+
     assert main(["status", str(run_dir)]) == 0
     status = capsys.readouterr().out
     assert "3 done" in status and status.count(" done ") == 3
@@ -61,8 +56,7 @@ def test_run_with_a_failing_job_exits_1_and_points_at_its_log(cluster, write_swe
                                                               capsys, monkeypatch):
     # More eval tokens than the text holds: the model's reference (eval windows) fails on the
     # worker, every attempt, and so does each job that depends on it. The command runs in
-    # this process: the program exits with main's status (the quick-exit test below), and
-    # the first test runs it as a subprocess.
+    # this process: the program exits with main's status (the quick-exit test below).
     data = sweep_dict(retries=1)
     data["eval"]["samples"] = 100_000
     monkeypatch.chdir(tmp_path)
