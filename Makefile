@@ -37,9 +37,9 @@ ifeq ($(CHROMIUM),)
 endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
-# process), the longest files first (tests/conftest.py): 323-365 s on one otherwise idle
-# 2-core machine at the end of 2026-12-04, the clean clone the slowest (454-530 s that
-# morning), where the suite is CPU-bound (-n 3: no faster; 12 minutes with -n 4).
+# process), the longest files first (tests/conftest.py): 277-303 s on one otherwise idle
+# 2-core machine late on 2026-12-04 (a clean clone 297.5 s; runs drift by 10%), where the
+# suite is CPU-bound (-n 3: no faster; 12 minutes with -n 4).
 # scripts/suite_cpu.py says which tests and processes spend the CPU, and which wait
 # (benchmarks/RESULTS.md section 16).
 test: $(VENV)/.installed browser
