@@ -176,13 +176,16 @@ class TaskSettings:
             resolved.append(str(Path(full).resolve()))  # as lm-eval's index holds them
         return tuple(resolved)
 
+    def _local_index(self) -> dict:
+        """lm-eval's index of the ``include_path`` folders alone ({} without any)."""
+        return task_manager(self.include_paths, False).task_index if self.include_paths else {}
+
     def manager(self):
         """The lm-eval TaskManager that finds every named task (the built-in index only when
         some name is not local)."""
-        local = task_manager(self.include_paths, False) if self.include_paths else None
-        if local is not None and all(name in local.task_index for name in self.names):
-            return local
-        return task_manager(self.include_paths, True)
+        local = self._local_index()
+        return task_manager(self.include_paths,
+                            not (local and all(name in local for name in self.names)))
 
     def _digests(self) -> dict[str, str]:
         """Per task, what its score depends on besides the settings: for a local one (its YAML
@@ -191,12 +194,12 @@ class TaskSettings:
         version. Unknown names, and a local task whose data files are missing, are refused."""
         import lm_eval
 
-        local = task_manager(self.include_paths, False).task_index if self.include_paths else {}
+        local_index = self._local_index()
         for i, name in enumerate(self.names):
             # A name in no built-in task file is refused without lm-eval's built-in index, which
             # takes seconds to build (a typo is told at once).
-            if name not in local and name.encode() not in builtin_task_files().text:
-                raise self._unknown(i, name, [*local, *builtin_task_files().names])
+            if name not in local_index and name.encode() not in builtin_task_files().text:
+                raise self._unknown(i, name, [*local_index, *builtin_task_files().names])
         index = self.manager().task_index
         digests = {}
         for i, name in enumerate(self.names):
