@@ -28,7 +28,7 @@ def main() -> None:
 
     import quantdask as qd
     from quantdask.demo_model import load_demo_sweep
-    from quantdask.spec.speed import SpeedSettings
+    from quantdask.sweepfile.speed import SpeedSettings
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     sweep = dataclasses.replace(

@@ -82,7 +82,7 @@ def _random_llama(out: Path, vocab_size: int) -> None:
 def full_log_probs(model, windows):
     import torch
 
-    from quantdask.worker.logits import sliced_log_probs
+    from quantdask.measure.logits import sliced_log_probs
 
     out = torch.empty(windows.size(0), windows.size(1) - 1, model.config.vocab_size)
     for piece in sliced_log_probs(model, windows, 8, "cpu"):
@@ -104,7 +104,7 @@ def exact_kl(log_p, log_q) -> float:
 def kl(reference, log_q, windows) -> tuple[float, float]:
     """quantdask's KL of ``log_q`` against ``reference`` on ``windows``, and its standard
     error."""
-    from quantdask.worker.metrics import QualityMeter
+    from quantdask.measure.metrics import QualityMeter
 
     meter = QualityMeter(windows, reference)
     meter.add(slice(0, windows.size(0)), slice(0, windows.size(1) - 1), log_q)
@@ -137,9 +137,9 @@ def main() -> None:
 def _rows(name: str, path: str, settings: list[tuple[int, int]], seq_len: int,
           samples: int):
     from quantdask.backends import get_backend
-    from quantdask.spec.model import ModelSpec
-    from quantdask.worker.metrics import eval_windows, reference_slice, tail_offsets
-    from quantdask.worker.model_source import load_model_source
+    from quantdask.measure.metrics import eval_windows, reference_slice, tail_offsets
+    from quantdask.process.model_source import load_model_source
+    from quantdask.sweepfile.model import ModelSpec
 
     source = load_model_source(ModelSpec(name=name, path=path))
     text_file = Path(path).parent / "realistic-eval.txt" if name == "realistic" else None

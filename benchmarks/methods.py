@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from quantdask.backends import get_backend
     from quantdask.demo_model import generate_text
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
-    from quantdask.worker.job import run_job
-    from quantdask.worker.reference import compute_reference
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     work = Path(tempfile.mkdtemp(prefix="methods-"))
     calibration = work / "calibration.txt"

@@ -24,12 +24,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from benchmarks.sweeps import twelve_configs
     from quantdask.backends import get_backend
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     jobs = [j for j in expand_grid(sweep_from_dict(twelve_configs())) if j.backend != "none"]
     job = jobs[args.index]
-    from quantdask.worker.job import run_job
+    from quantdask.job.job import run_job
 
     record = run_job(job, get_backend(job.backend), 1).record
     print(json.dumps({"config": job.config_label, "status": record["status"],

@@ -30,9 +30,9 @@ def measure(model: Path, text: Path, seq_len: int, samples: int, tails: int) -> 
     import torch
 
     import quantdask as qd
-    from quantdask.worker.job import run_job
-    from quantdask.worker.measure import PeakMemory
-    from quantdask.worker.reference import compute_reference
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import compute_reference
+    from quantdask.measure.usage import PeakMemory
 
     sweep = qd.sweep_from_dict({
         "name": "cost", "models": [{"path": str(model)}], "layer_stats": False,

@@ -5,7 +5,7 @@ whole model for every cell.
     .venv/bin/python -m benchmarks.search_probes [--windows 64] [--seq-len 128]
 
 On the demo model (4 layers, 28 linears) with HQQ at 2, 3, 4 and 8 bits, group 32, plus each
-format on every unit at once: 116 probed cells and 28 kept ones. ``driver.search.probe`` runs
+format on every unit at once: 116 probed cells and 28 kept ones. ``search.searches.probe`` runs
 them as Dask tasks on a fresh local cluster of 1 slot, then of 2 (each time: the probe
 reference, the units' task and every chunk; the cluster's start is not counted; a fresh run
 directory, so nothing is reused), each slot computing on one thread (one core). Then in this
@@ -27,7 +27,7 @@ FORMATS = {"b2": {"bits": 2}, "b3": {"bits": 3}, "b4": {"bits": 4}, "b8": {"bits
 
 
 def sweep(work: Path, windows: int, seq_len: int):
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     calibration = work / "calibration.txt"
     calibration.write_text(generate_text(600, seed=11))
@@ -44,7 +44,7 @@ def sweep(work: Path, windows: int, seq_len: int):
 def on_slots(spec, work: Path, slots: int) -> tuple[float, int]:
     """Seconds to probe every cell on ``slots`` CPU slots, and the cells probed."""
     import quantdask as qd
-    from quantdask.driver.search import probe
+    from quantdask.search.searches import probe
     from quantdask.store.run_store import RunStore
 
     # One torch thread per slot: one slot computes on one core, as a GPU worker on one GPU (a
@@ -60,10 +60,10 @@ def on_slots(spec, work: Path, slots: int) -> tuple[float, int]:
 def in_process(spec) -> tuple[float, float, int]:
     """Seconds for every probed cell from its layer and from the first layer, and cells."""
     from quantdask.backends import get_backend
-    from quantdask.driver.search import probe_settings
-    from quantdask.worker.model_source import load_model_source
-    from quantdask.worker.probes import Prober, linear_units
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
+    from quantdask.process.model_source import load_model_source
+    from quantdask.search.probes import Prober, linear_units
+    from quantdask.search.searches import probe_settings
 
     class FromTheStart(Prober):
         def measure(self, first_layer: int = 0):

@@ -17,7 +17,7 @@ import argparse
 import random
 import time
 
-from quantdask.driver.allocation import allocate
+from quantdask.search.allocation import allocate
 
 BITS = {"b2": 2.3, "b3": 3.4, "b4": 4.5, "b8": 8.5, "keep": 16.0}
 ERROR = {"b2": 1.0, "b3": 0.3, "b4": 0.09, "b8": 0.0003, "keep": 0.0}

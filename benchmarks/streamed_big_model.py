@@ -49,7 +49,7 @@ def big(directory: Path, limit: str, gptq: bool = False) -> None:
 
     import quantdask as qd
     from quantdask.demo_model import DEMO_EVAL_TEXT
-    from quantdask.spec.settings import CalibrationSettings
+    from quantdask.sweepfile.settings import CalibrationSettings
     from quantdask.util import format_bytes
 
     model = random_llama(directory / "big", BIG)
@@ -90,10 +90,10 @@ def cluster_limit(limit: str) -> int:
 def cost(directory: Path, repeats: int = 3) -> None:
     import torch
 
-    from quantdask.spec.model import ModelSpec
-    from quantdask.worker.logits import sliced_log_probs
-    from quantdask.worker.model_source import load_model_source
-    from quantdask.worker.streaming import StreamedModel
+    from quantdask.measure.logits import sliced_log_probs
+    from quantdask.process.model_source import load_model_source
+    from quantdask.stream.streaming import StreamedModel
+    from quantdask.sweepfile.model import ModelSpec
 
     model = random_llama(directory / "mid", MID)
     source = load_model_source(ModelSpec(path=str(model)))

@@ -7,6 +7,11 @@
 ...     results = handle.wait()             # or qd.run_sweep(...): the same, blocking
 """
 
+# The capabilities register themselves with the core as they are imported (``run.stages``,
+# ``job.phases``, ``measure.logits``): importing quantdask, as every worker does before it
+# unpickles a task, makes them all available.
+import quantdask.search  # noqa: F401  (registers its stage)
+import quantdask.stream  # noqa: F401  (registers its phases)
 from quantdask.backends import (
     Backend,
     BackendOptions,
@@ -17,12 +22,6 @@ from quantdask.backends import (
     register_backend,
 )
 from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
-from quantdask.driver.handle import SweepHandle
-from quantdask.driver.placement import estimate_device_memory, place_jobs
-from quantdask.driver.progress import read_progress
-from quantdask.driver.scaling import read_scaling, scale_sweep
-from quantdask.driver.sweep import run_sweep
-from quantdask.driver.sweep import submit_sweep as _submit_sweep
 from quantdask.errors import (
     PlacementError,
     QuantdaskError,
@@ -30,15 +29,14 @@ from quantdask.errors import (
     SpecError,
     UnsupportedHere,
 )
+from quantdask.plan.placement import estimate_device_memory, place_jobs
 from quantdask.randomness import job_generator
 from quantdask.report.html import execute_notebook, write_report
-from quantdask.spec.gates import Gate
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import EvalSettings
-from quantdask.spec.speed import SpeedSettings
-from quantdask.spec.sweep import BackendBlock, Job, Sweep, expand_grid
-from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
-from quantdask.spec.tasks import TaskSettings
+from quantdask.run.handle import SweepHandle
+from quantdask.run.progress import read_progress
+from quantdask.run.scaling import read_scaling, scale_sweep
+from quantdask.run.sweep import run_sweep
+from quantdask.run.sweep import submit_sweep as _submit_sweep
 from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.mlflow_export import ExportSummary, export_mlflow
 from quantdask.store.run_store import (
@@ -54,6 +52,13 @@ from quantdask.store.run_store import (
     read_windows,
 )
 from quantdask.store.summary import device_summary, job_status, sweep_summary
+from quantdask.sweepfile.gates import Gate
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.speed import SpeedSettings
+from quantdask.sweepfile.sweep import BackendBlock, Job, Sweep, expand_grid
+from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
+from quantdask.sweepfile.tasks import TaskSettings
 
 __version__ = "0.1.0"
 
@@ -61,7 +66,7 @@ __version__ = "0.1.0"
 def submit_sweep(sweep: Sweep, run_dir, client, on_result=None,
                  on_progress=None) -> SweepHandle:
     """Start ``sweep`` in the background of this process and return its
-    :class:`SweepHandle` at once (see :func:`quantdask.driver.sweep.submit_sweep`); the
+    :class:`SweepHandle` at once (see :func:`quantdask.run.sweep.submit_sweep`); the
     handle's ``report()`` writes the run's HTML report."""
     return _submit_sweep(sweep, run_dir, client, on_result, on_progress, reporter=write_report)
 

@@ -149,8 +149,8 @@ def load_demo_sweep():
 
     import yaml
 
-    from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
-    from quantdask.spec.tasks import INSTALL_TASKS
+    from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
+    from quantdask.sweepfile.tasks import INSTALL_TASKS
 
     if importlib.util.find_spec("lm_eval") is not None:
         return load_sweep(DEMO_SWEEP)

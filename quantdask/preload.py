@@ -1,7 +1,7 @@
 """``dask worker --preload quantdask.preload``: what a worker sets up before it joins.
 
 It advertises the worker's device memory in bytes as the Dask resource ``DEVICE_MEMORY``, so
-that each job is placed only on a worker where it fits (see ``quantdask.driver.placement``): the
+that each job is placed only on a worker where it fits (see ``quantdask.plan.placement``): the
 GPU's
 total memory (NVML, else torch), or on a CPU slot the worker's memory limit. A worker started
 with ``--resources GPU=1,DEVICE_MEMORY=<bytes>`` keeps the figure it was given. quantdask's own
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from quantdask.spec.sweep import DEVICE_MEMORY
+from quantdask.sweepfile.sweep import DEVICE_MEMORY
 
 log = logging.getLogger("quantdask.preload")
 
@@ -22,7 +22,7 @@ def device_memory_bytes(worker) -> int:
     import torch
 
     if torch.cuda.is_available():
-        from quantdask.worker.devices import cuda_probe
+        from quantdask.process.devices import cuda_probe
 
         try:
             return int(cuda_probe(0).sample()["memory_total_bytes"])

@@ -5,7 +5,7 @@ numpy's and Python's default generators belong to that process: a job that seede
 them would re-seed or advance the generator its neighbour is drawing from, and its numbers would
 depend on when the neighbour started. So each attempt draws from generators of its own, seeded
 with the job's ``seed`` when the attempt starts: ``job_generator(device)`` in the thread that
-runs it (``worker.job.run_job`` opens them with ``job_random``). A backend that draws random
+runs it (``job.job.run_job`` opens them with ``job_random``). A backend that draws random
 numbers passes it: ``torch.rand(n, generator=qd.job_generator(device))``.
 
 A library that takes no generator and seeds and draws from the global ones itself (AutoRound

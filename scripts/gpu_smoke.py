@@ -175,7 +175,7 @@ def print_packed(results, met: list[str], alone: set[str]) -> None:
 def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
     """Whether every worker advertises its device memory for placement: the total of one of
     the chosen GPUs by NVML, or on a CPU slot the worker's memory limit."""
-    from quantdask.driver.placement import advertised_memory
+    from quantdask.plan.placement import advertised_memory
 
     advertised = advertised_memory(client)
     if dry_run:
@@ -183,7 +183,7 @@ def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tup
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
         ok = bool(advertised) and advertised == limits
     else:
-        from quantdask.worker.devices import NvmlProbe, nvml_uuid
+        from quantdask.process.devices import NvmlProbe, nvml_uuid
 
         # The cluster runs on every GPU this process sees, in order: the i-th has CUDA index
         # i here, looked up in NVML by its UUID. (``gpus`` holds physical ids: numbers of an

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 # slot does, instead of two OpenMP threads apiece spinning against the other process. (Before
 # torch is imported; the commands the tests start inherit it.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# A CPU slot's job borrows the cores of idle slots (quantdask.worker.cpu_share), which are not
+# A CPU slot's job borrows the cores of idle slots (quantdask.process.cpu_share), which are not
 # idle here: the other pytest process computes on them. OpenMP's threads then spin while they
 # wait (libgomp's default): two sweeps beside a busy process took 8.3 s of CPU with borrowed
 # cores, 5.0 s without; with passive waiting, 3.7 s and 3.2 s.
@@ -110,10 +110,10 @@ def in_process_jobs_run_on_the_cpu():
     what these tests check is the CPU's (a CPU slot's device memory is its RSS; a float32
     model's torchao int4 is skipped on the CPU). The GPU has its own tests (tests/test_gpu.py,
     through real GPU workers, which this does not touch)."""
-    import quantdask.worker.job
+    import quantdask.job.job
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantdask.worker.job, "torch_device", lambda: ("cpu", "cpu", False))
+        patch.setattr(quantdask.job.job, "torch_device", lambda: ("cpu", "cpu", False))
         yield
 
 
@@ -148,8 +148,8 @@ def with_slow_jobs(data: dict, attempts: tuple[int, ...] = (1,)) -> dict:
     """``data`` with a ``slow`` fault (1.5 s more, and no CPU) on every quantized job's
     ``attempts``, before its own faults: jobs surely still running a second after they began,
     to kill or watch one mid-job, where evaluating more windows would cost CPU instead."""
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     labels = sorted({job.config_label for job in expand_grid(sweep_from_dict(data))
                      if not job.is_baseline})

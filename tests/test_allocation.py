@@ -1,4 +1,4 @@
-"""The mixed-precision allocator (quantdask.driver.allocation): both solvers against brute
+"""The mixed-precision allocator (quantdask.search.allocation): both solvers against brute
 force on many small random problems, the fallback against the exact solver on large ones, and
 the budget, ties and fixed units held by every answer."""
 
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from quantdask.driver.allocation import allocate, scipy_milp_available
 from quantdask.errors import SpecError
+from quantdask.search.allocation import allocate, scipy_milp_available
 
 pytestmark = pytest.mark.timeout(120)
 SOLVERS = ["milp", "fallback"] if scipy_milp_available() else ["fallback"]

@@ -3,6 +3,7 @@ pyproject.toml), no import cycles, no module past about 400 lines, and the publi
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_imports_point_one_way():
 @pytest.mark.timeout(60)
 def test_no_import_cycle():
     graph = _import_graph()
-    assert "quantdask.driver.sweep" in graph and "quantdask.worker.job" in graph
+    assert "quantdask.run.sweep" in graph and "quantdask.job.job" in graph
     assert _cycles(graph) == []
 
 
@@ -96,6 +97,52 @@ def test_every_public_name_imports():
 
     assert callable(slurm_cluster)
     assert all(callable(getattr(report, name)) for name in report.__all__)
+
+
+def _module_names_held_as_strings() -> set[str]:
+    """Every string constant of the package that names a quantdask module (``quantdask.x.y``,
+    ``x`` one of its packages or modules), but a logger's channel (``getLogger("quantdask.job")``,
+    ``*_CHANNEL = ...``)."""
+    import ast
+
+    tops = {p.stem for p in (REPO / "quantdask").iterdir() if p.suffix == ".py" or p.is_dir()}
+    pattern = re.compile(rf"^quantdask\.({'|'.join(sorted(tops))})(\.\w+)*$")
+    found: set[str] = set()
+    for path in sorted((REPO / "quantdask").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        channels = {id(node.args[0]) for node in ast.walk(tree)
+                    if isinstance(node, ast.Call) and node.args
+                    and getattr(node.func, "attr", getattr(node.func, "id", "")) == "getLogger"}
+        channels |= {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                     and any(getattr(t, "id", "").endswith("CHANNEL") for t in node.targets)}
+        found |= {node.value for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and pattern.match(node.value) and id(node) not in channels}
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_every_module_named_as_a_string_imports():
+    """Names held as strings move silently with their modules: the fork server's preload list
+    (CPython's fork server swallows an ImportError of one), the report's lazy names, the
+    worker preload."""
+    import importlib
+
+    from quantdask.cluster.local import FORK_SERVER_PRELOAD, WORKER_PRELOAD
+    from quantdask.report import _MODULES
+
+    held = _module_names_held_as_strings()
+    assert {"quantdask.process.library_noise", "quantdask.process.fork_server_exit",
+            WORKER_PRELOAD} <= held and set(_MODULES) <= held
+    assert set(FORK_SERVER_PRELOAD) - held <= {"distributed", "torch", "transformers",
+                                              "transformers.modeling_utils", "bitsandbytes"}
+    unimportable = []
+    for name in sorted(held):
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            unimportable.append(f"{name}: {err}")
+    assert unimportable == []
 
 
 MAX_FUNCTION_LINES = 60  # a function past it holds two steps (GUIDE: "one role per module")
@@ -126,9 +173,9 @@ def test_no_function_is_past_60_lines():
 OTHER_MEANINGS = {
     ("quantdask/store/summary.py", "done"): "the sweep summary's column: jobs done",
     ("quantdask/cli/commands.py", "done"): "the scaling table's column of the same name",
-    ("quantdask/driver/handle.py", "cancelled"): "the sweep's state in the handle's summary line",
-    ("quantdask/driver/references.py", "cancelled"): "a Dask future's status",
-    ("quantdask/spec/tasks.py", "none"): "prose in a message: no include_path was given",
+    ("quantdask/run/handle.py", "cancelled"): "the sweep's state in the handle's summary line",
+    ("quantdask/plan/references.py", "cancelled"): "a Dask future's status",
+    ("quantdask/sweepfile/tasks.py", "none"): "prose in a message: no include_path was given",
 }
 VOCABULARY = "quantdask/words.py"
 

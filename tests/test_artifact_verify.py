@@ -9,15 +9,15 @@ import dataclasses
 import pytest
 
 from quantdask.backends import get_backend
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 
 def test_the_kl_of_the_first_windows_is_weighted_by_their_tokens():
-    from quantdask.worker.artifacts import VERIFY_WINDOWS, windows_kl
+    from quantdask.job.artifacts import VERIFY_WINDOWS, windows_kl
 
     rows = [{"window": w, "tokens": 10, "kl": 9.0} for w in range(VERIFY_WINDOWS, 8)]
     rows += [{"window": 3, "tokens": 20, "kl": 0.5}, {"window": 1, "tokens": 30, "kl": 2.0},
@@ -40,10 +40,10 @@ def test_verify_reuses_the_scored_windows_and_reports_the_delta_it_did_before(
     fresh, and the in-memory model's forward runs no time during the artifacts phase."""
     from transformers import AutoModelForCausalLM
 
-    import quantdask.worker.artifacts as artifacts
-    import quantdask.worker.phases as job_module
-    from quantdask.worker.artifacts import VERIFY_WINDOWS
-    from quantdask.worker.metrics import quality
+    import quantdask.job.artifacts as artifacts
+    import quantdask.job.phases as job_module
+    from quantdask.job.artifacts import VERIFY_WINDOWS
+    from quantdask.measure.metrics import quality
 
     data = sweep_dict(backends=[{"backend": "bitsandbytes", "configs": [{"bits": 4}]}],
                       artifacts={"keep": "done", "to": str(tmp_path / "models"),

@@ -17,12 +17,12 @@ import pytest
 from quantdask.backends import get_backend
 from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
+from quantdask.run.sweep import run_sweep
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
@@ -227,8 +227,8 @@ def test_the_reload_check_of_a_different_saved_model_reports_that_models_differe
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    import quantdask.worker.artifacts as artifacts
-    from quantdask.worker.artifacts import VERIFY_WINDOWS
+    import quantdask.job.artifacts as artifacts
+    from quantdask.job.artifacts import VERIFY_WINDOWS
 
     data = sweep_dict(backends=[{"backend": "bitsandbytes", "configs": [BNB[0], BNB[3]]}],
                       artifacts={"keep": "done", "to": str(tmp_path / "models"),

@@ -10,14 +10,14 @@ import pytest
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend, register_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_layers
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -209,7 +209,7 @@ def test_hqq_refuses_a_group_that_does_not_divide_a_layer_and_needs_its_bits():
 @pytest.mark.timeout(240)
 def test_an_hqq_group_that_does_not_divide_a_layer_is_unsupported_in_the_plan_and_the_job(
         tmp_path):
-    from quantdask.driver.planning import plan_sweep
+    from quantdask.plan.planning import plan_sweep
     from tests.tiny_families import build_tiny_llama
 
     # Width 40, 2 key/value heads of 10: k_proj holds 20 x 40 = 800 weights, no multiple of 64
@@ -237,7 +237,7 @@ def test_bnb_4bit_on_a_cpu_whose_kernel_cannot_take_a_width_is_unsupported_up_fr
     Without that kernel the same model runs."""
     import bitsandbytes.functional
 
-    from quantdask.driver.planning import plan_sweep
+    from quantdask.plan.planning import plan_sweep
     from tests.tiny_families import build_tiny_llama
 
     monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: bf16_kernel)
@@ -276,7 +276,7 @@ def test_a_tile_packed_int4_weight_counts_its_own_bytes_not_its_padding():
     from torchao.quantization import Int4TilePackedTo4dTensor
 
     from quantdask.backends.torchao import stored_bytes
-    from quantdask.worker.measure import stored_tensors
+    from quantdask.measure.usage import stored_tensors
 
     rows, width, group = 200, 384, 128
     padded_rows, padded_width = 200, 1024
@@ -350,7 +350,7 @@ def test_torchao_per_module_formats_quantize_each_module_as_named(demo_model):
 
     from quantdask.backends.base import ModelFacts
     from quantdask.backends.torchao import check_torchao, quantize_torchao
-    from quantdask.worker.model_source import load_model_source
+    from quantdask.process.model_source import load_model_source
 
     torchao = get_backend("torchao")
     own = {"model.layers.0.mlp.down_proj": {"mode": "int8_weight_only", "group_size": None},

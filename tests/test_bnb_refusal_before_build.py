@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from quantdask.backends import get_backend
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.job import run_job
-from quantdask.worker.model_source import ModelSource, load_model_source
-from quantdask.worker.reference import compute_reference
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
+from quantdask.process.model_source import ModelSource, load_model_source
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 from tests.tiny_families import FAMILIES, build_tiny, build_tiny_llama
 

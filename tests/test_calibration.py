@@ -13,15 +13,15 @@ import pytest
 import quantdask.backends
 from quantdask.backends import Backend, get_backend, register_backend
 from quantdask.demo_model import generate_text
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.job.job import run_job
+from quantdask.measure.calibration import calibration_windows
+from quantdask.measure.reference import REFERENCE_TOPIC, compute_reference, reference_key
+from quantdask.measure.usage import PeakMemory
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_layers
-from quantdask.worker.calibration import calibration_windows
-from quantdask.worker.job import run_job
-from quantdask.worker.measure import PeakMemory
-from quantdask.worker.reference import REFERENCE_TOPIC, compute_reference, reference_key
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,9 +11,9 @@ import pytest
 
 from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_SWEEP
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import load_sweep
 from quantdask.store.run_store import read_results
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import load_sweep
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = pytest.mark.timeout(240)
@@ -199,14 +199,14 @@ def test_the_command_exits_quickly_with_mains_status_and_its_output_flushed(tmp_
 
 
 def test_the_fork_server_quick_exit_is_armed_only_in_the_fork_server():
-    import quantdask.worker.fork_server_exit as fork_server_exit
+    import quantdask.process.fork_server_exit as fork_server_exit
 
     # Imported here (not by multiprocessing's fork server): no exit handler of its own.
     assert not fork_server_exit._imported_by_the_fork_server()
 
 
 def test_the_quick_model_type_table_is_part_of_the_full_one():
-    from quantdask.spec.model import _known_model_types
+    from quantdask.sweepfile.model import _known_model_types
 
     quick, full = _known_model_types(quick=True), _known_model_types(quick=False)
     assert {"llama", "gpt2", "qwen2", "gemma", "gpt_neox"} <= set(quick) <= set(full)

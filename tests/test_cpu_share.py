@@ -1,4 +1,4 @@
-"""Idle cores lent to busy CPU slots (quantdask.worker.cpu_share), in this process: marks of other
+"""Idle cores lent to busy CPU slots (quantdask.process.cpu_share), in this process: marks of other
 jobs are files like the ones their workers would write."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from quantdask.worker import cpu_share
+from quantdask.process import cpu_share
 
 pytestmark = pytest.mark.timeout(60)
 

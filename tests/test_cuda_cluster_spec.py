@@ -80,7 +80,7 @@ def test_cuda_visible_devices_given_as_uuids_reach_dask_cuda_as_they_are(monkeyp
 
 
 def test_a_worker_on_a_uuid_gpu_labels_and_probes_it_by_that_uuid(monkeypatch):
-    from quantdask.worker import devices
+    from quantdask.process import devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", UUIDS[1])
     calls = []
@@ -108,8 +108,8 @@ def test_the_smoke_reads_each_gpu_memory_by_its_cuda_index_not_its_physical_id(m
     spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts" / "gpu_smoke.py")
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)
-    from quantdask.driver import placement
-    from quantdask.worker import devices
+    from quantdask.plan import placement
+    from quantdask.process import devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(UUIDS))
     totals = {UUIDS[0]: 80 * 2**30, UUIDS[1]: 40 * 2**30}

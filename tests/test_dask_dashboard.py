@@ -7,8 +7,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.run.sweep import run_sweep
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantdask.demo_model import DEMO_SWEEP, generate_text
-from quantdask.spec.sweep_file import load_sweep
+from quantdask.sweepfile.sweep_file import load_sweep
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,8 +10,8 @@ import polars as pl
 import psutil
 import pytest
 
+from quantdask.process.devices import DeviceSampler, NvmlProbe, ProcessProbe, physical_gpu_id
 from quantdask.store.summary import device_summary
-from quantdask.worker.devices import DeviceSampler, NvmlProbe, ProcessProbe, physical_gpu_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +56,7 @@ def test_nvml_probe_reads_the_physical_gpu():
 def test_a_cuda_device_is_found_in_nvml_by_its_uuid_not_its_index(monkeypatch):
     import torch
 
-    from quantdask.worker.devices import cuda_probe, nvml_uuid
+    from quantdask.process.devices import cuda_probe, nvml_uuid
 
     # CUDA's device 0 is the GPU that NVML, by PCI bus, numbers 1 (uuid GPU-aaaa).
     cuda_order = ["aaaa", "bbbb"]
@@ -203,7 +203,7 @@ def test_a_failed_dask_cuda_import_names_what_is_missing_and_the_extra():
 def test_peaks_of_blocks_that_overlap_in_two_threads_are_flagged_shared():
     import threading
 
-    from quantdask.worker.measure import PeakMemory
+    from quantdask.measure.usage import PeakMemory
 
     with PeakMemory(cuda=False) as alone:
         with PeakMemory(cuda=False) as nested:  # the same job (one thread): not shared

@@ -9,8 +9,8 @@ import pytest
 
 from quantdask.demo_model import DEMO_EVAL_TEXT
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +46,7 @@ def test_a_parquet_dataset_is_its_rows_joined_and_ids_follow_the_content(tmp_pat
 
 def test_a_json_lines_dataset_with_another_column_runs_a_job(tmp_path, rows):
     from quantdask.backends import get_backend
-    from quantdask.worker.job import run_job
+    from quantdask.job.job import run_job
 
     with open(tmp_path / "eval.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
@@ -93,7 +93,7 @@ def test_a_dataset_missing_here_is_refused_at_once_where_datasets_was_imported_o
     # dataset was then looked up on the Hub (five retries, 23 s) before the refusal.
     import datasets
 
-    from quantdask.spec import text_source
+    from quantdask.sweepfile import text_source
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)

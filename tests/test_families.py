@@ -15,10 +15,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from quantdask.driver.planning import plan_sweep
-from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.plan.planning import plan_sweep
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_layers
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 from tests.tiny_families import FAMILIES, build_tiny
 

@@ -22,9 +22,9 @@ import quantdask.backends
 from quantdask.backends import Backend
 from quantdask.cli.main import main
 from quantdask.cluster.local import start_cluster
-from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import RunStore, read_attempts, read_results
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import REPO, sweep_dict
 
 pytestmark = [pytest.mark.slow]
@@ -121,7 +121,7 @@ def worker_pids(client) -> dict[str, int]:
 def starts_of(client, key: str, since: float) -> int:
     """How many times a worker began the task ``key`` after ``since`` (a ``time.time()``; job
     ids repeat across this module's sweeps)."""
-    from quantdask.worker.runtime import JOB_START_TOPIC
+    from quantdask.process.runtime import JOB_START_TOPIC
 
     return sum(1 for at, event in client.get_events(JOB_START_TOPIC)
                if event["key"] == key and at >= since)
@@ -336,13 +336,13 @@ def test_killing_the_driver_then_rerunning_finishes_without_rerunning_or_duplica
 def hang_references_here() -> None:
     """(Run on a worker by ``client.run``.) Make this worker process's reference parts hang
     until it is restarted: a restarted worker is a fresh process, without this."""
-    import quantdask.worker.reference
+    import quantdask.measure.reference
 
     def hang(*args, **kwargs):
         while True:
             time.sleep(60)
 
-    quantdask.worker.reference._compute_shard = hang
+    quantdask.measure.reference._compute_shard = hang
 
 
 @pytest.mark.timeout(240)
@@ -352,7 +352,7 @@ def test_a_hung_reference_is_cut_at_the_deadline_its_jobs_fail_as_timeout_then_r
     late) until its worker is restarted. (A part that ends late is failed by its worker: see
     tests/test_sweep_policy.py.) No job of the model can be done on that reference; each fails
     one attempt as ``timeout``, and the retries' new reference runs on the fresh workers."""
-    from quantdask.worker.runtime import JOB_START_TOPIC
+    from quantdask.process.runtime import JOB_START_TOPIC
 
     cluster = fault_cluster
     cluster.client.wait_for_workers(2, timeout=120)

@@ -60,7 +60,7 @@ def test_a_model_type_transformers_does_not_know_is_refused_before_a_cluster(
 
 def test_a_model_with_its_own_code_is_pointed_at_trust_remote_code(tmp_path):
     from quantdask.errors import SpecError
-    from quantdask.spec.model import ModelSpec
+    from quantdask.sweepfile.model import ModelSpec
 
     path = model_of_type(tmp_path, "mine", auto_map={"AutoConfig": "configuration.MyConfig"})
     with pytest.raises(SpecError, match="set trust_remote_code: true"):

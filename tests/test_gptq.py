@@ -19,12 +19,12 @@ import torch
 
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.driver.model_facts import model_facts
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.plan.model_facts import model_facts
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_layers
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import calibration_file, sweep_dict
 from tests.tiny_families import build_tiny
 
@@ -212,7 +212,7 @@ def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measur
         methods_run):
     import torch
 
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
 
     root, results, _ = methods_run
     demo = results.filter(pl.col("model") == "demo")
@@ -247,8 +247,8 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
     """And the GPTQ and AWQ models are scored on tasks and timed like every other."""
     monkeypatch.chdir(tmp_path)  # the worker's working directory: gptqmodel wrote logs/ there
     from quantdask.demo_model import DEMO_TASKS_DIR
-    from quantdask.worker.job import run_job
-    from quantdask.worker.reference import compute_reference
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import compute_reference
 
     data = gptq_sweep(calibration, {"demo": DEMO_MODEL_DIR},
                       tasks={"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,

@@ -16,7 +16,7 @@ pytestmark = [
 def test_sweep_on_local_cuda_cluster_records_cuda_metrics(tmp_path):
     from quantdask.cluster.local import start_cluster
     from quantdask.demo_model import load_demo_sweep
-    from quantdask.driver.sweep import run_sweep
+    from quantdask.run.sweep import run_sweep
 
     with start_cluster(gpus=[0]) as cluster:
         assert cluster.kind == "cuda"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import quantdask as qd
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.words import AttemptEnd, Status
 from tests.conftest import sweep_dict, with_slow_jobs
 
@@ -117,7 +117,7 @@ def interrupted_while_waiting(cluster, tmp_path) -> None:
 
 
 def test_the_progress_widget_after_each_result(cluster, tmp_path):
-    from quantdask.driver.widget import ProgressWidget
+    from quantdask.run.widget import ProgressWidget
 
     handle = qd.submit_sweep(slow_sweep(), tmp_path / "run", cluster.client)
     widget = ProgressWidget(handle)

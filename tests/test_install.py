@@ -122,9 +122,9 @@ print(json.dumps({
 @pytest.mark.timeout(900)
 def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_path):
     from quantdask.demo_model import DEMO_SWEEP
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import load_sweep
     from quantdask.store.run_store import read_results
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import load_sweep
 
     # Built from a copy: building in place would write build/ and *.egg-info into the checkout,
     # and a stale build/lib can carry files deleted since into the wheel.

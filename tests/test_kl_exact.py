@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from quantdask.backends import get_backend
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid
 from tests.kl_models import (
     DEMO_EVAL_TEXT,
     PEAKED_MODEL,

@@ -16,13 +16,13 @@ import quantdask as qd
 import quantdask.backends
 from quantdask.backends import Backend, Option
 from quantdask.cli.main import main
-from quantdask.driver.attempts import Attempt
-from quantdask.driver.live_logs import LiveLogs
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.process.live_log import LiveLog
+from quantdask.run.attempts import Attempt
+from quantdask.run.live_logs import LiveLogs
 from quantdask.store.run_store import RunStore
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.util import utcnow
-from quantdask.worker.live_log import LiveLog
 from tests.conftest import sweep_dict
 
 LOG = logging.getLogger("quantdask.job")  # the attempt's own log
@@ -161,7 +161,7 @@ def test_a_running_jobs_log_shows_its_lines_so_far_then_each_line_once(cluster, 
 @pytest.mark.timeout(30)
 def test_live_lines_are_the_attempts_own_in_a_packed_worker():
     """The live handler takes the same thread filter as the attempt's buffer."""
-    from quantdask.worker.attempt import captured_log
+    from quantdask.process.attempt import captured_log
 
     sent: dict[str, list[str]] = {"a": [], "b": []}
     both = threading.Barrier(2)

@@ -22,7 +22,7 @@ def plain_log_probs(model, windows):
 def sliced(model, windows, batch_size: int, budget_bytes: int):
     import torch
 
-    from quantdask.worker.logits import sliced_log_probs
+    from quantdask.measure.logits import sliced_log_probs
 
     out = torch.full((windows.size(0), windows.size(1) - 1, model.config.vocab_size), float("nan"))
     pieces = []
@@ -112,7 +112,7 @@ def test_a_model_the_sliced_head_does_not_fit_falls_back_and_says_why(windows, t
 def test_slices_fit_the_budget_and_one_position_is_the_least(windows, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from quantdask.worker.logits import positions_per_slice
+    from quantdask.measure.logits import positions_per_slice
 
     assert positions_per_slice(batch=4, vocab=1000, budget_bytes=4 * 1000 * 4 * 10) == 10
     assert positions_per_slice(batch=4, vocab=1000, budget_bytes=1) == 1
@@ -129,7 +129,7 @@ def test_the_head_computes_only_its_slices_positions_and_they_tile_each_batch_on
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantdask.worker.logits import PROBE_TOKENS, sliced_log_probs
+    from quantdask.measure.logits import PROBE_TOKENS, sliced_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(demo_model).eval()
     vocab, seq_len = model.config.vocab_size, 40

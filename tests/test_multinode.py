@@ -23,11 +23,11 @@ from distributed import Client
 from distributed.security import Security
 
 from quantdask.cluster.local import Adapt, start_cluster, tls_security
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import PlacementError, SpecError
-from quantdask.spec.sweep import DEVICE_MEMORY
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_attempts, read_results
+from quantdask.sweepfile.sweep import DEVICE_MEMORY
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 
 QUANTDASK = str(Path(sys.executable).parent / "quantdask")
 BNB = "bitsandbytes"
@@ -205,9 +205,9 @@ def test_jobs_queued_on_a_dead_worker_are_requeued_uncounted_and_the_last_is_nev
 @pytest.mark.timeout(240)
 def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_path,
                                                                monkeypatch):
-    import quantdask.driver.loop
+    import quantdask.run.loop
 
-    monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.run.loop, "NO_WORKERS_GRACE_S", 3.0)
     # node-1, taken away below: this test comes last of those on the shared nodes
     nodes, address, security = two_nodes.processes, two_nodes.address, two_nodes.security
     wait_for_workers(address, {"node-1"}, security)
@@ -295,13 +295,13 @@ def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_
     from tiny_families import build_tiny
 
     import quantdask.backends
-    import quantdask.driver.loop
+    import quantdask.run.loop
     from quantdask.demo_model import DEMO_MODEL_DIR
-    from quantdask.driver.placement import advertised_memory
+    from quantdask.plan.placement import advertised_memory
 
     nodes, address, add_large = placement_nodes
     add_large()  # there already when the test above ran first
-    monkeypatch.setattr(quantdask.driver.loop, "NO_WORKERS_GRACE_S", 3.0)
+    monkeypatch.setattr(quantdask.run.loop, "NO_WORKERS_GRACE_S", 3.0)
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
         quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
     tiny = build_tiny("llama", tmp_path / "tiny")

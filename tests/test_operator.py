@@ -19,11 +19,11 @@ from quantdask.cli.dashboard import LiveDashboard, PlainLog, render, watch
 from quantdask.cli.main import main
 from quantdask.cluster.local import start_cluster
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.driver.planning import plan_sweep
-from quantdask.driver.progress import PROGRESS_FILE, FailureLine, SweepProgress, read_progress
-from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.plan.planning import plan_sweep
+from quantdask.run.progress import PROGRESS_FILE, FailureLine, SweepProgress, read_progress
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_attempts, read_results
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict, with_slow_jobs
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,11 +15,11 @@ import pytest
 import quantdask as qd
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend
+from quantdask.job.job import run_job
+from quantdask.measure.reference import compute_reference
 from quantdask.randomness import global_generators, job_generator, job_random
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 STEPS = 4

@@ -15,19 +15,19 @@ import pytest
 from conftest import sweep_dict
 from distributed import Client, LocalCluster
 
-import quantdask.driver.placement
+import quantdask.plan.placement
 from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_TASKS_DIR
-from quantdask.driver.model_facts import model_facts
-from quantdask.driver.placement import (
+from quantdask.errors import PlacementError
+from quantdask.plan.model_facts import model_facts
+from quantdask.plan.placement import (
     advertised_memory,
     estimate_device_memory,
     place_jobs,
     workers_with_room,
 )
-from quantdask.driver.retry import with_more_room
-from quantdask.errors import PlacementError
-from quantdask.spec.sweep import DEVICE_MEMORY, expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.plan.retry import with_more_room
+from quantdask.sweepfile.sweep import DEVICE_MEMORY, expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.util import format_bytes
 
 BASELINE_ESTIMATE = int((3_482_128 + 983_040) * 1.2)  # see test_operator's plan test
@@ -109,11 +109,11 @@ def test_a_job_that_ran_within_a_worker_is_not_refused_for_the_headroom(advertis
     peak = 2_900_000  # ran fine within 3 MB; its estimate with 20% headroom is 3.48 MB
     done = pl.DataFrame([{"job_id": baseline.id, "model": "demo", "backend": "none",
                           "config": json.dumps({}), "peak_device_mem_bytes": peak}])
-    monkeypatch.setattr(quantdask.driver.placement, "done_results", lambda run_dir: done)
+    monkeypatch.setattr(quantdask.plan.placement, "done_results", lambda run_dir: done)
     placement = place_jobs([baseline, nf4], advertising(3e6), run_dir="anywhere")
     assert placement.jobs[0].device_memory_bytes == 3_000_000
     # nf4 never ran: its config's figure, scaled as the baseline's peak compares with its own.
-    scaled = estimate_device_memory(nf4, quantdask.driver.placement.ModelFacts(
+    scaled = estimate_device_memory(nf4, quantdask.plan.placement.ModelFacts(
         {}, 3_482_128, False, 32, 32, 320), done)
     assert scaled.basis == "config, scaled by 1 measured peaks of this model"
     assert placement.jobs[1].device_memory_bytes == scaled.bytes
@@ -131,7 +131,7 @@ def test_a_peak_measured_while_packed_jobs_ran_is_not_learned_from():
     # With jobs_per_gpu > 1 the peak is the worker's, shared with its neighbours: a job's own
     # estimate must not come from it, nor must its neighbours'.
     baseline, nf4 = demo_jobs()
-    facts = quantdask.driver.placement.ModelFacts({}, 3_482_128, False, 32, 32, 320)
+    facts = quantdask.plan.placement.ModelFacts({}, 3_482_128, False, 32, 32, 320)
     row = {"job_id": baseline.id, "model": "demo", "backend": "none",
            "config": json.dumps({}), "peak_device_mem_bytes": 9_000_000}
     shared = pl.DataFrame([{**row, "peak_shared": True}])

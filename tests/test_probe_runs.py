@@ -1,4 +1,4 @@
-"""A search's tasks fail as a sweep's jobs do (driver.probe_runs), on the session's real
+"""A search's tasks fail as a sweep's jobs do (search.probe_runs), on the session's real
 cluster: each failure class gets the table's answer (a backoff, more room, a restart at the
 deadline, no retry at all), and past the retries the search stops naming the task."""
 
@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from quantdask.cluster import operations
-from quantdask.driver.probe_runs import ProbeFailed, ProbeRules, ProbeTask, Room, run_probe_tasks
+from quantdask.search.probe_runs import ProbeFailed, ProbeRules, ProbeTask, Room, run_probe_tasks
 from quantdask.words import FailureClass
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +30,7 @@ def failing_first(counter: str, first: str, then_sleep: float = 0.0, hold_until:
         import time
 
         from quantdask.errors import UnsupportedHere
-        from quantdask.worker.runtime import announce_start, held_resources
+        from quantdask.process.runtime import announce_start, held_resources
 
         path = pathlib.Path(counter)
         number = int(path.read_text() or 0) + 1 if path.exists() else 1

@@ -1,4 +1,4 @@
-"""A search's sensitivity probes (quantdask.worker.probes): each cell's KL against an
+"""A search's sensitivity probes (quantdask.search.probes): each cell's KL against an
 independent computation (the hqq backend's own model with that module quantized, run whole),
 starting from captured hidden states giving exactly the whole forward's figures, and each
 cell's bytes adding up to the quantized model's size, on the demo model and test families."""
@@ -10,13 +10,13 @@ import pytest
 from quantdask.backends import get_backend
 from quantdask.backends.hqq import HqqOptions, quantize_hqq
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import EvalSettings
-from quantdask.worker.measure import stored_tensors
-from quantdask.worker.metrics import quality
-from quantdask.worker.model_source import load_model_source
-from quantdask.worker.probes import Prober, layer_index, linear_units
-from quantdask.worker.reference import compute_reference
+from quantdask.measure.metrics import quality
+from quantdask.measure.reference import compute_reference
+from quantdask.measure.usage import stored_tensors
+from quantdask.process.model_source import load_model_source
+from quantdask.search.probes import Prober, layer_index, linear_units
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import EvalSettings
 from tests.tiny_families import build_tiny
 
 pytestmark = pytest.mark.timeout(240)

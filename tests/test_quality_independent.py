@@ -21,11 +21,11 @@ import pytest
 
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
-from quantdask.driver.retry import with_more_room
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
-from quantdask.worker.job import run_job
+from quantdask.job.job import run_job
+from quantdask.plan.retry import with_more_room
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
+from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,7 +97,7 @@ def scores(log_model, log_ref, windows) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def records():
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
 
     by_label = jobs()
     baseline = by_label["baseline"]
@@ -148,7 +148,7 @@ def test_metrics_do_not_depend_on_the_eval_batch_size(records):
     # An out-of-memory retry halves the eval batch (8 -> 4 -> 2 -> 1) against the same
     # reference; a reference made at another batch size (3: the last batch is short) must
     # give the same numbers too.
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
 
     by_label, reference = records
     first = by_label["fp4"]
@@ -175,7 +175,7 @@ def test_without_tail_samples_the_kl_is_the_top_k_bucket_formula_a_lower_bound(
         independent, records, k):
     """With eval.kl_tail_samples: 0, KL is the top-k + one bucket formula: at most the exact
     KL, and the record says it is a lower bound; perplexity and top-1 stay exact."""
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
 
     exact, _ = records
     job = jobs(kl_top_k=k, kl_tail_samples=0)["fp4"]
@@ -215,7 +215,7 @@ def test_scores_are_the_same_bits_however_slices_arrive_or_merge(top_k):
     # many parts there were (the cluster's size at the time), nor on the order they came back.
     import torch
 
-    from quantdask.worker.metrics import QualityMeter, reference_slice
+    from quantdask.measure.metrics import QualityMeter, reference_slice
 
     torch.manual_seed(0)
     windows = torch.randint(0, 50, (6, 9))
@@ -253,7 +253,7 @@ def test_scores_are_the_same_bits_at_any_torch_thread_count(top_k):
     # 2 of these 12 cases.)
     import torch
 
-    from quantdask.worker.metrics import QualityMeter, reference_slice
+    from quantdask.measure.metrics import QualityMeter, reference_slice
 
     before = torch.get_num_threads()
     try:
@@ -278,7 +278,7 @@ def test_per_layer_errors_are_the_same_bits_at_any_torch_thread_count():
     # A loaded run saw a rerun's weight_rel_error of one layer differ in its 8th digit.
     import torch
 
-    from quantdask.worker.layers import _sum_of_squares
+    from quantdask.measure.layers import _sum_of_squares
 
     before = torch.get_num_threads()
     try:

@@ -13,11 +13,11 @@ import pytest
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend, register_backend
 from quantdask.demo_model import generate_text
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.coverage import coverage
-from quantdask.worker.job import run_job
-from quantdask.worker.reference import compute_reference
+from quantdask.job.job import run_job
+from quantdask.measure.coverage import coverage
+from quantdask.measure.reference import compute_reference
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 from tests.test_backends import fake_quantize
 

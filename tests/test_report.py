@@ -18,11 +18,10 @@ import pytest
 
 from quantdask import report
 from quantdask.cli.main import main
-from quantdask.driver.scaling import read_scaling, scale_sweep
-from quantdask.driver.sweep import run_sweep
 from quantdask.errors import RunDirError, SpecError
 from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
-from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.run.scaling import read_scaling, scale_sweep
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import (
     read_attempts,
     read_device_samples,
@@ -31,6 +30,7 @@ from quantdask.store.run_store import (
     read_sessions,
 )
 from quantdask.store.summary import sweep_summary
+from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
 from tests.browser import find_chromium, inspect_page
 from tests.conftest import sweep_dict
 

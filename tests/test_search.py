@@ -10,11 +10,11 @@ import polars as pl
 import pytest
 
 from quantdask.demo_model import DEMO_MODEL_DIR
-from quantdask.driver.progress import SweepProgress
-from quantdask.driver.sweep import run_sweep, submit_sweep
 from quantdask.errors import SpecError
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.run.progress import SweepProgress
+from quantdask.run.sweep import run_sweep, submit_sweep
 from quantdask.store.run_store import read_frame, read_results
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import calibration_file, sweep_dict
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -271,7 +271,7 @@ def small_search(calibration: str, faults: list[dict]) -> dict:
 
 def test_probe_failures_are_retried_by_class_and_past_the_retries_stop_the_search(
         cluster, calibration, tmp_path, caplog):
-    from quantdask.driver.probe_runs import ProbeFailed
+    from quantdask.search.probe_runs import ProbeFailed
 
     run_dir = tmp_path / "run"
     raising = [{"config": "search:mix", "kind": "raise", "attempt": n} for n in (1, 2)]

@@ -14,10 +14,10 @@ from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import SpecError
 from quantdask.resources import demo_sweep
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid, plan_rows
-from quantdask.spec.sweep_file import load_sweep, sweep_from_dict
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
+from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid, plan_rows
+from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +70,8 @@ def test_defaults_spelled_out_or_repeated_configs_are_one_job():
 
 def test_ids_are_stable_across_processes():
     code = (
-        "from tests.test_spec import make_sweep; from quantdask.spec.sweep import expand_grid; "
+        "from tests.test_spec import make_sweep; "
+        "from quantdask.sweepfile.sweep import expand_grid; "
         "print(' '.join(j.id for j in expand_grid(make_sweep())))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

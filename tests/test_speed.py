@@ -15,8 +15,8 @@ import quantdask as qd
 from quantdask.cli import main
 from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.errors import SpecError
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,7 +80,7 @@ def test_timing_agrees_with_a_hand_timed_greedy_loop():
     compared on their fastest steps, which preemption cannot make faster)."""
     from transformers import AutoModelForCausalLM
 
-    from quantdask.worker.speed import generate_timed, prompt_ids
+    from quantdask.measure.speed import generate_timed, prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     windows = torch.arange(4, 300).reshape(2, -1)

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from quantdask.spec.speed import SpeedSettings
+from quantdask.sweepfile.speed import SpeedSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,7 +89,7 @@ class Watched:
 
 
 def measure(monkeypatch, watched: Watched, settings: SpeedSettings) -> list[dict]:
-    from quantdask.worker import speed
+    from quantdask.measure import speed
 
     monkeypatch.setattr(speed, "time", types.SimpleNamespace(perf_counter=watched.clock))
     windows = torch.arange(10, 60).reshape(2, 25)

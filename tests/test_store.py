@@ -225,11 +225,11 @@ def _returned(phase) -> type:
 def test_every_result_column_comes_from_exactly_one_place():
     import typing
 
-    from quantdask.spec.search import SearchRole
+    from quantdask.job.phases import PHASES
+    from quantdask.records import NotDone, PhaseRecord, Quantized, Span, Streamed, Where
     from quantdask.store.schema import FRAME, RESULT_SCHEMA
-    from quantdask.worker.phases import PHASES
-    from quantdask.worker.records import NotDone, PhaseRecord, Quantized, Span, Streamed, Where
-    from quantdask.worker.streamed_job import STREAMED_PHASES
+    from quantdask.stream.streamed_job import STREAMED_PHASES
+    from quantdask.sweepfile.search import SearchRole
 
     producers: dict[str, tuple[str, ...]] = {"driver": DRIVER_COLUMNS,
                                              "SearchRole": SearchRole.column_names()}

@@ -1,4 +1,4 @@
-"""Models run one decoder layer at a time from their checkpoints (quantdask.worker.streaming),
+"""Models run one decoder layer at a time from their checkpoints (quantdask.stream.streaming),
 against the resident model computed independently by transformers' own loading: the same
 log-probs to the bit, full precision and quantized (hqq, bitsandbytes nf4 and int8, torchao),
 on the demo model and test families; each layer read once, only while its turn lasts."""
@@ -15,10 +15,10 @@ import torch
 from quantdask.backends import get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
-from quantdask.spec.model import ModelSpec
-from quantdask.worker.logits import sliced_log_probs
-from quantdask.worker.model_source import load_model_source
-from quantdask.worker.streaming import StreamedModel, layer_quantizer
+from quantdask.measure.logits import sliced_log_probs
+from quantdask.process.model_source import load_model_source
+from quantdask.stream.streaming import StreamedModel, layer_quantizer
+from quantdask.sweepfile.model import ModelSpec
 from tests.tiny_families import build_tiny
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,8 +125,8 @@ def test_a_sharded_checkpoint_streams_and_a_converted_one_is_refused(tmp_path):
     with pytest.raises(UnsupportedHere, match="converted as it loads"):
         StreamedModel(mixtral, "cpu")
     # The plan says so before anything runs, for every job of it that streams.
-    from quantdask.driver.planning import plan_sweep
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.plan.planning import plan_sweep
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("always")
     data["models"] = [{"name": "moe", "path": str(tmp_path / "moe")}]
@@ -146,9 +146,9 @@ def streaming_sweep(stream: str, **extra) -> dict:
 
 @pytest.mark.timeout(300)
 def test_a_streamed_sweep_records_what_the_resident_one_does(cluster, tmp_path):
-    from quantdask.driver.sweep import run_sweep
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.run.sweep import run_sweep
     from quantdask.store.run_store import read_frame
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     runs = {stream: run_sweep(sweep_from_dict(streaming_sweep(stream)), tmp_path / stream,
                               cluster.client).sort("config_label")
@@ -184,7 +184,7 @@ class SmallDevices:
         self.memory = memory
 
     def scheduler_info(self, n_workers: int = -1) -> dict:
-        from quantdask.spec.sweep import DEVICE_MEMORY
+        from quantdask.sweepfile.sweep import DEVICE_MEMORY
 
         return {"workers": {f"tcp://127.0.0.1:{port}": {
             "name": f"w{port}", "resources": {"GPU": 1.0, DEVICE_MEMORY: self.memory}}
@@ -192,11 +192,11 @@ class SmallDevices:
 
 
 def test_placement_streams_a_model_that_fits_no_worker_resident():
-    from quantdask.driver.model_facts import model_facts
-    from quantdask.driver.placement import estimate_device_memory, place_jobs, streamed_estimate
     from quantdask.errors import PlacementError
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.plan.placement import estimate_device_memory, place_jobs, streamed_estimate
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     jobs = expand_grid(sweep_from_dict(streaming_sweep("auto")))
     facts = model_facts(jobs[0], layers=False)
@@ -216,11 +216,11 @@ def test_placement_streams_a_model_that_fits_no_worker_resident():
 
 
 def test_a_model_that_cannot_stream_stays_resident_and_its_refusal_says_why(tmp_path):
-    from quantdask.driver.model_facts import model_facts
-    from quantdask.driver.placement import estimate_device_memory, place_jobs
     from quantdask.errors import PlacementError
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.plan.placement import estimate_device_memory, place_jobs
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("auto")
     data["models"] = [{"name": "moe", "path": str(build_tiny("mixtral", tmp_path / "moe"))}]
@@ -238,12 +238,11 @@ def test_a_model_that_cannot_stream_stays_resident_and_its_refusal_says_why(tmp_
 def test_a_search_on_a_streamed_model_is_refused_before_anything_runs(tmp_path_factory,
                                                                        write_sweep, capsys):
     from quantdask.cli.main import main
-    from quantdask.driver.model_facts import model_facts
-    from quantdask.driver.placement import estimate_device_memory, place_jobs, streamed_estimate
-    from quantdask.driver.search import check_searches_resident
     from quantdask.errors import SpecError
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.plan.placement import estimate_device_memory, place_jobs, streamed_estimate
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
     from tests.conftest import calibration_file
     from tests.test_search import search_sweep
 
@@ -261,9 +260,9 @@ def test_a_search_on_a_streamed_model_is_refused_before_anything_runs(tmp_path_f
     streamed_need = max(streamed_estimate(job, facts).bytes for job in jobs)
     placed = place_jobs(jobs, SmallDevices((resident + streamed_need) / 2), stream="auto")
     with pytest.raises(SpecError, match="fits no worker resident") as error:
-        check_searches_resident(sweep, placed.jobs)
+        sweep.check_searches_resident(placed.jobs)
     assert error.value.field == "searches[0].model"
-    check_searches_resident(sweep, jobs)  # resident: nothing to refuse
+    sweep.check_searches_resident(jobs)  # resident: nothing to refuse
 
 
 def test_plan_says_when_a_model_streams_and_what_it_needs(write_sweep, capsys):
@@ -288,11 +287,11 @@ def test_a_streamed_job_skips_what_needs_the_model_resident_and_says_why(tmp_pat
     """Task accuracy and speed are skipped with the reason, never failed; a backend that
     cannot quantize one layer at a time is refused in the plan and skipped on the worker."""
     from quantdask.demo_model import DEMO_TASKS_DIR
-    from quantdask.driver.planning import plan_sweep
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
-    from quantdask.worker.job import run_job
-    from quantdask.worker.reference import combine_reference, compute_reference_shard
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import combine_reference, compute_reference_shard
+    from quantdask.plan.planning import plan_sweep
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("always", tasks={"names": ["demo_facts"],
                                             "include_path": DEMO_TASKS_DIR},
@@ -341,10 +340,10 @@ def test_a_streamed_gptq_job_fits_block_by_block_and_records_what_the_resident_o
     pytest.importorskip("gptqmodel")
     from dataclasses import replace
 
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
-    from quantdask.worker.job import run_job
-    from quantdask.worker.reference import combine_reference, compute_reference_shard
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import combine_reference, compute_reference_shard
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("never", calibration={"text": DEMO_EVAL_TEXT, "samples": 8,
                                                  "seq_len": 32})
@@ -377,10 +376,10 @@ def test_a_streamed_gptq_estimate_counts_its_fit_and_its_calibration_states():
     backend's, and grows by those float32 states when the windows double."""
     from dataclasses import replace
 
-    from quantdask.driver.model_facts import model_facts
-    from quantdask.driver.phase_memory import streamed_bytes
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.plan.phase_memory import streamed_bytes
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("always", calibration={"text": DEMO_EVAL_TEXT, "samples": 64,
                                                   "seq_len": 128})
@@ -429,12 +428,12 @@ def test_a_streamed_job_holds_no_layer_past_its_turn(tmp_path, monkeypatch):
     import gc
     import weakref
 
-    import quantdask.worker.streamed_job as streamed_job
-    import quantdask.worker.streaming as streaming
-    from quantdask.spec.sweep import expand_grid
-    from quantdask.spec.sweep_file import sweep_from_dict
-    from quantdask.worker.job import run_job
-    from quantdask.worker.reference import combine_reference, compute_reference_shard
+    import quantdask.stream.streamed_job as streamed_job
+    import quantdask.stream.streaming as streaming
+    from quantdask.job.job import run_job
+    from quantdask.measure.reference import combine_reference, compute_reference_shard
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     data = streaming_sweep("always")
     data["backends"] = [{"backend": "hqq", "configs": [{"bits": 4, "group_size": 32}]}]

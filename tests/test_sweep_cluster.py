@@ -16,12 +16,12 @@ import yaml
 import quantdask.backends
 from quantdask.backends import Backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP, DEMO_TASKS_DIR
-from quantdask.driver.sweep import run_sweep
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.measure.reference import REFERENCE_TOPIC, reference_key
+from quantdask.process.devices import drain_this_worker
+from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_device_samples, read_frame, read_layers, read_results
 from quantdask.store.summary import device_summary
-from quantdask.worker.devices import drain_this_worker
-from quantdask.worker.reference import REFERENCE_TOPIC, reference_key
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -13,9 +13,13 @@ import types
 
 import pytest
 
-from quantdask.driver import policy
-from quantdask.driver.health import DeviceHealth
-from quantdask.driver.policy import (
+from quantdask.errors import JobTimeout
+from quantdask.job.job import run_job
+from quantdask.job.outcome import failure_class_of
+from quantdask.measure.reference import compute_reference, shard_rows
+from quantdask.plan import policy
+from quantdask.plan.health import DeviceHealth
+from quantdask.plan.policy import (
     Grace,
     Requeues,
     WorkerWatch,
@@ -25,21 +29,17 @@ from quantdask.driver.policy import (
     stranded,
     worker_went_away,
 )
-from quantdask.driver.references import ModelReferences
-from quantdask.driver.retry import (
+from quantdask.plan.references import ModelReferences
+from quantdask.plan.retry import (
     MAX_BACKOFF_S,
     RetryQueue,
     after_failure,
     decide,
     with_more_room,
 )
-from quantdask.errors import JobTimeout
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.words import FailureClass
-from quantdask.worker.job import run_job
-from quantdask.worker.outcome import failure_class_of
-from quantdask.worker.reference import compute_reference, shard_rows
 from tests.conftest import sweep_dict
 
 pytestmark = pytest.mark.timeout(60)
@@ -468,7 +468,7 @@ def test_a_done_job_clears_the_devices_streak():
 # The attempt table and the recorder ---------------------------------------------------------
 
 def test_the_attempt_table_settles_each_attempt_once(jobs):
-    from quantdask.driver.attempts import Attempt, AttemptTable
+    from quantdask.run.attempts import Attempt, AttemptTable
     from quantdask.util import utcnow
 
     table = AttemptTable()
@@ -487,7 +487,7 @@ def test_the_attempt_table_settles_each_attempt_once(jobs):
 
 
 def test_each_attempt_of_a_job_gets_a_dask_key_of_its_own():
-    from quantdask.driver.attempts import AttemptTable
+    from quantdask.run.attempts import AttemptTable
 
     table, other = AttemptTable(tag="run1"), AttemptTable(tag="run2")
     keys = [table.new_key("job-a"), table.new_key("job-b"), table.new_key("job-a"),
@@ -512,8 +512,8 @@ def test_the_driver_logs_on_quantdask_driver_and_its_old_name_still_hears_it():
     import io
     import logging
 
-    from quantdask.driver import LOG_CHANNEL, OLD_LOG_CHANNEL
-    from quantdask.driver.loop import log
+    from quantdask.run import LOG_CHANNEL, OLD_LOG_CHANNEL
+    from quantdask.run.loop import log
 
     assert log.name == LOG_CHANNEL == "quantdask.driver"
     heard = io.StringIO()
@@ -531,11 +531,11 @@ def test_the_driver_logs_on_quantdask_driver_and_its_old_name_still_hears_it():
 
 
 def test_the_recorder_writes_the_attempt_the_decision_and_the_result(jobs, tmp_path):
-    from quantdask.driver.attempts import Attempt
-    from quantdask.driver.recorder import Recorder
+    from quantdask.job.outcome import JobOutcome
+    from quantdask.run.attempts import Attempt
+    from quantdask.run.recorder import Recorder
     from quantdask.store.run_store import RunStore
     from quantdask.util import utcnow
-    from quantdask.worker.outcome import JobOutcome
 
     store = RunStore(tmp_path / "run").create()
     recorder = Recorder(store, "run-1")

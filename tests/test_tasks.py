@@ -15,11 +15,11 @@ import torch
 from quantdask.cli import main
 from quantdask.demo_model import DEMO_MODEL_DIR, DEMO_TASKS_DIR
 from quantdask.errors import SpecError
-from quantdask.spec.gates import GATE_METRICS, Gate, gate_columns, parse_gates
-from quantdask.spec.sweep import expand_grid
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.spec.tasks import TaskSettings
 from quantdask.store.schema import RESULT_SCHEMA
+from quantdask.sweepfile.gates import GATE_METRICS, Gate, gate_columns, parse_gates
+from quantdask.sweepfile.sweep import expand_grid
+from quantdask.sweepfile.sweep_file import sweep_from_dict
+from quantdask.sweepfile.tasks import TaskSettings
 from tests.conftest import sweep_dict
 from tests.kl_models import REALISTIC_EVAL_TEXT, REALISTIC_MODEL, flat_model
 
@@ -91,15 +91,15 @@ def test_bad_task_settings_are_refused_naming_the_field(tasks, field, words, wri
 def test_a_name_in_no_task_file_is_refused_without_lm_evals_built_in_index(monkeypatch):
     # lm-eval's index of its ~14,000 task files takes seconds of CPU; reading them as text to
     # look for the name takes a tenth of that (tasks.builtin_task_files).
-    import quantdask.spec.tasks
+    import quantdask.sweepfile.tasks
 
-    built = quantdask.spec.tasks._task_manager
+    built = quantdask.sweepfile.tasks._task_manager
 
     def without_the_built_in_index(include_paths, defaults, fingerprint):
         assert not defaults, "lm-eval's built-in index was built"
         return built(include_paths, defaults, fingerprint)
 
-    monkeypatch.setattr(quantdask.spec.tasks, "_task_manager", without_the_built_in_index)
+    monkeypatch.setattr(quantdask.sweepfile.tasks, "_task_manager", without_the_built_in_index)
     with pytest.raises(SpecError) as error:
         sweep_from_dict(tasks_sweep(names=["demo_facts", "hellaswg"]))
     assert error.value.field == "tasks.names[1]"
@@ -112,7 +112,7 @@ def test_every_name_lm_evals_index_holds_is_in_the_task_files_text(tmp_path):
     a tag from an included file without the .yaml suffix, a name with parentheses."""
     from lm_eval.tasks._index import TaskIndex
 
-    from quantdask.spec.tasks import task_files
+    from quantdask.sweepfile.tasks import task_files
 
     (tmp_path / "a.yaml").write_text("task: alpha\ntag: [t_flow_1, t_flow_2]\n"
                                      "dataset_path: x\n")
@@ -288,8 +288,8 @@ def _docs(settings: TaskSettings) -> list[dict]:
 def _quantized(model_dir: str, bits: int):
     """The bitsandbytes model a job would score, made by the backend a job uses."""
     from quantdask.backends import get_backend
-    from quantdask.spec.model import ModelSpec
-    from quantdask.worker.model_source import load_model_source
+    from quantdask.process.model_source import load_model_source
+    from quantdask.sweepfile.model import ModelSpec
 
     backend = get_backend("bitsandbytes")
     options = backend.normalize({"bits": bits}, "options")
@@ -307,7 +307,7 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monk
     unquantized and nf4."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker.tasks import evaluate_tasks
+    from quantdask.measure.tasks import evaluate_tasks
 
     if regime == "realistic":
         settings = TaskSettings(names=["realistic_words"],
@@ -358,7 +358,7 @@ def test_truncated_prompts_are_counted_as_lm_eval_cuts_them(monkeypatch):
     import lm_eval.models.huggingface as hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker.tasks import evaluate_tasks, truncated_total
+    from quantdask.measure.tasks import evaluate_tasks, truncated_total
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
@@ -397,7 +397,7 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, mon
     monkeypatch.setattr(subprocess, "Popen", RecordedPopen)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker.tasks import evaluate_tasks
+    from quantdask.measure.tasks import evaluate_tasks
 
     task = tmp_path / "gen"
     task.mkdir()
@@ -430,7 +430,7 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, mon
 
 @pytest.fixture(scope="module")
 def nf4_job_and_reference():
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
 
     jobs = expand_grid(sweep_from_dict(tasks_sweep(limit=8)))
     job = next(j for j in jobs if not j.is_baseline)
@@ -441,14 +441,14 @@ def nf4_job_and_reference():
 
 def _run(job, reference):
     from quantdask.backends import get_backend
-    from quantdask.worker.job import run_job
+    from quantdask.job.job import run_job
 
     return run_job(job, get_backend(job.backend), 1, reference)
 
 
 def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_reference,
                                                                   monkeypatch):
-    import quantdask.worker.tasks
+    import quantdask.measure.tasks
 
     job, reference = nf4_job_and_reference
     done = _run(job, reference)
@@ -458,7 +458,7 @@ def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_re
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", out_of_memory)
+    monkeypatch.setattr(quantdask.measure.tasks, "evaluate_tasks", out_of_memory)
     failed = _run(job, reference)
     assert failed.record["status"] == "failed"
     assert failed.record["failure_class"] == "out_of_memory"
@@ -468,7 +468,7 @@ def test_a_failure_in_the_task_phase_is_classified_like_any_other(nf4_job_and_re
 def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, monkeypatch):
     import time
 
-    import quantdask.worker.tasks
+    import quantdask.measure.tasks
 
     job, reference = nf4_job_and_reference
     job = dataclasses.replace(job, timeout_s=2.0)
@@ -477,7 +477,7 @@ def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, m
         time.sleep(2.5)
         return []
 
-    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", slow)
+    monkeypatch.setattr(quantdask.measure.tasks, "evaluate_tasks", slow)
     late = _run(job, reference)
     assert late.record["status"] == "failed" and late.record["failure_class"] == "timeout"
     assert late.rows == {} and "tasks_s" not in late.record
@@ -486,11 +486,11 @@ def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, m
 def test_a_failed_baseline_scoring_fails_only_the_baselines_task_rows(monkeypatch):
     # Issue 39 item 5. Before: the baseline's scoring raised out of its part of the reference,
     # so the reference, the baseline's quality figures and every quantized job failed with it.
-    import quantdask.worker.tasks
-    from quantdask.worker.reference import compute_reference
+    import quantdask.measure.tasks
+    from quantdask.measure.reference import compute_reference
 
     baseline_job, nf4 = expand_grid(sweep_from_dict(tasks_sweep(limit=8)))
-    real, calls = quantdask.worker.tasks.evaluate_tasks, []
+    real, calls = quantdask.measure.tasks.evaluate_tasks, []
 
     def broken_the_first_time(*args, **kwargs):  # the first scoring is the baseline's
         calls.append(len(calls))
@@ -498,7 +498,7 @@ def test_a_failed_baseline_scoring_fails_only_the_baselines_task_rows(monkeypatc
             raise RuntimeError("lm-eval broke on the unquantized model")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantdask.worker.tasks, "evaluate_tasks", broken_the_first_time)
+    monkeypatch.setattr(quantdask.measure.tasks, "evaluate_tasks", broken_the_first_time)
     reference = compute_reference(nf4.model, nf4.eval, nf4.eval.read_text(), tasks=nf4.tasks)
     reason = "RuntimeError: lm-eval broke on the unquantized model"
     assert reference.baseline is not None and reference.tasks.rows == []
@@ -526,7 +526,7 @@ def test_a_failed_baseline_scoring_fails_only_the_baselines_task_rows(monkeypatc
 
 
 def test_an_out_of_memory_retry_halves_the_task_batch_and_keeps_the_id():
-    from quantdask.driver.retry import with_more_room
+    from quantdask.plan.retry import with_more_room
 
     job = expand_grid(sweep_from_dict(tasks_sweep(batch_size=16)))[1]
     roomier = with_more_room(job)
@@ -550,7 +550,7 @@ def test_the_demo_runs_without_lm_eval_less_its_tasks_and_gates(monkeypatch, cap
 
 
 def test_recovery_is_a_share_kept_whichever_way_the_metric_points():
-    from quantdask.worker.tasks import with_baseline
+    from quantdask.measure.tasks import with_baseline
 
     def row(metric, value, higher):
         return {"task": "t", "metric": metric, "filter": "none", "value": value,
@@ -599,7 +599,7 @@ def test_each_template_of_a_task_is_compiled_once_per_process(monkeypatch):
     import lm_eval.utils
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker import tasks
+    from quantdask.measure import tasks
 
     tasks._compiled_template.cache_clear()
     compiled: list[str] = []
@@ -621,7 +621,7 @@ def test_each_string_of_a_loglikelihood_task_is_tokenized_once():
     before); the argmax tests above check the scores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantdask.worker.tasks import evaluate_tasks
+    from quantdask.measure.tasks import evaluate_tasks
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)

@@ -14,8 +14,8 @@ import pytest
 import quantdask as qd
 from quantdask.cli import main
 from quantdask.demo_model import DEMO_TASKS_DIR
-from quantdask.spec.sweep_file import sweep_from_dict
-from quantdask.worker.reference import BASELINE_TASKS_TOPIC
+from quantdask.measure.reference import BASELINE_TASKS_TOPIC
+from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 from tests.kl_models import REALISTIC_EVAL_TEXT, REALISTIC_MODEL
 

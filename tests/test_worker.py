@@ -12,11 +12,11 @@ from safetensors import safe_open
 from quantdask.backends import Backend, get_backend
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
-from quantdask.spec.model import ModelSpec
-from quantdask.spec.settings import EvalSettings
-from quantdask.spec.sweep import BackendBlock, Sweep, expand_grid
-from quantdask.worker.job import run_job
-from quantdask.worker.metrics import SCORES
+from quantdask.job.job import run_job
+from quantdask.measure.metrics import SCORES
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +32,8 @@ def jobs_for(demo_model, samples: int = 8, **grid) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(demo_model):
-    from quantdask.worker import model_source
-    from quantdask.worker.reference import compute_reference
+    from quantdask.measure.reference import compute_reference
+    from quantdask.process import model_source
 
     model_source._cache.clear()  # this module measures the cold start
     job = jobs_for(demo_model)["baseline"]
@@ -56,7 +56,7 @@ def records(outcomes):
 def test_a_reference_computed_in_parts_is_the_one_computed_whole(demo_model, reference):
     import torch
 
-    from quantdask.worker.reference import (
+    from quantdask.measure.reference import (
         combine_reference,
         compute_reference,
         compute_reference_shard,
@@ -121,7 +121,7 @@ def test_the_worker_reuses_the_model_source_but_keeps_no_weights(demo_model, rec
     assert all(r["source_cached"] is True for r in records.values())
     import torch
 
-    from quantdask.worker import model_source
+    from quantdask.process import model_source
     # What stays between jobs holds no tensor: the weights are read from the checkpoint per
     # job (memory-mapped, shared by the workers of a machine), never kept as a private copy.
     for source in model_source._cache.values():
@@ -333,7 +333,7 @@ def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model
 
 
 def test_jobs_hold_the_unquantized_weights_only_while_they_run(demo_model):
-    from quantdask.worker.model_source import cached_model_source
+    from quantdask.process.model_source import cached_model_source
 
     source, _ = cached_model_source(jobs_for(demo_model)["nf4"].model)
     with source.weights() as first:
@@ -351,7 +351,7 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
-    from quantdask.worker import model_source
+    from quantdask.process import model_source
     spec = jobs_for(demo_model)["nf4"].model
     model_source._cache.clear()
     with ThreadPoolExecutor(2) as pool:  # two jobs packed on one worker start at once
@@ -370,8 +370,8 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
 def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, outcomes):
     # Kernels may repack weights at the first forward pass (bitsandbytes 4-bit on some CPUs):
     # the recorded errors must be those of the quantized weights, not of a repacked layout.
-    from quantdask.worker.layers import weight_errors
-    from quantdask.worker.model_source import cached_model_source
+    from quantdask.measure.layers import weight_errors
+    from quantdask.process.model_source import cached_model_source
 
     job = jobs_for(demo_model)["nf4"]
     backend = get_backend(job.backend)
@@ -459,7 +459,7 @@ def test_per_layer_errors_match_an_independent_computation(demo_model, outcomes,
     import torch
     from transformers import AutoTokenizer
 
-    from quantdask.worker.phases import PROBE_WINDOWS
+    from quantdask.job.phases import PROBE_WINDOWS
 
     seq_len, samples = 64, 8  # jobs_for's eval
     with open(DEMO_EVAL_TEXT, encoding="utf-8") as f:
@@ -482,7 +482,7 @@ def test_a_model_directory_missing_on_a_worker_node_says_where_and_what_to_do(de
     # The driver validated the path on its machine; a worker on another node may lack it.
     import copy
 
-    from quantdask.worker.model_source import load_model_source
+    from quantdask.process.model_source import load_model_source
 
     job = jobs_for(demo_model)["nf4"]
     elsewhere = copy.copy(job.model)
@@ -497,7 +497,7 @@ def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
     import dataclasses
     import time
 
-    from quantdask.worker.faults import SLOW_FAULT_S
+    from quantdask.job.faults import SLOW_FAULT_S
 
     job = dataclasses.replace(jobs_for(demo_model)["nf4"], faults=((1, "slow"),))
     began = time.monotonic()
@@ -512,7 +512,7 @@ def test_a_slow_fault_only_delays_the_attempt(demo_model, records, reference):
 
 
 def test_each_phase_records_its_own_time_and_peak(records, outcomes):
-    from quantdask.worker.phases import PHASES
+    from quantdask.job.phases import PHASES
 
     names = [phase.__name__ for phase in PHASES]
     for label, outcome in outcomes.items():

@@ -13,7 +13,7 @@ from quantdask.util import import_offline
 if TYPE_CHECKING:
     import torch
 
-    from quantdask.worker.model_source import ModelSource
+    from quantdask.process.model_source import ModelSource
 
 
 def named_in(name: str, names: tuple[str, ...] | list[str] | None) -> bool:
@@ -103,11 +103,11 @@ class Backend(Generic[OptionsT]):
     names it, ``calibrated`` asks for a calibration block. At plan time, on the driver:
     ``check`` and ``selects`` (``quantdask plan``), ``weight_bits`` (the device-memory
     estimate, also made when every sweep places its jobs). On a worker, in the phases of each
-    attempt (``worker.phases.PHASES``): ``quantize`` (quantize), ``quantizes`` and
+    attempt (``job.phases.PHASES``): ``quantize`` (quantize), ``quantizes`` and
     ``stored_bytes`` (coverage), ``dequantize_layer`` (layer weights), ``saves`` and
     ``prepare_save`` (artifacts).
 
-    What an exception does on the worker (``worker.job.not_done_record``; the same for one
+    What an exception does on the worker (``job.job.not_done_record``; the same for one
     the later phases meet in the returned model, its forward included):
     :class:`UnsupportedHere` (a missing library, a shape it cannot take, needs CUDA) and
     ``NotImplementedError`` (the library has no kernel or op for this layer or tensor) record
@@ -134,7 +134,7 @@ class Backend(Generic[OptionsT]):
     ``device``, in eval mode. Called on the worker in the quantize phase of every attempt (its
     time is ``quantize_s``; its peak memory counts in the job's).
 
-    ``source`` is the model's :class:`~quantdask.worker.model_source.ModelSource`:
+    ``source`` is the model's :class:`~quantdask.process.model_source.ModelSource`:
     ``source.build(device, quantization_config=None)`` makes a new model from the weights the
     job holds (a transformers ``quantization_config`` quantizes as it loads);
     ``source.tokenizer``, ``.config``, ``.dtype`` and ``.spec`` (the model spec) are there
@@ -146,7 +146,7 @@ class Backend(Generic[OptionsT]):
     ``HFLM`` for tasks). Raise :class:`UnsupportedHere` for a config this worker cannot run.
 
     A ``calibrated`` backend's is called with ``calibration=`` too, a
-    :class:`~quantdask.worker.calibration.Calibration`: ``calibration.windows`` (samples x
+    :class:`~quantdask.measure.calibration.Calibration`: ``calibration.windows`` (samples x
     seq_len token ids, cut once per model with its reference), and ``with
     calibration.measure():`` to wrap the data-driven step in (``calibrate_s`` and its peaks).
     """
@@ -188,7 +188,7 @@ class Backend(Generic[OptionsT]):
     check: Callable[[OptionsT, ModelFacts], str | None] | None = None
     """``check(options, facts) -> str | None``: why the config cannot run here (a missing
     library: ``missing_library``; a layer shape it cannot take here), or None. Called on
-    the driver by ``quantdask plan`` (``driver.planning.plan_sweep``) for each job, with the
+    the driver by ``quantdask plan`` (``plan.planning.plan_sweep``) for each job, with the
     :class:`ModelFacts` read from the model's files (nothing loaded): a reason marks the job
     ``unsupported`` in the plan. Cheap, and it should not raise. The worker still decides: a
     sweep runs the job anyway, and ``quantize`` raises :class:`UnsupportedHere` there."""
@@ -197,7 +197,7 @@ class Backend(Generic[OptionsT]):
     """``weight_bits(options, loaded_bits) -> float``: the bits one weight takes on the device
     at the job's peak, its scales and constants included, given the bits it is loaded at (a
     backend that loads the whole model before quantizing it returns ``loaded_bits``). Called on
-    the driver by the device-memory estimate (``driver.placement``) that ``quantdask plan``
+    the driver by the device-memory estimate (``plan.placement``) that ``quantdask plan``
     shows and each sweep places its jobs by, until the job has a measured peak of its own.
     Default (None): the weights stay as loaded."""
 
@@ -254,8 +254,8 @@ class Backend(Generic[OptionsT]):
     SavedQuantized``: a calibrated backend's fit made block by block from the checkpoint
     (never the whole model in memory), its quantized model saved in a folder under
     ``directory``, and how to load it. Called on the worker by a streamed job
-    (``worker.streamed_job``), which then reads the saved layers one at a time
-    (``worker.saved_layers``). Without it (and ``quantize_module``) the backend cannot
+    (``stream.streamed_job``), which then reads the saved layers one at a time
+    (``stream.saved_layers``). Without it (and ``quantize_module``) the backend cannot
     quantize a streamed model (``stream_refusal``)."""
 
     stream_families: tuple[str, ...] = ()
@@ -302,7 +302,7 @@ class Backend(Generic[OptionsT]):
 
     def stream_refusal(self, model_type: str = "") -> str | None:
         """Why this backend cannot quantize a streamed ``model_type`` model's layers one at a
-        time (``worker.streaming``), or None: it quantizes each module alone
+        time (``stream.streaming``), or None: it quantizes each module alone
         (``quantize_module``), fits block by block from the checkpoint (``quantize_streamed``,
         on ``stream_families`` when it names them; an unknown family passes here, and the
         worker checks), or quantizes nothing at all."""

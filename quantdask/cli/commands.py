@@ -77,8 +77,8 @@ def stream_lines(plan, stream: str) -> list[str]:
 def cmd_plan(args) -> int:
     import json
 
-    from quantdask.driver.planning import plan_sweep
-    from quantdask.spec.sweep_file import load_sweep
+    from quantdask.plan.planning import plan_sweep
+    from quantdask.sweepfile.sweep_file import load_sweep
     from quantdask.util import format_bytes, format_duration
 
     sweep = load_sweep(args.sweep)
@@ -122,8 +122,8 @@ def _run(sweep, args) -> int:
 
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
-    from quantdask.driver.lengths import check_lengths
-    from quantdask.driver.sweep import run_sweep
+    from quantdask.plan.lengths import check_lengths
+    from quantdask.run.sweep import run_sweep
     from quantdask.store.figures import with_quality_text
     from quantdask.store.run_store import read_attempts
 
@@ -217,7 +217,7 @@ def _run_and_report(sweep, args, scaling: bool = False) -> int:
 def _demo_scaling(sweep, scaling_dir: str, host: str) -> None:
     """The demo's scaling measurement at 1 and 2 workers (1 on a one-GPU machine). It never
     costs the report: a problem is printed and the report goes on without it."""
-    from quantdask.driver.scaling import SCALING_FILE, worker_counts_here
+    from quantdask.run.scaling import SCALING_FILE, worker_counts_here
 
     if os.path.exists(os.path.join(scaling_dir, SCALING_FILE)):
         print(f"scaling: kept the earlier measurement in {scaling_dir} (delete it to measure "
@@ -234,7 +234,7 @@ def _demo_scaling(sweep, scaling_dir: str, host: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from quantdask.spec.sweep_file import load_sweep
+    from quantdask.sweepfile.sweep_file import load_sweep
 
     return _run_and_report(load_sweep(args.sweep), args)
 
@@ -262,7 +262,7 @@ def cmd_report(args) -> int:
 def _scale(sweep, counts: list[int], out: str, host: str) -> int:
     import polars as pl
 
-    from quantdask.driver.scaling import SCALING_FILE, scale_sweep
+    from quantdask.run.scaling import SCALING_FILE, scale_sweep
     from quantdask.store.run_store import read_results
 
     def announce(n, run_dir):
@@ -288,7 +288,7 @@ def _notebook(name: str) -> str:
 
 
 def cmd_scale(args) -> int:
-    from quantdask.spec.sweep_file import load_sweep
+    from quantdask.sweepfile.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep)
     out = args.out or default_run_dir(sweep.name, "-scaling")

@@ -1,6 +1,6 @@
 """The operator's view of a running sweep: a live terminal dashboard, or plain timestamped lines.
 
-Both read a :class:`~quantdask.driver.progress.SweepProgress`: the driver's own during
+Both read a :class:`~quantdask.run.progress.SweepProgress`: the driver's own during
 ``quantdask run``,
 or the one it writes to ``RUN_DIR/progress.json`` for ``quantdask status RUN_DIR --watch``.
 
@@ -22,7 +22,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from quantdask.driver.progress import SweepProgress, read_progress
+from quantdask.run.progress import SweepProgress, read_progress
 from quantdask.util import format_bytes, format_duration
 from quantdask.words import Status
 

@@ -3,7 +3,7 @@
 Exit codes: 0 all jobs done or skipped, 1 some job failed, 2 invalid input (nothing ran), 3 a
 done job failed a gate.
 
-The libraries' known notices (``worker.library_noise``) stay off the terminal, here and in the
+The libraries' known notices (``process.library_noise``) stay off the terminal, here and in the
 workers this command starts, unless ``-v`` is given.
 """
 
@@ -29,8 +29,8 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
+from quantdask.process import library_noise
 from quantdask.report.kernel import leave_out_iri_checker
-from quantdask.worker import library_noise
 
 
 class _Parser(argparse.ArgumentParser):

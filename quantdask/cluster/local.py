@@ -21,7 +21,7 @@ from distributed.security import Security
 
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import SpecError
-from quantdask.worker.runtime import TorchThreads, WarmImports
+from quantdask.process.runtime import TorchThreads, WarmImports
 
 log = logging.getLogger("quantdask.cluster")
 
@@ -29,6 +29,12 @@ CLOSE_TIMEOUT_S = 60
 WORKER_PRELOAD = "quantdask.preload"
 """Loaded by every worker quantdask starts (and by ``dask worker --preload quantdask.preload``):
 the worker advertises its device memory before it joins."""
+FORK_SERVER_PRELOAD = ("quantdask.process.library_noise", "distributed", *WarmImports.modules,
+                       "quantdask.process.fork_server_exit")
+"""What the CPU slots' fork server imports before it forks a worker (``use_fork_server``): the
+libraries' notices quieted first, the server's quick exit last. Names held as strings: CPython's
+fork server swallows an ImportError of one, so tests/test_architecture.py imports each."""
+
 SCHEDULER_OPTIONS = {"allowed_failures": 0}
 """Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
 retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
@@ -316,11 +322,9 @@ def _fork_cpu_slots_from_a_warm_server() -> None:
     # takes effect when the server first starts). Only libraries that start no thread when
     # imported: a fork copies just the forking thread, so a lock another thread held (polars'
     # allocator, say; quantdask imports polars) would stay locked in every worker. The
-    # libraries' known notices are quieted first (quantdask.worker.library_noise).
-    # Last, the server's quick exit (quantdask.worker.fork_server_exit).
-    get_mp_context().set_forkserver_preload(["quantdask.worker.library_noise", "distributed",
-                                             *WarmImports.modules,
-                                             "quantdask.worker.fork_server_exit"])
+    # libraries' known notices are quieted first (quantdask.process.library_noise).
+    # Last, the server's quick exit (quantdask.process.fork_server_exit).
+    get_mp_context().set_forkserver_preload(list(FORK_SERVER_PRELOAD))
 
 
 def _keep_nannies_of_lost_workers() -> None:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import altair as alt
     import polars as pl
 
-    from quantdask.driver.handle import SweepHandle
+    from quantdask.run.handle import SweepHandle
 
 
 def live(handle: SweepHandle, chart: Callable[[pl.DataFrame], alt.TopLevelMixin]):

@@ -12,8 +12,8 @@ import math
 
 import polars as pl
 
+from quantdask.measure.statistics import mean_and_window_se
 from quantdask.words import Status
-from quantdask.worker.statistics import mean_and_window_se
 
 TIE_SIGMAS = 2.0
 """Two configs are tied on a metric when they differ by less than this many standard errors of

@@ -124,7 +124,7 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "ln_ppl_ratio_se": pl.Float64(),
     "eval_tokens": pl.Int64(),
     # The saved quantized model (artifacts: keep), null when none was asked for: where it went,
-    # its bytes on disk and sha256 (quantdask.worker.artifacts.directory_digest), whether it is
+    # its bytes on disk and sha256 (quantdask.job.artifacts.directory_digest), whether it is
     # still
     # kept (false: deleted, off the Pareto frontier), the reloaded model's KL minus the
     # in-memory one's on the first eval windows (verify: true), and why a save failed.

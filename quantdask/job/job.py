@@ -1,0 +1,192 @@
+"""What runs on a Dask worker: one attempt of a job, as the list of phases (``job.phases``),
+into a ``JobOutcome``.
+
+``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
+``JobRun`` (a streamed job ``streamed_job.STREAMED_PHASES``), each with its own time and
+peaks (the phases frame); the results row is assembled at the end from the records the
+phases returned.
+
+The worker process keeps each model's config and tokenizer between jobs, and maps the weights
+from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
+log-probs arrive once per model as a Dask dependency (see ``reference``), so a sweep of many
+configs pays the cold start once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from typing import TYPE_CHECKING
+
+import cloudpickle
+
+from quantdask.errors import JobTimeout, UnsupportedHere
+from quantdask.job.faults import inject_faults
+from quantdask.job.outcome import JobOutcome, failure_class_of
+from quantdask.job.phases import JobRun, phases_for
+from quantdask.measure.usage import PeakMemory
+from quantdask.process.attempt import AttemptScope, attempt_scope, captured_log
+from quantdask.process.live_log import live_sender
+from quantdask.process.runtime import held_resources, torch_device
+from quantdask.randomness import job_random
+from quantdask.records import (
+    NotDone,
+    Peaks,
+    ResultRow,
+    Row,
+    Span,
+    Where,
+)
+from quantdask.util import utcnow
+from quantdask.words import FailureClass, Status
+
+if TYPE_CHECKING:
+
+    from quantdask.backends.base import Backend
+    from quantdask.measure.reference import Reference
+    from quantdask.sweepfile.sweep import Job
+
+
+log = logging.getLogger("quantdask.job")
+
+WHERE_COLUMNS = Where.column_names()
+"""What a record keeps of an attempt whatever became of it."""
+
+
+def run_phases(run: JobRun) -> None:
+    """Each phase in order, with its own time and peaks (a row of the phases frame)."""
+    for position, phase in enumerate(phases_for(run)):
+        began = time.perf_counter()
+        with PeakMemory(run.cuda) as peak:
+            produced = phase(run)
+        if produced is None:
+            continue
+        run.records.append(produced)
+        run.phase_rows.append({
+            "position": position, "phase": phase.__name__,
+            "seconds": time.perf_counter() - began,
+            "peak_device_mem_bytes": peak.peak_device_bytes,
+            "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared})
+
+
+def done_record(run: JobRun) -> tuple[ResultRow, dict[str, list[Row]]]:
+    """The measured columns of a done attempt, and its rows of the per-job frames, from the
+    records its phases produced."""
+    peaks = Peaks.of(run.peak)
+    for row in run.phase_rows:  # the span's peak is at least each phase's, read apart from it
+        device = row["peak_device_mem_bytes"]
+        peaks = peaks.max(Peaks(device, device, row["peak_host_rss_bytes"], row["peak_shared"]))
+    if run.job.is_baseline and run.reference.baseline_peaks is not None:
+        peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
+    span = Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows)
+    record: ResultRow = {"status": Status.DONE}
+    rows: dict[str, list[Row]] = {}
+    for produced in (span, *run.records):
+        record.update(produced.columns())
+        rows.update(produced.rows())
+    return record, rows
+
+
+def _log_done(record: ResultRow, layers: int) -> None:
+    log.info("done in %.2fs: size %d bytes, %.2f bits/weight, %.1f%% of weights quantized, "
+             "perplexity %.4f, KL %.3g, top-1 %.4f, %d layers measured", record["wall_s"],
+             record["size_bytes"], record["bits_per_weight"], 100 * record["quantized_share"],
+             record["perplexity"], record["kl_divergence"], record["top1_agreement"], layers)
+
+
+def not_done_record(error: Exception, backend: str) -> ResultRow:
+    """A skipped record for what cannot run here (a retry would repeat it), else a failed one
+    classified by ``failure_class_of``; logged either way."""
+    if isinstance(error, (UnsupportedHere, NotImplementedError)):
+        # NotImplementedError: the library has no kernel or op for this layer type or tensor
+        # (torchao on Falcon's layers, say), a limit of this combination.
+        skipped = NotDone(Status.SKIPPED, FailureClass.UNSUPPORTED, type(error).__name__,
+                          str(error) or f"{type(error).__name__} in {backend}")
+        if isinstance(error, NotImplementedError):
+            tb = traceback.format_exc()
+            log.warning("skipped (not implemented by the library): %s\n%s", error, tb)
+            return dataclasses.replace(skipped, traceback=tb).columns()
+        log.warning("skipped: %s", error)
+        return skipped.columns()
+    failed = NotDone(Status.FAILED, failure_class_of(error), type(error).__name__,
+                     str(error) or type(error).__name__, traceback.format_exc())
+    log.error("failed (%s): %s: %s\n%s", failed.failure_class, type(error).__name__, error,
+              failed.traceback)
+    return failed.columns()
+
+
+def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference | None,
+          scope: AttemptScope, record: ResultRow) -> JobRun:
+    """The attempt's device and backend, its faults, and its model's reference."""
+    import torch
+
+    backend: Backend = cloudpickle.loads(pickled) if isinstance(pickled, bytes) else pickled
+    device, device_label, cuda = torch_device()
+    record["device"] = device_label
+    # What this attempt really runs with (a retry after out-of-memory asks for more).
+    held = ", ".join(f"{name}={amount:,.0f}" if amount >= 1000 else f"{name}={amount:g}"
+                     for name, amount in held_resources().items())
+    log.info("start on worker %s (%s) device %s: %s %s; eval batch %d; holding %s",
+             scope.worker, scope.host, device_label, job.backend, job.config_label,
+             job.eval.batch_size, held or "no resources")
+    inject_faults(job, attempt)
+    if reference is None:
+        from quantdask.measure.reference import compute_reference
+
+        reference = compute_reference(job.model, job.eval, job.eval.read_text(),
+                                      calibration=job.calibration, tasks=job.tasks)
+    if held_resources().get("GPU", 1.0) >= 1.0:
+        # Alone on this worker (nothing packed beside it): a backend that draws from torch's
+        # global generator is reproducible too. Packed jobs draw from their own generators
+        # only (``quantdask.randomness``), and leave the global one alone.
+        torch.manual_seed(job.seed)
+    return JobRun(job, backend, reference, device, cuda, device_label=device_label)
+
+
+def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
+            reference: Reference | None = None) -> JobOutcome:
+    """Run one job here and return its outcome: metrics when done, the reason when not.
+
+    ``backend`` may come pickled (bytes), so that one this worker cannot load (a notebook's,
+    from a module it lacks) fails as this job, not as the worker. ``reference`` is the model's
+    shared eval windows and baseline log-probs (computed here when not given). Never raises for
+    a job's own failure: the class, message and traceback come back in ``outcome.record``
+    (``status`` failed or skipped), beside the job's log, its per-layer rows and the worker's
+    device samples during it.
+    """
+    outcome = JobOutcome({})
+    with captured_log(log, f"{job.id} attempt={attempt}", live=live_sender()) as buffer, \
+            attempt_scope(job.id) as scope, job_random(job.seed):
+        record = outcome.record = Where(scope.worker, scope.host, scope.started_at).columns()
+        try:
+            run = start(job, backend, attempt, reference, scope, record)
+            with run.measured():
+                run_phases(run)
+            measured, outcome.rows = done_record(run)
+            record.update(measured)
+            _log_done(record, len(outcome.rows["layers"]))
+        except Exception as error:
+            record.update(not_done_record(error, job.backend))
+    outcome.device_samples = scope.samples
+    _fail_if_overrun(outcome, job, attempt, scope, buffer)
+    outcome.record["finished_at"] = utcnow()
+    outcome.log, outcome.whole_log = buffer.getvalue(), True
+    return outcome
+
+
+def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: AttemptScope,
+                     buffer) -> None:
+    """Past the deadline is a timeout whether or not the driver looked in time: the outcome
+    must not depend on how busy the driver was. The measurements are dropped with it."""
+    elapsed = scope.elapsed()
+    if elapsed <= job.timeout_s or outcome.status == Status.SKIPPED:
+        return
+    late = JobTimeout("the attempt", elapsed, job.timeout_s)
+    log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
+    buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
+    outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
+    outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
+                          error_class="JobTimeout", error_message=str(late))
+    outcome.rows = {}

@@ -1,0 +1,83 @@
+"""What one attempt brings back to the driver, typed.
+
+The words its outcome is said in (GUIDE's failure table: ``Status``, ``FailureClass``, and
+``AttemptEnd`` for the attempts frame) are defined once in ``quantdask.words``; ``Status`` and
+``FailureClass`` are importable from here too. ``JobOutcome`` is the row an attempt adds to the
+attempts and results frames, and beside it what is stored elsewhere (per-layer rows, the
+worker's device samples, the attempt's log), so that no layer has to pop transport keys out of
+a dict. What each phase adds to the row and to the frames is typed in ``records``.
+
+>>> Status.DONE == "done", f"{FailureClass.OUT_OF_MEMORY}"
+(True, 'out_of_memory')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from quantdask.errors import JobTimeout
+from quantdask.util import utcnow
+from quantdask.words import FailureClass, Status
+
+if TYPE_CHECKING:
+    from quantdask.records import ResultRow, Row
+
+
+_ALLOCATION_FAILED = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def failure_class_of(error: BaseException) -> FailureClass:
+    """``timeout`` for a deadline, ``out_of_memory`` for an allocation failure on any device,
+    else ``job_error``.
+
+    >>> failure_class_of(MemoryError()), failure_class_of(ValueError("bad"))
+    (<FailureClass.OUT_OF_MEMORY: 'out_of_memory'>, <FailureClass.JOB_ERROR: 'job_error'>)
+    """
+    import torch
+
+    if isinstance(error, JobTimeout):
+        return FailureClass.TIMEOUT
+    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return FailureClass.OUT_OF_MEMORY
+    message = str(error).lower()
+    if any(words in message for words in _ALLOCATION_FAILED):
+        return FailureClass.OUT_OF_MEMORY
+    return FailureClass.JOB_ERROR
+
+
+@dataclass
+class JobOutcome:
+    """One attempt's outcome, made by ``run_job`` on a worker or by the driver when the attempt
+    ended outside it (its worker lost, its deadline passed, no worker left).
+
+    ``record`` holds the flat columns (``status``; the measurements when done; ``failure_class``,
+    ``error_class``, ``error_message``, ``traceback`` when not; where and when it ran).
+    """
+
+    record: ResultRow
+    # A done attempt's rows of the per-job frames, by frame name (store.schema.FRAMES): the
+    # frames of the phases that ran, each written by the recorder with the job's result.
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    device_samples: list[Row] = field(default_factory=list)
+    log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
+    # Whether ``log`` is every line the attempt logged (run_job's): it then replaces the lines
+    # its worker sent while it ran (process.live_log); else those stay, and ``log`` follows.
+    whole_log: bool = False
+
+    @property
+    def status(self) -> Status:
+        return Status(self.record["status"])
+
+    @property
+    def failure_class(self) -> FailureClass | None:
+        value = self.record.get("failure_class")
+        return None if value is None else FailureClass(value)
+
+    @classmethod
+    def outside(cls, failure_class: FailureClass, error_class: str, message: str, tb: str = "",
+                worker: str | None = None, status: Status = Status.FAILED) -> JobOutcome:
+        """The outcome of an attempt that ended outside ``run_job``."""
+        return cls({"status": status, "failure_class": failure_class,
+                    "error_class": error_class, "error_message": message,
+                    "traceback": tb or None, "finished_at": utcnow(), "worker": worker})

@@ -1,0 +1,143 @@
+"""The device memory of each phase of a job, by its config and its model's files alone.
+
+A job's peak is the largest of its phases' (``job.phases.PHASES``; the names here are
+theirs, as in the phases frame), and each holds the model's weights plus what it computes:
+
+- ``quantize``: the weights at the backend's bits (as loaded, for a backend that loads the
+  whole model before quantizing it): ``Backend.weight_bits``;
+- ``score``: the eval's float32 logits, a slice of positions at a time
+  (``measure.logits``), with their log-softmax and a temporary;
+- ``score_tasks``: lm-eval's batches, ``tasks.batch_size`` x ``tasks.max_length`` (else the
+  model's window, else lm-eval's 2,048) x vocab float32 logits, 3 copies alive. lm-eval pads a
+  batch to its longest request, which is rarely that long: this phase's figure is an upper
+  bound;
+- ``time_generation``: the KV cache of the largest speed batch, 2 (keys and values) x layers x
+  key/value heads x head width x batch x (prompt + new tokens) x the model's dtype bytes, and
+  the logits of one step: ``generate`` asks for the last position's logits only
+  (``logits_to_keep=1``, also at the prefill), batch x vocab, which it copies to float32 and
+  the logits processors copy again.
+
+The demo baseline under a speed batch of 8 x (96 + 32) tokens:
+
+>>> phase_bytes(job.backend, job.options, job, facts)  # doctest: +SKIP
+{'quantize': 3482128, 'score': 4465168, 'time_generation': 5610000}
+"""
+
+from __future__ import annotations
+
+from quantdask.backends import BackendOptions, get_backend
+from quantdask.backends.base import ModelFacts
+from quantdask.measure.logits import SLICE_BUDGET_BYTES
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.speed import SpeedSettings
+from quantdask.sweepfile.sweep import Job
+from quantdask.sweepfile.tasks import TaskSettings
+from quantdask.util import format_bytes
+
+QUANTIZE, SCORE, TASKS, SPEED = "quantize", "score", "score_tasks", "time_generation"
+"""The phases whose memory a job's estimate counts (``job.phases.PHASES``' names)."""
+UPPER_BOUNDS = frozenset({TASKS})
+"""Phases whose figure is an upper bound: a job is not refused for them alone."""
+LOGIT_COPIES = 3
+"""Float32 logits, their log-softmax (or a processed copy), and one temporary, alive at once."""
+LM_EVAL_LENGTH = 2048
+"""lm-eval's longest input when neither ``tasks.max_length`` nor the model's config sets one."""
+
+
+def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> float:
+    """The weights at the backend's bits at its peak (as loaded when it does not quantize)."""
+    bits = get_backend(backend).weight_bits
+    weight_bits = bits(options, facts.loaded_bits) if bits is not None else facts.loaded_bits
+    return facts.weight_bytes * weight_bits / facts.checkpoint_bits
+
+
+def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
+    """The eval's logits, which exist a slice of positions at a time."""
+    batch_logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4
+    row = eval.batch_size * facts.vocab_size * 4
+    return min(batch_logits, max(SLICE_BUDGET_BYTES, row)) * LOGIT_COPIES
+
+
+def task_length(tasks: TaskSettings, facts: ModelFacts) -> int:
+    """The longest input lm-eval gives the model."""
+    return tasks.max_length or facts.max_positions or LM_EVAL_LENGTH
+
+
+def task_bytes(tasks: TaskSettings, facts: ModelFacts) -> int:
+    """lm-eval's logits for a batch padded to the longest input (an upper bound)."""
+    return tasks.batch_size * task_length(tasks, facts) * facts.vocab_size * 4 * LOGIT_COPIES
+
+
+def kv_cache_bytes(speed: SpeedSettings, facts: ModelFacts) -> int:
+    """The KV cache of the largest speed batch at its last token (0: shape unknown)."""
+    tokens = max(speed.batch_sizes) * (speed.prompt_length + speed.new_tokens)
+    per_token = 2 * facts.layers * facts.kv_heads * facts.head_dim * facts.loaded_bits // 8
+    return per_token * tokens
+
+
+def generation_bytes(speed: SpeedSettings, facts: ModelFacts) -> int:
+    """The KV cache and one step's logits of the largest speed batch."""
+    return (kv_cache_bytes(speed, facts)
+            + max(speed.batch_sizes) * facts.vocab_size * 4 * LOGIT_COPIES)
+
+
+def phase_bytes(backend: str, options: BackendOptions, job: Job,
+                facts: ModelFacts) -> dict[str, int]:
+    """Each counted phase's device memory for ``backend`` with ``options`` under ``job``'s
+    settings (its eval, tasks and speed blocks), in the phases' order; empty when the
+    checkpoint is unknown."""
+    if not facts.weight_bytes:
+        return {}
+    weights = weight_bytes(backend, options, facts)
+    phases = {QUANTIZE: int(weights), SCORE: int(weights + eval_bytes(job.eval, facts))}
+    if job.tasks is not None:
+        phases[TASKS] = int(weights + task_bytes(job.tasks, facts))
+    if job.speed is not None:
+        phases[SPEED] = int(weights + generation_bytes(job.speed, facts))
+    return phases
+
+
+def streamed_bytes(job: Job, facts: ModelFacts) -> int:
+    """A streamed job's device memory (``stream.streaming``): the weights outside the decoder
+    layers (the embedding and an untied head, at most), one layer as loaded and its quantized
+    copy, the float32 hidden states of every eval window, and the score's logits, or a
+    calibrated fit's block by block (``streamed_fit_bytes``) if more; 0 when the checkpoint
+    or the model's shape is unknown."""
+    if not facts.weight_bytes or not facts.layers or not facts.hidden_size:
+        return 0
+    loaded = facts.weight_bytes * facts.loaded_bits / facts.checkpoint_bits
+    outside = min(loaded, 2 * facts.vocab_size * facts.hidden_size * facts.loaded_bits / 8)
+    layer = (loaded - outside) / facts.layers
+    hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
+    passing = outside + 2 * layer + hidden + eval_bytes(job.eval, facts)
+    return int(max(passing, streamed_fit_bytes(job, facts, outside, layer)))
+
+
+def streamed_fit_bytes(job: Job, facts: ModelFacts, outside: float, layer: float) -> float:
+    """A calibrated backend's fit block by block from the checkpoint (``quantize_streamed``):
+    one layer, the float32 inputs and outputs of every calibration window at that layer, the
+    float32 Hessians of its linear layers (in x in each: about twice the layer's float32
+    weights, a bound from Llama's shapes), and the quantized model it assembles to save (at
+    its bits, half a bit more for the scales and zero points, and the weights outside the
+    layers); 0 for any other job. (RESULTS.md section 15: measured on a 2.09 GB model.)"""
+    if job.calibration is None or get_backend(job.backend).quantize_streamed is None:
+        return 0.0
+    states = 2 * job.calibration.samples * job.calibration.seq_len * facts.hidden_size * 4
+    bits = getattr(job.options, "bits", None) or facts.loaded_bits
+    saved = layer * facts.layers * (bits + 0.5) / facts.loaded_bits + outside
+    return saved + layer + states + 2 * layer * 32 / facts.loaded_bits
+
+
+def peak_note(phase: str, job: Job, facts: ModelFacts) -> str:
+    """What sets a job's peak in ``phase``, in words (for a refusal)."""
+    if phase == SPEED and job.speed is not None:
+        speed = job.speed
+        return (f"{SPEED}: batch {max(speed.batch_sizes):,} x "
+                f"{speed.prompt_length + speed.new_tokens:,} tokens, KV cache "
+                f"{format_bytes(kv_cache_bytes(speed, facts))}")
+    if phase == TASKS and job.tasks is not None:
+        return (f"{TASKS}: batch {job.tasks.batch_size} x {task_length(job.tasks, facts):,} "
+                f"tokens x {facts.vocab_size:,} logits, an upper bound")
+    if phase == SCORE:
+        return f"{SCORE}: batch {job.eval.batch_size} x {job.eval.seq_len} tokens"
+    return phase

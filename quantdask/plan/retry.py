@@ -1,0 +1,120 @@
+"""What to do after an attempt fails: its failure class decides (see GUIDE's failure table),
+and the retries that wait out their backoff.
+
+| class          | action                                                              |
+|----------------|---------------------------------------------------------------------|
+| unsupported    | recorded skipped with the reason; never retried                     |
+| out_of_memory  | retried with more room: a whole GPU, half the eval batch, 2x memory |
+| worker_lost    | retried at once (the dead worker is gone; another one takes it)     |
+| timeout        | retried at once on a fresh worker (the hung one was restarted)      |
+| job_error      | retried after an exponential backoff                                |
+
+Every retry counts against the sweep's ``retries``; past it the job is recorded failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from quantdask.sweepfile.sweep import Job
+from quantdask.words import FailureClass
+
+MAX_BACKOFF_S = 300.0
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    delay_s: float = 0.0
+    job: Job | None = None  # the job to run next (it may ask for more room)
+    reason: str = ""
+
+
+def decide(job: Job, attempt: int, failure_class: FailureClass,
+           backoff_s: float) -> RetryDecision:
+    """Whether and how to run ``job`` again after ``attempt`` failed as ``failure_class``."""
+    decision = by_class(attempt, job.retries, failure_class, backoff_s)
+    if not decision.retry:
+        return decision
+    if failure_class == FailureClass.OUT_OF_MEMORY:
+        roomier = with_more_room(job)
+        more = (f" and {roomier.device_memory_bytes:,} bytes of device memory"
+                if roomier.device_memory_bytes else "")
+        return RetryDecision(True, 0.0, roomier, reason=(
+            f"retrying with a whole device, eval batch {roomier.eval.batch_size}{more}"))
+    return dataclasses.replace(decision, job=job)
+
+
+def by_class(attempt: int, retries: int, failure_class: FailureClass,
+             backoff_s: float) -> RetryDecision:
+    """The table's decision for any task allowed ``retries`` retries (a job, a search's
+    probe) after its ``attempt`` failed as ``failure_class``; what runs next is the caller's
+    (more room after ``out_of_memory``).
+
+    >>> by_class(1, 2, FailureClass.JOB_ERROR, 2.0).delay_s, by_class(3, 2,
+    ...     FailureClass.WORKER_LOST, 2.0).reason
+    (2.0, 'no retries left (2 allowed)')
+    """
+    if failure_class == FailureClass.UNSUPPORTED:
+        return RetryDecision(False, reason="unsupported here; not retried")
+    if attempt > retries:
+        return RetryDecision(False, reason=f"no retries left ({retries} allowed)")
+    if failure_class == FailureClass.JOB_ERROR:
+        delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+        return RetryDecision(True, delay, reason=f"retrying in {delay:g}s")
+    return RetryDecision(True, 0.0, reason="retrying")
+
+
+def after_failure(job: Job, number: int, failure_class: FailureClass, backoff_s: float,
+                  final: bool) -> RetryDecision:
+    """What follows failed attempt ``number``: a retry (see ``decide``), unless the attempt was
+    settled ``final`` (no worker left for it)."""
+    if final:
+        return RetryDecision(False, reason="not retried: no worker left")
+    return decide(job, number, failure_class, backoff_s)
+
+
+def with_more_room(job: Job) -> Job:
+    """``job`` on a device of its own, evaluating half as many windows (and task requests) per
+    forward pass, and asking for twice the device memory it was estimated to need (the driver
+    caps that at the largest worker's). Batch sizes are not part of the job's id."""
+    smaller = dataclasses.replace(job.eval, batch_size=max(1, job.eval.batch_size // 2))
+    tasks = job.tasks and dataclasses.replace(job.tasks,
+                                              batch_size=max(1, job.tasks.batch_size // 2))
+    return dataclasses.replace(job, gpu_share=1.0, eval=smaller, tasks=tasks,
+                               device_memory_bytes=2 * job.device_memory_bytes)
+
+
+@dataclass(frozen=True)
+class DelayedRetry:
+    """A failed attempt's successor, waiting out its backoff until ``due``."""
+
+    due: float
+    job: Job
+    attempt: int  # the number of the attempt to make
+    failed_on: str | None  # the worker the last attempt failed on (the retry avoids it)
+
+
+@dataclass
+class RetryQueue:
+    """Retries waiting for their backoff (see ``decide`` for the delays)."""
+
+    waiting: list[DelayedRetry] = field(default_factory=list)
+
+    def add(self, now: float, delay_s: float, job: Job, attempt: int,
+            failed_on: str | None) -> None:
+        self.waiting.append(DelayedRetry(now + delay_s, job, attempt, failed_on))
+
+    def pop_due(self, now: float) -> list[DelayedRetry]:
+        """The retries whose backoff is over, no longer waiting."""
+        due = [r for r in self.waiting if r.due <= now]
+        self.waiting = [r for r in self.waiting if r.due > now]
+        return due
+
+    def take_all(self) -> list[DelayedRetry]:
+        taken, self.waiting = self.waiting, []
+        return taken
+
+    def __len__(self) -> int:
+        return len(self.waiting)

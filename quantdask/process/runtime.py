@@ -1,0 +1,105 @@
+"""A worker process's side of the cluster: the plugins a cluster registers on each worker (torch
+threads, warm imports), the start announcement that starts a task's deadline, the device a task
+runs on, and the library notices that are noise in a job's log."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from quantdask.process import library_noise
+from quantdask.process.devices import physical_gpu_id
+
+JOB_START_TOPIC = "quantdask-job-start"
+"""Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
+
+
+def announce_start() -> tuple[str, str]:
+    """Tell the driver the running task (a job attempt or a reference) began, so its deadline
+    starts now; returns (worker name, host)."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
+        return "local", socket.gethostname()
+    worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
+                                       "address": worker.address, "name": str(worker.name)})
+    return str(worker.name), socket.gethostname()
+
+
+def held_resources() -> dict[str, float]:
+    """The resources Dask holds on this worker for the running task (``GPU``, device memory),
+    as the scheduler granted them: {} outside a Dask worker."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return {}
+    task = worker.state.tasks.get(worker.get_current_task())
+    return dict(task.resource_restrictions) if task is not None else {}
+
+
+def torch_device() -> tuple[str, str, bool]:
+    """(torch device, recorded device label with the physical GPU id, is CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda:0", f"cuda:{physical_gpu_id(0)}", True
+    return "cpu", "cpu", False
+
+
+def quiet_libraries() -> None:
+    """Silence transformers' progress bars and notices, and the libraries' known notices
+    (``library_noise``), in a job's log."""
+    library_noise.quiet_notices()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+class TorchThreads(WorkerPlugin):
+    """Caps torch's threads on each worker so that workers sharing a CPU do not fight over it;
+    with ``share``, a job computing while other slots idle borrows their cores (see
+    ``cpu_share``)."""
+
+    name = "quantdask-torch-threads"
+
+    def __init__(self, threads: int, share: bool = False):
+        self.threads = threads
+        self.share = share
+
+    def setup(self, worker) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        if self.share:
+            from quantdask.process.cpu_share import share_cores
+
+            share_cores(self.threads)
+
+
+class WarmImports(WorkerPlugin):
+    """Imports the heavy libraries when a worker starts (as dask-cuda's ``pre_import`` does):
+    otherwise each worker's first job pays seconds of imports, counted as its load time."""
+
+    name = "quantdask-warm-imports"
+    # transformers.modeling_utils is what loading any model imports first (about 1.2 s of
+    # CPU: sympy, the quantizers); each architecture's own module is cheap after it.
+    modules = ("torch", "transformers", "transformers.modeling_utils", "bitsandbytes")
+
+    def setup(self, worker) -> None:
+        from quantdask.util import import_offline
+
+        if os.environ.get(library_noise.SHOW_ENV) != "1":
+            quiet_libraries()  # before bitsandbytes' import-time notices
+        for module in self.modules:
+            try:
+                import_offline(module)  # (bitsandbytes would fetch a kernel as it imports)
+            except ImportError:  # an optional backend: its jobs are skipped with the reason
+                pass
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (lazy)

@@ -1,0 +1,25 @@
+"""The mixed-precision search, whole: it probes how sensitive each unit of a model is to each
+format, allocates one format per unit under byte budgets, and hands the sweep the jobs that
+verify its picks.
+
+- ``searches``: the driver's side, registered as a stage that runs before the sweep's jobs
+  (``run.stages``): probe, allocate, make the verifying jobs.
+- ``probe_runs``: the probe tasks on the cluster, retried and placed as jobs are.
+- ``allocation``: the allocator (pure: cells in, an allocation out).
+- ``probe_task`` and ``probes``: the worker's side, a chunk of (unit, format) cells measured
+  against the model's reference.
+
+Its sweep-file block is ``sweepfile.search`` (every block of the file lives with the file's
+model); its frames are the store's ``sensitivity`` and ``allocation``; its report section is
+``report.search``. It may import the core (``run``, ``plan``, ``job``, ``measure``,
+``process``, ``store``, ``cluster``, ``sweepfile``, ``backends``), never ``stream``, ``report``
+or ``cli``; the core reaches it only through the stage it registers here.
+"""
+
+from __future__ import annotations
+
+from quantdask.run.stages import PreJobStage, register_stage
+from quantdask.search.searches import run_searches
+
+register_stage(PreJobStage("search", wanted=lambda sweep: bool(sweep.searches),
+                           run=run_searches))

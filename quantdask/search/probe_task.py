@@ -1,0 +1,107 @@
+"""A search's probe task on a worker: a chunk of (unit, format) cells measured by one
+:class:`~quantdask.search.probes.Prober`, which the worker keeps between the chunks of the same
+model and calibration reference (the model built, the hidden states captured once)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from quantdask.backends import get_backend
+from quantdask.errors import UnsupportedHere
+from quantdask.job.faults import inject_fault
+from quantdask.process.model_source import cached_model_source
+from quantdask.process.runtime import announce_start
+from quantdask.search.probes import Prober, layer_index
+from quantdask.sweepfile.search import ALL_UNITS
+
+if TYPE_CHECKING:
+    from quantdask.backends.options import BackendOptions
+    from quantdask.measure.reference import Reference
+    from quantdask.sweepfile.model import ModelSpec
+    from quantdask.sweepfile.settings import EvalSettings
+    from quantdask.words import FaultKind
+
+_kept: dict[str, Prober] = {}  # one prober per worker: the last model and reference probed
+_lock = threading.RLock()
+
+
+def prober_for(model: ModelSpec, reference: Reference, batch_size: int) -> Prober:
+    """This worker's prober of ``model`` on ``reference``'s windows, made on a miss (the one
+    kept before it is dropped: a worker holds one full-precision model for probing)."""
+    from quantdask.process.runtime import torch_device
+
+    with _lock:
+        prober = _kept.get(reference.key)
+        if prober is None:
+            _kept.clear()
+            device, _, _ = torch_device()
+            source, _ = cached_model_source(model)
+            prober = Prober(source.build(device), reference.windows, reference.distribution,
+                            batch_size, device)
+            _kept[reference.key] = prober
+        prober.batch_size = batch_size  # half the last one's after running out of memory
+        return prober
+
+
+def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Reference:
+    """The search's calibration reference (``reference.compute_reference``) as a task whose
+    deadline the driver keeps."""
+    from quantdask.measure.reference import compute_reference
+
+    announce_start()
+    return compute_reference(model, settings, text)
+
+
+def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
+    """The search's units of ``model`` (name -> its linear modules), each unit's weights and
+    the model's parameter count, read from the model as a probe builds it."""
+    from quantdask.process.model_source import count_parameters
+    from quantdask.search.probes import linear_units
+
+    announce_start()
+    source, _ = cached_model_source(model)
+    built = source.build("cpu")
+    return {"units": linear_units(built, granularity), "param_count": count_parameters(built)}
+
+
+def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
+                formats: dict[str, BackendOptions | None],
+                cells: list[tuple[str, tuple[str, ...], str]],
+                units: dict[str, tuple[str, ...]],
+                faults: Sequence[tuple[int, FaultKind]] = ()) -> dict[str, Any]:
+    """Measure ``cells`` ((unit, its modules, format label)); returns the sensitivity rows
+    (without the search's columns) and the bytes the model stores outside ``units``. A format
+    the backend cannot apply to a unit (``UnsupportedHere``: a group size that does not divide
+    it) is a row with its reason and no figures; any other error fails the task (retried).
+    ``faults`` ((attempt, kind)) are injected first (the sweep's ``faults``, rehearsals)."""
+    from distributed import get_worker
+
+    chosen = get_backend(backend)
+    with _lock:  # one probe at a time per worker: they swap weights of one shared model
+        announce_start()  # its deadline starts once it holds the worker's model
+        for attempt, kind in faults:
+            inject_fault(kind, attempt)
+        prober = prober_for(model, reference, batch_size)
+        rows = []
+        for unit, modules, label in cells:
+            row: dict[str, Any] = {
+                "unit": unit, "format": label,
+                "layer": -1 if unit == ALL_UNITS else layer_index(modules[0], prober.prefix),
+                "params": sum(_weights(prober.model, m) for m in modules),
+                "worker": get_worker().address, "kl": None, "kl_se": None, "bytes": None,
+                "error": None, "seconds": 0.0}
+            try:
+                cell = prober.probe(unit, modules, label, chosen, formats[label])
+            except UnsupportedHere as error:
+                row["error"] = str(error)
+            else:
+                row.update(kl=cell.kl, kl_se=cell.kl_se, bytes=cell.bytes, seconds=cell.seconds)
+            rows.append(row)
+        return {"rows": rows, "rest_bytes": prober.rest_bytes(units)}
+
+
+def _weights(model, name: str) -> int:
+    """How many weights module ``name`` of ``model`` holds."""
+    return int(model.get_submodule(name).weight.numel())

@@ -1,0 +1,223 @@
+"""Sensitivity probes of a mixed-precision search: the KL that one unit (a linear layer, or
+every linear of one decoder layer) adds when it alone takes one format, measured on the
+calibration windows against their full-precision reference, and its stored bytes.
+
+A :class:`Prober` holds the full-precision model and the hidden states entering each decoder
+layer for each batch of the windows, captured in one pass. A cell of a unit in layer L swaps
+the unit's dequantized weights in, then runs the model's own forward with the layers before L
+passed through and layer L fed the captured states: the embedding and the layers after L are
+the model's own code, and nothing before L is computed again. The KL comes from the same
+meter as the eval's (``metrics.QualityMeter``), with its standard error over the windows. The
+weights are put back after each cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from quantdask.measure.layers import decoder_layers
+from quantdask.measure.metrics import measure_quality
+from quantdask.measure.usage import stored_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.backends.base import Backend
+    from quantdask.backends.options import BackendOptions
+
+KEEP = "keep"
+"""The format that leaves a unit in full precision (KL 0 by construction, not probed)."""
+
+
+@dataclass(frozen=True)
+class CellMeasure:
+    """One (unit, format) cell: the KL it adds alone (nats per token, with its standard
+    error over the windows), its stored bytes, and the seconds the probe took."""
+
+    unit: str
+    format: str
+    kl: float
+    kl_se: float | None
+    bytes: int
+    seconds: float
+
+
+
+def linear_units(model: torch.nn.Module, granularity: str,
+                 skip: tuple[str, ...] = ("lm_head",)) -> dict[str, tuple[str, ...]]:
+    """The search's units, each the names of its linear modules: ``linear``, each linear of
+    the decoder layers; ``block``, each decoder layer's linears together (named by the
+    layer). Modules outside the decoder layers (the head) are not units."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    prefix, _ = decoder_layers(model)
+    units: dict[str, tuple[str, ...]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear | Conv1D) or name in skip:
+            continue
+        index = layer_index(name, prefix)
+        if index is None:
+            continue
+        unit = name if granularity == "linear" else f"{prefix}.{index}"
+        units[unit] = (*units.get(unit, ()), name)
+    return units
+
+
+def layer_index(module_name: str, prefix: str) -> int | None:
+    """The decoder layer a module belongs to (``model.layers.3.mlp.up_proj`` -> 3), or None."""
+    found = re.match(rf"{re.escape(prefix)}\.(\d+)(\.|$)", module_name)
+    return int(found.group(1)) if found else None
+
+
+class Prober:
+    """Probes cells of one full-precision ``model`` on ``windows`` against ``reference`` (a
+    ``Reference.distribution`` of the same windows); see the module."""
+
+    def __init__(self, model: torch.nn.Module, windows: torch.Tensor,
+                 reference: dict[str, torch.Tensor], batch_size: int, device: str):
+        self.model, self.windows, self.reference = model, windows, reference
+        self.batch_size, self.device = batch_size, device
+        self.prefix, self.layers = decoder_layers(model)
+        self.states: list[dict[int, torch.Tensor]] = [{} for _ in self.layers]
+        self.tuple_output: list[int] = [0] * len(self.layers)  # 0: a tensor; n: a tuple of n
+        self.batch: int | None = None  # the captured batch (its first row) being run
+        self._capture()
+
+    def _capture(self) -> None:
+        """One full-precision pass: each layer's input hidden states, by batch."""
+        hooks = []
+        for index, layer in enumerate(self.layers):
+            hooks.append(layer.register_forward_pre_hook(self._capturing(index),
+                                                         with_kwargs=True))
+            hooks.append(layer.register_forward_hook(self._output_form(index)))
+        try:
+            measure_quality(self.model, self.windows, self.reference, self.batch_size,
+                            self.device, on_batch=self._on_batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.batch = None
+
+    def _on_batch(self, rows: slice) -> None:
+        self.batch = rows.start
+
+    def _capturing(self, index: int):
+        def hook(module, args, kwargs):
+            if self.batch is not None:
+                self.states[index][self.batch] = _hidden(args, kwargs).detach().clone()
+        return hook
+
+    def _output_form(self, index: int):
+        def hook(module, args, output):
+            self.tuple_output[index] = len(output) if isinstance(output, tuple) else 0
+        return hook
+
+    @contextlib.contextmanager
+    def starting_at(self, index: int) -> Iterator[None]:
+        """The model's forward, on the captured batches, starts at decoder layer ``index``
+        (earlier layers pass their input through; layer ``index`` takes the captured
+        states). Other inputs (a sliced head's probe) run the whole model."""
+        originals = [self.layers[i] for i in range(index)]
+        for i, layer in enumerate(originals):
+            self.layers[i] = _pass_through(layer, self, self.tuple_output[i])
+
+        def feed(module, args, kwargs):
+            if self.batch is None:
+                return None
+            state = self.states[index][self.batch]
+            if args:
+                return (state, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": state}
+
+        hook = self.layers[index].register_forward_pre_hook(feed, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+            for i, layer in enumerate(originals):
+                self.layers[i] = layer
+            self.batch = None
+
+    def rest_bytes(self, units: dict[str, tuple[str, ...]]) -> int:
+        """What the model stores outside ``units`` (the head, the embeddings, the norms):
+        the part of its size no allocation changes."""
+        inside = sum(_state_bytes(self.model.get_submodule(m))
+                     for modules in units.values() for m in modules)
+        return _state_bytes(self.model) - inside
+
+    def measure(self, first_layer: int = 0) -> tuple[float, float | None]:
+        """The model's KL against the reference as it is now (mean, standard error), run from
+        decoder layer ``first_layer``."""
+        with self.starting_at(first_layer):
+            meter = measure_quality(self.model, self.windows, self.reference, self.batch_size,
+                                    self.device, on_batch=self._on_batch)
+        scores = meter.scores()
+        return scores.kl_divergence, scores.kl_se
+
+    def probe(self, unit: str, modules: tuple[str, ...], format: str, backend: Backend,
+              options: BackendOptions | None) -> CellMeasure:
+        """Cell (``unit``, ``format``): each of ``modules`` quantized alone by ``backend``
+        with ``options`` (None: kept, KL 0), its KL measured, the weights put back."""
+        began = time.perf_counter()
+        if options is None:
+            size = sum(_state_bytes(self.model.get_submodule(m)) for m in modules)
+            return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
+        if backend.quantize_module is None or backend.dequantize_layer is None:
+            raise ValueError(f"backend {backend.name!r} cannot quantize one module alone")
+        size, swapped = 0, []
+        try:
+            for name in modules:
+                module = self.model.get_submodule(name)
+                quantized = backend.quantize_module(module, options)
+                size += _state_bytes(quantized, backend.stored_bytes)
+                weight = backend.dequantize_layer(quantized)
+                if weight is None:
+                    raise ValueError(f"{backend.name}: no dequantized weight for {name}")
+                original = cast("torch.Tensor", module.weight).data
+                if weight.shape != original.shape:  # GPT-2's Conv1D stores (in, out)
+                    weight = weight.t()
+                swapped.append((module, original))
+                module.weight.data = weight.to(dtype=original.dtype).contiguous()
+            first = min(layer_index(name, self.prefix) or 0 for name in modules)
+            kl, se = self.measure(first)
+        finally:
+            for module, original in swapped:
+                module.weight.data = original
+        return CellMeasure(unit, format, kl, se, size, time.perf_counter() - began)
+
+
+def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _state_bytes(module: torch.nn.Module, stored_bytes=None) -> int:
+    """What a module's state stores, as the coverage phase counts a model's (``size_bytes``,
+    with the backend's ``stored_bytes``)."""
+    return sum(size for _, _, size in stored_tensors(module, stored_bytes))
+
+
+def _pass_through(layer: torch.nn.Module, prober: Prober, tuple_output: int
+                  ) -> torch.nn.Module:
+    """A stand-in for a decoder layer: on a captured batch it returns its input hidden states
+    in the layer's output form (a tensor, or a tuple of ``tuple_output``); on any other input
+    it runs the layer."""
+    import torch
+
+    class PassThrough(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args, **kwargs):
+            if prober.batch is None:
+                return self.layer(*args, **kwargs)
+            hidden = _hidden(args, kwargs)
+            return (hidden, *([None] * (tuple_output - 1))) if tuple_output else hidden
+
+    return PassThrough()

@@ -1,0 +1,157 @@
+"""The phases of a streamed job (``Job.streamed``): its model never resident, its decoder layers
+read from the checkpoint, quantized and run one at a time (``stream.streaming``).
+
+One pass (``stream``) reads each layer, quantizes it as the backend quantizes it whole, counts
+its coverage and weight errors against its full-precision tensors, runs every eval window
+through it and drops it; the final norm and head then give the log-probs the quality meter
+takes, as for a resident job. The later phases hand on what the pass measured, so the job's
+row has the same columns as a resident job's, plus the stream's own (``Streamed``): its bytes
+read and its seconds per layer. Task accuracy, generation speed and artifacts need the model
+resident: a streamed job skips them and says so (``stream_skipped``), never fails them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+from typing import TYPE_CHECKING
+
+from quantdask.errors import UnsupportedHere
+from quantdask.job.phases import (
+    PROBE_WINDOWS,
+    JobRun,
+    Phase,
+    calibration_of,
+    check_coverage,
+    layer_weights,
+    score,
+)
+from quantdask.measure.coverage import Coverage, coverage
+from quantdask.measure.layers import OutputErrors, weight_errors
+from quantdask.measure.metrics import QualityMeter
+from quantdask.process.model_source import cached_model_source
+from quantdask.records import Loaded, Quantized, Streamed, TaskScores
+from quantdask.util import scratch_root
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.stream.streaming import LayerHook
+
+log = logging.getLogger("quantdask.job")
+
+RESIDENT_ONLY = "task accuracy, generation speed and artifacts need the model resident"
+"""Why a streamed job skips them."""
+
+
+def load_streamed(run: JobRun) -> Loaded:
+    """The model's config, tokenizer and class (no weights: counted on the meta device)."""
+    with run.watch("load"):
+        run.source, cached = cached_model_source(run.job.model, weights=False)
+        run.originals = {}
+    return Loaded(run.watch.seconds["load"], cached, run.source.param_count)
+
+
+def stream(run: JobRun) -> Streamed:
+    """The one pass over the layers (see the module): coverage, weight errors and, but for
+    the baseline (whose figures are the reference's), the quality meter."""
+    from quantdask.stream.saved_layers import SavedLayers
+    from quantdask.stream.streaming import StreamedModel
+
+    backend, job = run.backend, run.job
+    parts: list[Coverage] = []
+    measured: list[tuple[str, OutputErrors]] = []
+
+    def seen(prefix: str, layer: torch.nn.Module, originals: dict[str, torch.Tensor]
+             ) -> OutputErrors | None:
+        parts.append(coverage(layer, originals, backend.stored_bytes))
+        if not (job.layer_stats and backend.dequantize_layer is not None and backend.quantizes):
+            return None
+        rows, unmeasured = weight_errors(layer, backend.dequantize_layer, originals)
+        run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
+        # Each measured linear's output error on the first PROBE_WINDOWS windows, taken by
+        # hooks while the layer runs over them, as a resident job's (phases.score).
+        outputs = OutputErrors(layer, rows, originals, PROBE_WINDOWS)
+        measured.append((prefix, outputs))
+        return outputs
+
+    with run.watch("quantize"):  # a calibrated fit, then the rest of the model read
+        hook = _layer_hook(run)
+        model = StreamedModel(run.source, run.device, hook, seen)
+        with model.outside_layers() as outside:
+            parts.append(coverage(outside, None, backend.stored_bytes))
+    if job.is_baseline:
+        model.read_layers()
+    else:
+        meter = QualityMeter(run.reference.windows, run.reference.distribution)
+        with run.watch("eval"):
+            for piece in model.log_probs(run.reference.windows, job.eval.batch_size):
+                meter.add(piece.rows, piece.positions, piece.log_probs)
+        run.meter = meter
+    for prefix, outputs in measured:
+        for name, reason in outputs.failed.items():
+            log.warning("per-layer output error skips %s.%s: %s", prefix, name, reason)
+        run.layers += [{**row, "layer": f"{prefix}.{row['layer']}"} for row in outputs.rows()]
+    run.covered = functools.reduce(_joined, parts)
+    # The layers are read and quantized as the pass reaches them: that part of the pass is
+    # the quantize time, the rest the eval's.
+    reading = sum(t.load_s for t in model.timings)
+    seconds = run.watch.seconds
+    seconds["quantize"] += reading
+    if "eval" in seconds:
+        seconds["eval"] -= reading
+    calibration = run.calibration.figures() if run.calibration is not None else None
+    return Streamed(Quantized(seconds["quantize"], calibration), streamed=True,
+                    # (and a calibrated fit's saved layers, read in their turn)
+                    stream_bytes_read=model.reader.bytes_read + (
+                        hook.reader.bytes_read if isinstance(hook, SavedLayers) else 0),
+                    stream_layer_s=sum(t.load_s + t.run_s for t in model.timings)
+                    / len(model.skeletons),
+                    stream_skipped=RESIDENT_ONLY)
+
+
+def _layer_hook(run: JobRun) -> LayerHook | None:
+    """What each streamed layer becomes: the backend's own quantization of it, module by
+    module; for a calibrated backend that fits block by block from the checkpoint
+    (``Backend.quantize_streamed``), its fit first, then each layer as saved."""
+    from quantdask.stream.saved_layers import SavedLayers
+    from quantdask.stream.streaming import layer_quantizer
+
+    backend, job = run.backend, run.job
+    if not backend.quantizes:
+        return None
+    refusal = backend.stream_refusal(getattr(run.source.config, "model_type", ""))
+    if refusal:
+        raise UnsupportedHere(refusal)
+    if backend.quantize_module is None and backend.quantize_streamed is not None:
+        folder = run.holding.enter_context(
+            tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-", dir=scratch_root()))
+        saved = backend.quantize_streamed(run.source, job.options, run.device,
+                                          calibration_of(run), folder)
+        return SavedLayers(saved, run.device)
+    return layer_quantizer(backend, job.options)
+
+
+def _joined(a: Coverage, b: Coverage) -> Coverage:
+    def added(x: dict[str, int], y: dict[str, int]) -> dict[str, int]:
+        return {key: x.get(key, 0) + y.get(key, 0) for key in {*x, *y}}
+
+    return Coverage(a.quantized_params + b.quantized_params,
+                    added(a.full_precision, b.full_precision),
+                    a.quantized_bytes + b.quantized_bytes,
+                    added(a.unquantized_by_dtype, b.unquantized_by_dtype))
+
+
+def tasks_skipped(run: JobRun) -> TaskScores | None:
+    """A streamed job's task phase: skipped, with the reason, when the sweep has tasks."""
+    if run.job.tasks is None:
+        return None
+    log.warning("tasks skipped: %s; this job streamed its layers", RESIDENT_ONLY)
+    return TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {RESIDENT_ONLY}")
+
+
+STREAMED_PHASES: tuple[Phase, ...] = (load_streamed, stream, check_coverage, layer_weights, score,
+                          tasks_skipped)
+"""What a streamed job does, in order (``phases.PHASES`` for a resident one)."""
+
