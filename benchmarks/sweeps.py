@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from quantdask.backends import Backend, BackendOptions, option, register_backend
+from quantdask.backends.base import UNQUANTIZED
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
 EVAL = {"text": DEMO_EVAL_TEXT, "seq_len": 128, "samples": 32, "batch_size": 8}
@@ -53,9 +54,9 @@ def _no_op(source, options: NoopOptions, device: str):
 def register_synthetic_backends() -> None:
     """``sleep`` (jobs of known length) and ``noop`` (jobs that do nothing of their own)."""
     register_backend(Backend("sleep", _sleep_then_keep, options=SleepOptions,
-                             label=lambda o: f"sleep {o.seconds:g}s #{o.n}", quantizes=False))
+                             label=lambda o: f"sleep {o.seconds:g}s #{o.n}", sizing=UNQUANTIZED))
     register_backend(Backend("noop", _no_op, options=NoopOptions,
-                             label=lambda o: f"noop #{o.n}", quantizes=False))
+                             label=lambda o: f"noop #{o.n}", sizing=UNQUANTIZED))
 
 
 TINY_EVAL = {"text": DEMO_EVAL_TEXT, "seq_len": 8, "samples": 1, "batch_size": 1}

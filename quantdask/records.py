@@ -287,4 +287,5 @@ def _nested_fields(record_type: type[PhaseRecord]) -> dict[str, type[PhaseRecord
             if (isinstance(kind, type) and typing.get_origin(kind) is None
                     and issubclass(kind, PhaseRecord)):
                 nested[name] = kind
+    _NESTED[key] = nested
     return nested

@@ -3,6 +3,7 @@ pyproject.toml), no import cycles, no module past about 400 lines, and the publi
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -206,3 +207,45 @@ def test_outcome_words_are_spelled_only_in_the_vocabulary():
              if where[0] != VOCABULARY and where not in OTHER_MEANINGS}
     assert stray == {}
     assert set(OTHER_MEANINGS) <= set(found)  # no stale exception
+
+
+@pytest.mark.timeout(60)
+def test_the_old_spec_path_is_a_deprecated_alias_of_sweepfile():
+    """``quantdask.spec`` (users' notebooks import ``quantdask.spec.gates``) is the sweep-file
+    model under its old name for one release: the same module objects, and a warning."""
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import quantdask.spec.gates\nexcept DeprecationWarning as w:\n"
+            "    print('warned:', w)\n")
+    warned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=50)
+    assert "warned: quantdask.spec is now quantdask.sweepfile" in warned.stdout, warned.stderr
+    import quantdask.sweepfile.gates
+    import quantdask.sweepfile.sweep
+
+    with pytest.warns(DeprecationWarning) if "quantdask.spec" not in sys.modules else \
+            contextlib.nullcontext():
+        import quantdask.spec.gates
+        from quantdask.spec.sweep import Sweep
+    assert quantdask.spec.gates is quantdask.sweepfile.gates
+    assert Sweep is quantdask.sweepfile.sweep.Sweep
+
+
+@pytest.mark.timeout(30)
+def test_a_backend_is_a_small_core_and_each_refusal_is_written_once():
+    """A backend's core has at most 8 fields; what it can do beyond them is a capability, and
+    each capability's refusal is written in one place (backends/capabilities.py)."""
+    import dataclasses
+
+    from quantdask.backends import Backend
+    from quantdask.backends.capabilities import Capability
+
+    assert len(dataclasses.fields(Backend)) <= 8
+    home = REPO / "quantdask" / "backends" / "capabilities.py"
+    elsewhere = "\n".join(p.read_text() for p in (REPO / "quantdask").rglob("*.py") if p != home)
+    kinds = Capability.__subclasses__()
+    assert len(kinds) >= 6
+    for kind in kinds:
+        words = kind.refuses.split("{why}")[0].replace("{backend}", "").strip(" :")
+        usual = kind.refusal("", kind.usual_why).strip(" :")
+        assert usual not in elsewhere, (kind.__name__, usual)
+        assert words in home.read_text() and (len(words) < 20 or words not in elsewhere), words

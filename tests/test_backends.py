@@ -9,6 +9,7 @@ import pytest
 
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend, register_backend
+from quantdask.backends.capabilities import Dequantizes, Lacks
 from quantdask.demo_model import DEMO_EVAL_TEXT
 from quantdask.errors import SpecError
 from quantdask.job.job import run_job
@@ -165,8 +166,8 @@ def test_hqq_per_module_formats_quantize_each_module_as_named(hqq_outcomes, demo
 
 
 def test_hqq_per_module_formats_are_checked_before_anything_runs(demo_model):
-    from quantdask.backends.base import ModelFacts
     from quantdask.backends.hqq import HqqOptions, check_hqq
+    from quantdask.backends.model import ModelFacts
 
     with pytest.raises(SpecError) as error:
         BackendBlock("hqq", configs=[{"bits": 4, "modules": {"a.b": {"bits": 5}}}])
@@ -327,8 +328,9 @@ def fake_dequantize(module):
 
 def test_a_users_backend_is_swept_on_the_real_cluster(cluster, demo_model, tmp_path, monkeypatch):
     monkeypatch.setattr(quantdask.backends, "_REGISTRY", dict(quantdask.backends._REGISTRY))
-    register_backend(Backend("rtn", fake_quantize, dequantize_layer=fake_dequantize, options={
-        "bits": Option(int, choices=(3, 4, 8), help="bits per weight")}))
+    register_backend(Backend("rtn", fake_quantize, capabilities=(Dequantizes(fake_dequantize),),
+                             options={"bits": Option(int, choices=(3, 4, 8),
+                                                     help="bits per weight")}))
     sweep = sweep_of(demo_model, BackendBlock("rtn", grid={"bits": [3, 4, 8]}))
     results = run_sweep(sweep, tmp_path / "run", cluster.client)
     rows = {row["config_label"]: row for row in results.to_dicts()}
@@ -348,7 +350,7 @@ def test_torchao_per_module_formats_quantize_each_module_as_named(demo_model):
     kept where null, the config's format elsewhere; refused naming the field when wrong."""
     import torch
 
-    from quantdask.backends.base import ModelFacts
+    from quantdask.backends.model import ModelFacts
     from quantdask.backends.torchao import check_torchao, quantize_torchao
     from quantdask.process.model_source import load_model_source
 
@@ -388,7 +390,8 @@ def test_backends_a_search_cannot_use_say_why():
     assert searchable_backends() == ["hqq", "torchao"]
     for name in ("bitsandbytes", "autoround", "gptq", "awq"):
         backend = get_backend(name)
-        assert not backend.module_keys and len(backend.unsearchable) > 40, name
+        why = next(c.why for c in backend.capabilities if isinstance(c, Lacks))
+        assert not backend.module_keys and len(why) > 40, name
 
 
 def test_a_modules_own_format_alone_takes_only_what_applies_to_it():

@@ -12,6 +12,7 @@ import pytest
 
 import quantdask.backends
 from quantdask.backends import Backend, get_backend, register_backend
+from quantdask.backends.capabilities import Calibrated
 from quantdask.demo_model import generate_text
 from quantdask.errors import SpecError
 from quantdask.job.job import run_job
@@ -196,7 +197,7 @@ def test_out_of_memory_in_calibration_is_classified_out_of_memory(calibration_te
         with calibration.measure():
             raise MemoryError("cannot allocate the calibration activations")
 
-    register_backend(Backend("greedy", calibrate_then_run_out, calibrated=True))
+    register_backend(Backend("greedy", calibrate_then_run_out, capabilities=(Calibrated(),)))
     data = calibrated_sweep(calibration_text)
     data["backends"] = [{"backend": "greedy", "configs": [{}]}]
     job = expand_grid(sweep_from_dict(data))[1]

@@ -20,6 +20,7 @@ import yaml
 
 import quantdask.backends
 from quantdask.backends import Backend
+from quantdask.backends.base import UNQUANTIZED
 from quantdask.cli.main import main
 from quantdask.cluster.local import start_cluster
 from quantdask.run.sweep import run_sweep
@@ -393,7 +394,7 @@ def failing_on_worker_1(source, options, device):
 def test_a_device_failing_different_jobs_is_taken_out_of_rotation(fault_cluster, tmp_path,
                                                                    monkeypatch):
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fragile",
-                        Backend("fragile", failing_on_worker_1, quantizes=False,
+                        Backend("fragile", failing_on_worker_1, sizing=UNQUANTIZED,
                                 options={"n": quantdask.backends.Option(int)}))
     # 8 jobs: worker 1 fails them as fast as it takes them, and is out once 2 of its failures
     # ran fine on worker 0 (a second in), long before worker 0 is through them.

@@ -15,6 +15,7 @@ import pytest
 import quantdask as qd
 import quantdask.backends
 from quantdask.backends import Backend, Option
+from quantdask.backends.base import UNQUANTIZED
 from quantdask.cli.main import main
 from quantdask.process.live_log import LiveLog
 from quantdask.run.attempts import Attempt
@@ -129,7 +130,7 @@ def held_until_released(source, options, device):
 def test_a_running_jobs_log_shows_its_lines_so_far_then_each_line_once(cluster, tmp_path,
                                                                         monkeypatch, capsys):
     monkeypatch.setitem(quantdask.backends._REGISTRY, "held", Backend(
-        "held", held_until_released, options={"release": Option(str)}, quantizes=False))
+        "held", held_until_released, options={"release": Option(str)}, sizing=UNQUANTIZED))
     release, run_dir = tmp_path / "release", tmp_path / "run"
     sweep = sweep_from_dict(sweep_dict(
         backends=[{"backend": "held", "grid": {"release": [str(release)]}}], layer_stats=False))

@@ -303,7 +303,8 @@ def test_jobs_that_only_a_lost_worker_could_hold_fail_after_the_grace(placement_
     add_large()  # there already when the test above ran first
     monkeypatch.setattr(quantdask.run.loop, "NO_WORKERS_GRACE_S", 3.0)
     monkeypatch.setitem(quantdask.backends._REGISTRY, "fat", dataclasses.replace(
-        quantdask.backends.get_backend(BNB), name="fat", weight_bits=lambda options, bits: 400))
+        quantdask.backends.get_backend(BNB), name="fat", sizing=dataclasses.replace(
+            quantdask.backends.get_backend(BNB).sizing, weight_bits=lambda options, bits: 400)))
     tiny = build_tiny("llama", tmp_path / "tiny")
     data = sweep_dict(name="unfit", models=[{"name": "demo", "path": DEMO_MODEL_DIR},
                                             {"name": "tiny", "path": str(tiny)}], backends=[

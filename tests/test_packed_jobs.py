@@ -15,6 +15,7 @@ import pytest
 import quantdask as qd
 import quantdask.backends
 from quantdask.backends import Backend, Option, get_backend
+from quantdask.backends.base import UNQUANTIZED
 from quantdask.job.job import run_job
 from quantdask.measure.reference import compute_reference
 from quantdask.randomness import global_generators, job_generator, job_random
@@ -48,7 +49,7 @@ def _draws(log: str, n: int) -> list[str]:
 @pytest.mark.timeout(240)
 def test_two_jobs_at_once_in_one_process_keep_their_own_lines_and_draws(monkeypatch):
     monkeypatch.setitem(quantdask.backends._REGISTRY, "packed", Backend(
-        "packed", draws_and_logs_then_builds, options={"n": Option(int)}, quantizes=False))
+        "packed", draws_and_logs_then_builds, options={"n": Option(int)}, sizing=UNQUANTIZED))
     sweep = sweep_from_dict(sweep_dict(
         backends=[{"backend": "packed", "grid": {"n": [1, 2]}}], layer_stats=False))
     jobs = [job for job in expand_grid(sweep) if job.backend == "packed"]

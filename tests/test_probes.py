@@ -85,7 +85,7 @@ def test_a_torchao_cell_measures_what_torchaos_whole_model_measures(demo, fmt):
         model = quantize_torchao(source, torchao.normalize({**fmt, "modules": kept}, "f"), "cpu")
         figures = quality(model, reference.windows, reference.distribution, 4, "cpu")
         assert cell.kl == pytest.approx(figures.kl_divergence, rel=1e-3), unit
-        size = sum(n for _, _, n in stored_tensors(model, torchao.stored_bytes))
+        size = sum(n for _, _, n in stored_tensors(model, torchao.sizing.stored_bytes))
         assert rest + cell.bytes + sum(full[u] for u in units if u != unit) == size
 
 

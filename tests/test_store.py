@@ -264,3 +264,18 @@ def test_every_result_column_comes_from_exactly_one_place():
     # Each per-job frame is filled by exactly one phase, and names a declared frame.
     per_job = {name for name, frame in FRAME.items() if frame.per_done_job}
     assert set(frames) == per_job and all(len(p) == 1 for p in frames.values()), frames
+
+
+@pytest.mark.timeout(30)
+def test_a_records_nested_fields_are_read_from_its_type_hints_once(monkeypatch):
+    import typing
+
+    from quantdask import records
+
+    monkeypatch.setattr(records, "_NESTED", {})
+    reads = []
+    hints = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda kind: reads.append(kind) or hints(kind))
+    first = records.Scored.nested()
+    assert records.Scored.nested() == first == {"quality": records.Quality}
+    assert reads == [records.Scored]

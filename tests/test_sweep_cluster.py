@@ -15,6 +15,7 @@ import yaml
 
 import quantdask.backends
 from quantdask.backends import Backend
+from quantdask.backends.base import UNQUANTIZED
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP, DEMO_TASKS_DIR
 from quantdask.measure.reference import REFERENCE_TOPIC, reference_key
 from quantdask.process.devices import drain_this_worker
@@ -258,7 +259,7 @@ def test_a_failed_attempt_is_retried_under_a_new_key(cluster, tmp_path, monkeypa
         return source.build(device)
 
     monkeypatch.setitem(quantdask.backends._REGISTRY, "flaky",
-                        Backend("flaky", flaky, quantizes=False))
+                        Backend("flaky", flaky, sizing=UNQUANTIZED))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "flaky", "configs": [{}]}],
                                        retries=1))
     results = run_sweep(sweep, tmp_path / "run", cluster.client)
@@ -274,7 +275,7 @@ def test_a_job_failing_every_attempt_is_recorded_failed_once(cluster, tmp_path, 
         raise RuntimeError(f"broken backend, options {options}")
 
     monkeypatch.setitem(quantdask.backends._REGISTRY, "broken",
-                        Backend("broken", broken, quantizes=False))
+                        Backend("broken", broken, sizing=UNQUANTIZED))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "broken", "configs": [{}]}],
                                        retries=2))
     results = run_sweep(sweep, tmp_path / "run", cluster.client)
@@ -329,7 +330,7 @@ def test_jobs_per_gpu_packs_jobs_on_one_worker(tmp_path, monkeypatch):
 
     monkeypatch.setitem(quantdask.backends._REGISTRY, "packed", Backend(
         "packed", waits_for_its_neighbour_then_builds,
-        options={"n": quantdask.backends.Option(int)}, quantizes=False))
+        options={"n": quantdask.backends.Option(int)}, sizing=UNQUANTIZED))
     sweep = sweep_from_dict(sweep_dict(backends=[{"backend": "packed", "grid": {"n": [1, 2]}}],
                                        jobs_per_gpu=2))
     with start_cluster(workers=1, jobs_per_worker=2) as cluster:

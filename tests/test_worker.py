@@ -10,6 +10,8 @@ import pytest
 from safetensors import safe_open
 
 from quantdask.backends import Backend, get_backend
+from quantdask.backends.base import UNQUANTIZED
+from quantdask.backends.capabilities import Dequantizes
 from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 from quantdask.errors import UnsupportedHere
 from quantdask.job.job import run_job
@@ -150,7 +152,7 @@ def test_the_unquantized_model_evaluated_as_a_job_agrees_with_its_reference(demo
     that path scores it as the reference did."""
     job = jobs_for(demo_model)["baseline"]
     job = dataclasses.replace(job, backend="identity", config_label="identity")
-    record = run_job(job, Backend("identity", unquantized, quantizes=False),
+    record = run_job(job, Backend("identity", unquantized, sizing=UNQUANTIZED),
                      reference=reference).record
     assert record["status"] == "done", record.get("error_message")
     assert record["kl_divergence"] == pytest.approx(0.0, abs=1e-6)
@@ -315,14 +317,14 @@ def test_a_layer_the_stats_cannot_measure_is_counted_and_the_job_kept(demo_model
     bnb = get_backend("bitsandbytes")
 
     def dequantize_but_q_proj(module):
-        weight = bnb.dequantize_layer(module)
+        weight = bnb.has(Dequantizes).dequantize(module)
         if weight is not None and weight.shape[0] == weight.shape[1]:  # q_proj and o_proj
             return weight[:, :-1]  # a shape that matches no checkpoint weight
         return weight
 
     job = jobs_for(demo_model)["nf4"]
     outcome = run_job(job, Backend("odd-stats", bnb.quantize, options=bnb.options,
-                                  complete=bnb.complete, dequantize_layer=dequantize_but_q_proj))
+                                  capabilities=(Dequantizes(dequantize_but_q_proj),)))
     record = outcome.record
     assert record["status"] == "done" and math.isfinite(record["perplexity"])
     assert record["layers_unmeasured"] == 8  # q_proj and o_proj in each of the 4 layers
@@ -378,7 +380,7 @@ def test_weight_errors_are_those_of_the_freshly_quantized_weights(demo_model, ou
     source, _ = cached_model_source(job.model)
     with source.weights() as originals:
         fresh, unmeasured = weight_errors(backend.quantize(source, job.options, "cpu"),
-                                          backend.dequantize_layer, originals)
+                                          backend.has(Dequantizes).dequantize, originals)
     assert unmeasured == {}
     recorded = outcomes["nf4"].rows["layers"]
     assert [r["layer"] for r in fresh] == [r["layer"] for r in recorded]

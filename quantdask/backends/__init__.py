@@ -11,6 +11,7 @@ from quantdask.backends.autoround import autoround_backend
 from quantdask.backends.base import Backend
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
+from quantdask.backends.capabilities import Searchable
 from quantdask.backends.gptq import awq_backend, gptq_backend
 from quantdask.backends.hqq import hqq_backend
 from quantdask.backends.options import BackendOptions, Option, option
@@ -43,9 +44,8 @@ def backend_names() -> list[str]:
 
 def searchable_backends() -> list[str]:
     """The backends a mixed-precision search can use: those that quantize one module alone
-    and take per-module formats (``Backend.quantize_module``, ``module_keys``)."""
-    return [name for name in sorted(_REGISTRY) if _REGISTRY[name].quantize_module is not None
-            and _REGISTRY[name].module_keys]
+    and take per-module formats (:class:`~quantdask.backends.capabilities.Searchable`)."""
+    return [name for name in sorted(_REGISTRY) if _REGISTRY[name].has(Searchable) is not None]
 
 
 register_backend(baseline_backend)

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
+    Sizing,
     missing_library,
     named_in,
     require_library,
     skip_label,
 )
+from quantdask.backends.capabilities import Calibrated, Dequantizes, Lacks, Savable, Searchable
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError
@@ -48,6 +50,9 @@ class AutoRoundOptions(BackendOptions):
         int, default=DEFAULT_ITERS, check=lambda v: v >= 0, check_hint="must be 0 or more",
         help=f"tuning steps per block (default {DEFAULT_ITERS}; 0: round-to-nearest)")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+    def complete(self) -> AutoRoundOptions:
+        return complete_options(self)
 
 
 AUTOROUND = ("auto_round", "auto-round", "'quantdask[autoround]'")  # module, name, install
@@ -144,19 +149,19 @@ def weight_bits(options: AutoRoundOptions, loaded_bits: int) -> float:
 
 autoround_backend = Backend(
     name="autoround",
-    unsearchable=("AutoRound tunes each decoder block's rounding on the activations of the "
-                  "blocks before it, so a module quantized alone is not what AutoRound makes "
-                  "of it: one-module probes cannot predict its mixes (its layer_config mixes "
-                  "widths within one run, which a sweep's config can give)"),
     quantize=quantize_autoround,
     options=AutoRoundOptions,
-    complete=complete_options,
     label=config_label,
-    dequantize_layer=dequantize_packed_layer,
     check=check_autoround,
-    weight_bits=weight_bits,
-    selects=selects,
-    calibrated=True,
+    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    capabilities=(
+        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
+        Lacks(Searchable, "AutoRound tunes each decoder block's rounding on the activations "
+                          "of the blocks before it, so a module quantized alone is not what "
+                          "AutoRound makes of it: one-module probes cannot predict its mixes "
+                          "(its layer_config mixes widths within one run, which a sweep's "
+                          "config can give)"),
+    ),
     description="AutoRound 2-8 bit grouped integer weights, tuned on calibration data "
                 "(optional: pip install 'quantdask[autoround]')",
 )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from quantdask.backends.base import Backend, BackendOptions
+from quantdask.backends.base import UNQUANTIZED, Backend, BackendOptions
+from quantdask.backends.capabilities import Lacks, Savable, Searchable
 from quantdask.words import BASELINE  # its name, re-exported here
 
 
@@ -12,10 +13,10 @@ def load_unquantized(source, options: BackendOptions, device: str):
 
 baseline_backend = Backend(
     name=BASELINE,
-    unsearchable="the baseline quantizes nothing",
     quantize=load_unquantized,
     options=BackendOptions,  # none
     label=lambda options: "baseline",
-    quantizes=False,
+    sizing=UNQUANTIZED,
+    capabilities=(Savable(), Lacks(Searchable, "the baseline quantizes nothing")),
     description="The model as loaded, unquantized.",
 )

@@ -7,11 +7,13 @@ from typing import Any, cast
 
 from quantdask.backends.base import (
     Backend,
+    Sizing,
     missing_library,
     named_in,
     require_library,
     skip_label,
 )
+from quantdask.backends.capabilities import Dequantizes, Lacks, ModuleAlone, Savable, Searchable
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.errors import SpecError, UnsupportedHere
 
@@ -31,6 +33,9 @@ class BitsAndBytesOptions(BackendOptions):
         help="8-bit: outlier threshold (0 disables the fp16 outlier path)")
     # None: transformers' own choice, which leaves the output head (LM_HEAD) unquantized.
     skip_modules: tuple[str, ...] | None = skip_modules_option(None, "the output head")
+
+    def complete(self) -> BitsAndBytesOptions:
+        return complete_options(self)
 
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
@@ -262,18 +267,17 @@ def unpack_for_save(model) -> None:
 
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
-    unsearchable=("transformers' BitsAndBytesConfig gives one format (nf4, fp4 or int8) to "
-                  "every module it quantizes: it can leave modules out, not mix formats, so "
-                  "a mixed candidate could not be built"),
     quantize=quantize_bitsandbytes,
     options=BitsAndBytesOptions,
-    complete=complete_options,
     label=config_label,
-    dequantize_layer=dequantize_layer,
-    quantize_module=quantize_module,
     check=check_bitsandbytes,
-    weight_bits=weight_bits,
-    selects=selects,
-    prepare_save=unpack_for_save,
+    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    capabilities=(
+        Dequantizes(dequantize_layer), Savable(prepare=unpack_for_save),
+        ModuleAlone(quantize_module),
+        Lacks(Searchable, "transformers' BitsAndBytesConfig gives one format (nf4, fp4 or "
+                          "int8) to every module it quantizes: it can leave modules out, not "
+                          "mix formats, so a mixed candidate could not be built"),
+    ),
     description="bitsandbytes 4-bit (nf4/fp4) and 8-bit (LLM.int8) via transformers",
 )

@@ -28,15 +28,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from quantdask.backends.base import (
-    Backend,
-    ModelFacts,
-    SavedQuantized,
-    missing_library,
-    named_in,
-    require_library,
+from quantdask.backends.base import Backend, Sizing, missing_library, named_in, require_library
+from quantdask.backends.capabilities import (
+    Calibrated,
+    Dequantizes,
+    Lacks,
+    Savable,
+    Searchable,
+    StreamedFit,
 )
 from quantdask.backends.gptq_process import heap_trimmed, logs_in, process_state_kept
+from quantdask.backends.model import ModelFacts, SavedQuantized
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere
@@ -82,6 +84,9 @@ class GptqOptions(BackendOptions):
         help="dampening added to the Hessian's diagonal, as a share of its mean (default 0.05)")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
 
+    def complete(self) -> GptqOptions:
+        return complete_gptq(self)
+
 
 @dataclass(frozen=True)
 class AwqOptions(BackendOptions):
@@ -94,6 +99,9 @@ class AwqOptions(BackendOptions):
     sym: bool | None = option(bool, default=False,
                               help="symmetric integers (default false: AWQ's zero points)")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
+
+    def complete(self) -> AwqOptions:
+        return _head_only(self)
 
 
 def _head_only(options):
@@ -373,33 +381,31 @@ CALIBRATED_ALONE = ("each layer is quantized against the activations of the laye
 
 gptq_backend = Backend(
     name="gptq",
-    unsearchable=CALIBRATED_ALONE,
     quantize=quantize_gptq,
-    quantize_streamed=quantize_gptq_streamed,
-    stream_families=GPTQ_STREAMED_FAMILIES,
     options=GptqOptions,
-    complete=complete_gptq,
     label=gptq_label,
-    dequantize_layer=dequantize_packed_layer,
     check=_check("gptq"),
-    selects=selects,
-    calibrated=True,
+    sizing=Sizing(selects=selects),
+    capabilities=(
+        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
+        StreamedFit(quantize_gptq_streamed, families=GPTQ_STREAMED_FAMILIES),
+        Lacks(Searchable, CALIBRATED_ALONE),
+    ),
     description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "
                 "GPTQ format (optional: pip install 'quantdask[gptq]')",
 )
 
 awq_backend = Backend(
     name="awq",
-    unsearchable=CALIBRATED_ALONE,
     quantize=quantize_awq,
-    not_streamable=AWQ_NOT_STREAMED,
     options=AwqOptions,
     label=awq_label,
-    complete=_head_only,
-    dequantize_layer=dequantize_packed_layer,
     check=_check("awq"),
-    selects=selects,
-    calibrated=True,
+    sizing=Sizing(selects=selects),
+    capabilities=(
+        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
+        Lacks(Searchable, CALIBRATED_ALONE), Lacks(StreamedFit, AWQ_NOT_STREAMED),
+    ),
     description="AWQ 4-bit activation-aware grouped weights fitted on calibration data, saved "
                 "in the AWQ format, run in half precision (optional: pip install "
                 "'quantdask[gptq]')",

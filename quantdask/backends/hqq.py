@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
+    Sizing,
     missing_library,
     named_in,
     require_library,
     skip_label,
 )
+from quantdask.backends.capabilities import Dequantizes, ModuleAlone, Searchable
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.per_module import (
     check_modules,
@@ -46,6 +48,9 @@ class HqqOptions(BackendOptions):
         help="1 (default): groups along the input features; 0: along the outputs")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
     modules: dict | None = modules_option(MODULE_KEYS)
+
+    def complete(self) -> HqqOptions:
+        return complete_options(self)
 
 
 def complete_options(options: HqqOptions) -> HqqOptions:
@@ -199,15 +204,12 @@ hqq_backend = Backend(
     name="hqq",
     quantize=quantize_hqq,
     options=HqqOptions,
-    complete=complete_options,
     label=config_label,
-    dequantize_layer=dequantize_layer,
     check=check_hqq,
-    weight_bits=weight_bits,
-    selects=selects,
-    quantize_module=quantize_module,
-    module_keys=MODULE_KEYS,
-    saves=False,  # layer-by-layer HQQLinear models: no from_pretrained format (artifacts)
+    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    # Not Savable: layer-by-layer HQQLinear models have no from_pretrained format.
+    capabilities=(Dequantizes(dequantize_layer), ModuleAlone(quantize_module),
+                  Searchable(MODULE_KEYS)),
     description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
                 "pip install 'quantdask[hqq]')",
 )

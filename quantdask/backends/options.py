@@ -124,6 +124,15 @@ class BackendOptions:
         values = sorted((f.name, getattr(self, f.name)) for f in fields(self))
         return {name: _thawed(value) for name, value in values if value is not None}
 
+    def complete(self) -> Self:
+        """The option set as every hook receives it: impossible combinations refused with a
+        :class:`~quantdask.errors.SpecError` named as in the config (``SpecError("group_size",
+        "...")``; ``Backend.normalize`` prefixes where it is), and the defaults that depend on
+        other options filled (:meth:`with_defaults`). Called at spec time, after each option is
+        checked and the declared defaults filled; what it returns is what the job id hashes,
+        so it must be deterministic. Default: unchanged."""
+        return self
+
     def with_defaults(self, **defaults: Any) -> Self:
         """A copy with each of ``defaults`` that is unset here set (for ``complete``)."""
         return replace(self, **{name: value for name, value in defaults.items()

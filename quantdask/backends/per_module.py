@@ -1,6 +1,6 @@
 """Per-module formats (the ``modules`` option of a backend a mixed-precision search can use):
 ``{full module name: {key: value, ...} | null}``, each key one of the backend's own options
-(``Backend.module_keys``: hqq's bits and group size, torchao's mode and group size), each left
+(``Searchable.module_keys``: hqq's bits and group size, torchao's mode and group size), each left
 out taking the config's own value; null keeps that module unquantized.
 
 >>> from quantdask.backends.hqq import HqqOptions
@@ -70,7 +70,7 @@ def mixed_label(options: BackendOptions) -> str:
 
 
 def module_options(backend, options: BackendOptions, name: str) -> BackendOptions | None:
-    """The options module ``name`` is quantized with alone (``Backend.quantize_module``):
+    """The options module ``name`` is quantized with alone (``ModuleAlone``):
     the config's, with the module's own format from ``modules``; None where kept."""
     own = module_format(name, options, backend.module_keys)
     if own is None:

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
+    Sizing,
     missing_library,
     named_in,
     require_library,
     skip_label,
     tensor_nbytes,
 )
+from quantdask.backends.capabilities import Dequantizes, ModuleAlone, Savable, Searchable
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.per_module import (
     check_modules,
@@ -42,6 +44,9 @@ class TorchaoOptions(BackendOptions):
         help=f"int4: input features sharing one scale (default {INT4_GROUP_SIZE})")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
     modules: dict | None = modules_option(MODULE_KEYS)
+
+    def complete(self) -> TorchaoOptions:
+        return complete_options(self)
 
 
 def complete_options(options: TorchaoOptions) -> TorchaoOptions:
@@ -252,14 +257,10 @@ torchao_backend = Backend(
     name="torchao",
     quantize=quantize_torchao,
     options=TorchaoOptions,
-    complete=complete_options,
     label=config_label,
-    dequantize_layer=dequantize_layer,
-    quantize_module=quantize_module,
-    module_keys=MODULE_KEYS,
     check=check_torchao,
-    weight_bits=weight_bits,
-    selects=selects,
-    stored_bytes=stored_bytes,
+    sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes),
+    capabilities=(Dequantizes(dequantize_layer), Savable(),
+                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS)),
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

@@ -10,7 +10,7 @@ reloads the saved directory with ``from_pretrained``, as a user would, and measu
 first :data:`VERIFY_WINDOWS` eval windows against the reference, for the reloaded model and the
 one in memory: ``reload_kl_delta`` is the difference. The in-memory model's is the score phase's
 (its windows frame rows, measured before the save, which may change the model: see
-``Backend.prepare_save``), so that model is not evaluated twice; the reloaded one is scored in
+``Savable.prepare``), so that model is not evaluated twice; the reloaded one is scored in
 the eval's own batches of those windows (LLM.int8 picks its outlier columns per forward pass, so
 what shares a batch moves its output). ``keep: pareto`` then deletes, once the sweep ends, the
 artifacts of jobs off each model's size/KL Pareto frontier.
@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from quantdask.backends.capabilities import Savable
 from quantdask.records import Artifact, PhaseRecord, Row, Scored
 
 if TYPE_CHECKING:
@@ -68,11 +69,11 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str,
     the ``artifact_error`` column, raised again only when the sweep requires artifacts."""
     settings = job.artifacts
     try:
-        if not backend.saves:
+        savable = backend.has(Savable)
+        if savable is None:
             # Not NotImplementedError: with required: true this fails the job (run_job would
             # skip it as unsupported and drop its measurements).
-            raise RuntimeError(f"{backend.name} models have no save format quantdask can "
-                               "reload yet")
+            raise RuntimeError(backend.refusal(Savable))
         # The model as the job scored it: a save may change the model in memory (bitsandbytes'
         # CPU repacking, undone lossily), and the reloaded copy would then agree with the damage.
         before = None
@@ -82,8 +83,8 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str,
                 before = verify_kl(model, reference, job.eval.batch_size, device)
         with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
             local = os.path.join(scratch, job.id)
-            if backend.prepare_save is not None:
-                backend.prepare_save(model)
+            if savable.prepare is not None:
+                savable.prepare(model)
             model.save_pretrained(local)
             tokenizer.save_pretrained(local)
             digest, size = directory_digest(local)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from quantdask.backends.capabilities import Dequantizes
 from quantdask.errors import UnsupportedHere
 from quantdask.job.artifacts import keep_artifact
 from quantdask.measure.calibration import Calibration
@@ -139,8 +140,8 @@ def check_coverage(run: JobRun) -> Covered:
     and the rest; a quantizing backend that replaced no weight is unsupported here, never a
     clean result."""
     if "covered" not in vars(run):  # a streamed job counted it layer by layer
-        run.covered = coverage(run.model, run.originals, run.backend.stored_bytes)
-    if run.backend.quantizes and not run.covered.quantized_params:
+        run.covered = coverage(run.model, run.originals, run.backend.sizing.stored_bytes)
+    if run.backend.sizing.quantizes and not run.covered.quantized_params:
         raise UnsupportedHere(
             f"no layer was quantized: {run.backend.name} replaced none of this model's "
             f"weights, which stay in {run.covered.by_class()}")
@@ -152,14 +153,15 @@ def check_coverage(run: JobRun) -> Covered:
         unquantized_bytes=covered.unquantized_bytes,
         unquantized_dtypes=covered.unquantized_dtypes(),
         quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
-        full_precision=covered.summary() if run.backend.quantizes else None)
+        full_precision=covered.summary() if run.backend.sizing.quantizes else None)
 
 
 def layer_weights(run: JobRun) -> LayerWeights:
     """Each quantized layer's weight error; before any forward pass (kernels may repack
     weights then: see ``layers``)."""
-    if run.job.layer_stats and run.backend.dequantize_layer is not None and not run.job.streamed:
-        run.layers, run.unmeasured = weight_errors(run.model, run.backend.dequantize_layer,
+    layer_weights = run.backend.has(Dequantizes)
+    if run.job.layer_stats and layer_weights is not None and not run.job.streamed:
+        run.layers, run.unmeasured = weight_errors(run.model, layer_weights.dequantize,
                                                    run.originals)
     for name, reason in run.unmeasured.items():
         log.warning("per-layer stats skip %s: %s", name, reason)

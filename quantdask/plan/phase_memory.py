@@ -4,7 +4,7 @@ A job's peak is the largest of its phases' (``job.phases.PHASES``; the names her
 theirs, as in the phases frame), and each holds the model's weights plus what it computes:
 
 - ``quantize``: the weights at the backend's bits (as loaded, for a backend that loads the
-  whole model before quantizing it): ``Backend.weight_bits``;
+  whole model before quantizing it): ``Sizing.weight_bits``;
 - ``score``: the eval's float32 logits, a slice of positions at a time
   (``measure.logits``), with their log-softmax and a temporary;
 - ``score_tasks``: lm-eval's batches, ``tasks.batch_size`` x ``tasks.max_length`` (else the
@@ -26,7 +26,8 @@ The demo baseline under a speed batch of 8 x (96 + 32) tokens:
 from __future__ import annotations
 
 from quantdask.backends import BackendOptions, get_backend
-from quantdask.backends.base import ModelFacts
+from quantdask.backends.capabilities import StreamedFit
+from quantdask.backends.model import ModelFacts
 from quantdask.measure.logits import SLICE_BUDGET_BYTES
 from quantdask.sweepfile.settings import EvalSettings
 from quantdask.sweepfile.speed import SpeedSettings
@@ -46,7 +47,7 @@ LM_EVAL_LENGTH = 2048
 
 def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> float:
     """The weights at the backend's bits at its peak (as loaded when it does not quantize)."""
-    bits = get_backend(backend).weight_bits
+    bits = get_backend(backend).sizing.weight_bits
     weight_bits = bits(options, facts.loaded_bits) if bits is not None else facts.loaded_bits
     return facts.weight_bytes * weight_bits / facts.checkpoint_bits
 
@@ -120,7 +121,7 @@ def streamed_fit_bytes(job: Job, facts: ModelFacts, outside: float, layer: float
     weights, a bound from Llama's shapes), and the quantized model it assembles to save (at
     its bits, half a bit more for the scales and zero points, and the weights outside the
     layers); 0 for any other job. (RESULTS.md section 15: measured on a 2.09 GB model.)"""
-    if job.calibration is None or get_backend(job.backend).quantize_streamed is None:
+    if job.calibration is None or get_backend(job.backend).has(StreamedFit) is None:
         return 0.0
     states = 2 * job.calibration.samples * job.calibration.seq_len * facts.hidden_size * 4
     bits = getattr(job.options, "bits", None) or facts.loaded_bits

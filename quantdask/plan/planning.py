@@ -24,7 +24,7 @@ from statistics import median
 import polars as pl
 
 from quantdask.backends import get_backend
-from quantdask.backends.base import ModelFacts
+from quantdask.backends.model import ModelFacts
 from quantdask.measure.coverage import Coverage, module_role
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.model_facts import model_facts
@@ -86,8 +86,8 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
     reason = backend.check(job.options, model) if backend.check is not None else None
     if reason is None and job.streamed:
         reason = backend.stream_refusal(model.model_type) or unstreamable_model(job.model)
-    share = backend.predicted_share(job.options, model)
-    if reason is None and share == 0 and backend.quantizes:
+    share = backend.sizing.predicted_share(job.options, model)
+    if reason is None and share == 0 and backend.sizing.quantizes:
         reason = _nothing_quantized(job.backend, model)
     state = (PlanState.FINISHED if job.id in finished
              else PlanState.UNSUPPORTED if reason else PlanState.TO_RUN)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from quantdask.backends.capabilities import Dequantizes, ModuleAlone
 from quantdask.measure.layers import decoder_layers
 from quantdask.measure.metrics import measure_quality
 from quantdask.measure.usage import stored_tensors
@@ -168,15 +169,16 @@ class Prober:
         if options is None:
             size = sum(_state_bytes(self.model.get_submodule(m)) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
-        if backend.quantize_module is None or backend.dequantize_layer is None:
-            raise ValueError(f"backend {backend.name!r} cannot quantize one module alone")
+        alone, layer_weights = backend.has(ModuleAlone), backend.has(Dequantizes)
+        if alone is None or layer_weights is None:
+            raise ValueError(backend.refusal(ModuleAlone if alone is None else Dequantizes))
         size, swapped = 0, []
         try:
             for name in modules:
                 module = self.model.get_submodule(name)
-                quantized = backend.quantize_module(module, options)
-                size += _state_bytes(quantized, backend.stored_bytes)
-                weight = backend.dequantize_layer(quantized)
+                quantized = alone.quantize(module, options)
+                size += _state_bytes(quantized, backend.sizing.stored_bytes)
+                weight = layer_weights.dequantize(quantized)
                 if weight is None:
                     raise ValueError(f"{backend.name}: no dequantized weight for {name}")
                 original = cast("torch.Tensor", module.weight).data

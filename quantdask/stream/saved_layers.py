@@ -1,6 +1,6 @@
 """The decoder layers of a quantized checkpoint a calibrated backend saved, read one at a time
 into a streamed model (``stream.streaming``): GPTQ fitted block by block from the checkpoint
-(``Backend.quantize_streamed``), then measured as transformers loads what it saved.
+(``StreamedFit``), then measured as transformers loads what it saved.
 
 The layers come out as ``from_pretrained`` makes them: the model built on the meta device,
 transformers' own quantizer for the checkpoint's ``quantization_config`` (with the loading
@@ -17,7 +17,7 @@ import copy
 import warnings
 from typing import TYPE_CHECKING
 
-from quantdask.backends.base import SavedQuantized
+from quantdask.backends.model import SavedQuantized
 from quantdask.errors import UnsupportedHere
 from quantdask.measure.checkpoint_reader import CheckpointReader
 from quantdask.measure.layers import decoder_layers

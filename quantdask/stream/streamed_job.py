@@ -17,6 +17,7 @@ import logging
 import tempfile
 from typing import TYPE_CHECKING
 
+from quantdask.backends.capabilities import Dequantizes, ModuleAlone, StreamedFit
 from quantdask.errors import UnsupportedHere
 from quantdask.job.phases import (
     PROBE_WINDOWS,
@@ -65,10 +66,11 @@ def stream(run: JobRun) -> Streamed:
 
     def seen(prefix: str, layer: torch.nn.Module, originals: dict[str, torch.Tensor]
              ) -> OutputErrors | None:
-        parts.append(coverage(layer, originals, backend.stored_bytes))
-        if not (job.layer_stats and backend.dequantize_layer is not None and backend.quantizes):
+        parts.append(coverage(layer, originals, backend.sizing.stored_bytes))
+        layer_weights = backend.has(Dequantizes)
+        if not (job.layer_stats and layer_weights is not None and backend.sizing.quantizes):
             return None
-        rows, unmeasured = weight_errors(layer, backend.dequantize_layer, originals)
+        rows, unmeasured = weight_errors(layer, layer_weights.dequantize, originals)
         run.unmeasured.update({f"{prefix}.{k}": v for k, v in unmeasured.items()})
         # Each measured linear's output error on the first PROBE_WINDOWS windows, taken by
         # hooks while the layer runs over them, as a resident job's (phases.score).
@@ -80,7 +82,7 @@ def stream(run: JobRun) -> Streamed:
         hook = _layer_hook(run)
         model = StreamedModel(run.source, run.device, hook, seen)
         with model.outside_layers() as outside:
-            parts.append(coverage(outside, None, backend.stored_bytes))
+            parts.append(coverage(outside, None, backend.sizing.stored_bytes))
     if job.is_baseline:
         model.read_layers()
     else:
@@ -114,21 +116,21 @@ def stream(run: JobRun) -> Streamed:
 def _layer_hook(run: JobRun) -> LayerHook | None:
     """What each streamed layer becomes: the backend's own quantization of it, module by
     module; for a calibrated backend that fits block by block from the checkpoint
-    (``Backend.quantize_streamed``), its fit first, then each layer as saved."""
+    (``StreamedFit``), its fit first, then each layer as saved."""
     from quantdask.stream.saved_layers import SavedLayers
     from quantdask.stream.streaming import layer_quantizer
 
     backend, job = run.backend, run.job
-    if not backend.quantizes:
+    if not backend.sizing.quantizes:
         return None
     refusal = backend.stream_refusal(getattr(run.source.config, "model_type", ""))
     if refusal:
         raise UnsupportedHere(refusal)
-    if backend.quantize_module is None and backend.quantize_streamed is not None:
+    fit = backend.has(StreamedFit)
+    if backend.has(ModuleAlone) is None and fit is not None:
         folder = run.holding.enter_context(
             tempfile.TemporaryDirectory(prefix=f"quantdask-{backend.name}-", dir=scratch_root()))
-        saved = backend.quantize_streamed(run.source, job.options, run.device,
-                                          calibration_of(run), folder)
+        saved = fit.fit(run.source, job.options, run.device, calibration_of(run), folder)
         return SavedLayers(saved, run.device)
     return layer_quantizer(backend, job.options)
 

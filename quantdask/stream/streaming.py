@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from quantdask.backends.capabilities import ModuleAlone
 from quantdask.errors import UnsupportedHere
 from quantdask.measure.checkpoint_reader import CheckpointReader
 from quantdask.measure.layers import decoder_layers
@@ -278,7 +279,7 @@ class StreamedModel:
 
 def layer_quantizer(backend: Backend, options: BackendOptions) -> LayerHook:
     """Each streamed decoder layer as ``backend`` quantizes it with ``options``: every module
-    the backend selects replaced by ``quantize_module`` (with its own format from
+    the backend selects replaced by its ``ModuleAlone`` quantization (with its own format from
     ``modules``), as the backend's whole-model ``quantize`` replaces it."""
     from quantdask.backends.per_module import module_options
 
@@ -286,17 +287,21 @@ def layer_quantizer(backend: Backend, options: BackendOptions) -> LayerHook:
     if refusal:
         raise UnsupportedHere(refusal)
 
+    alone, selects = backend.has(ModuleAlone), backend.sizing.selects
+    if alone is None or selects is None:
+        raise UnsupportedHere(backend.refusal(ModuleAlone) or
+                              f"{backend.name} does not say which modules it quantizes")
+
     def quantize_layer(layer: torch.nn.Module, prefix: str) -> torch.nn.Module:
-        assert backend.quantize_module is not None and backend.selects is not None
         for name, module in list(layer.named_modules()):
             full = f"{prefix}.{name}"
-            if not name or not backend.selects(full, type(module), options):
+            if not name or not selects(full, type(module), options):
                 continue
             own = module_options(backend, options, full)
             if own is not None:
                 parent, _, child = name.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, child,
-                        backend.quantize_module(module, own))
+                        alone.quantize(module, own))
         return layer
 
     return quantize_layer

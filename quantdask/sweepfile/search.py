@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantdask.backends import BackendOptions, get_backend, searchable_backends
+from quantdask.backends.capabilities import Searchable
 from quantdask.errors import SpecError
 from quantdask.sweepfile.fields import NAME, keyed, positive_int, require
 
@@ -67,10 +68,10 @@ class SearchSpec:
             raise SpecError("name", f"must be letters, digits, '.', '_' or '-', got {self.name!r}")
         require("model", self.model, str, "the name of one of the sweep's models")
         backend = get_backend(self.backend, "backend")
-        if backend.quantize_module is None or not backend.module_keys:
-            why = backend.unsearchable or "it cannot quantize one module alone"
-            raise SpecError("backend", f"{self.backend} cannot be searched: {why}; backends "
-                                       f"that can: {', '.join(searchable_backends())}")
+        refusal = backend.refusal(Searchable)
+        if refusal is not None:
+            raise SpecError("backend", f"{refusal}; backends that can: "
+                                       f"{', '.join(searchable_backends())}")
         require("base", self.base, dict, "a mapping of the backend's options")
         require("formats", self.formats, dict, "a mapping of label to options (null: keep)")
         if len([f for f in self.formats.values() if f is not None]) < 1:

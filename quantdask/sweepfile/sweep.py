@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
+from quantdask.backends.capabilities import Calibrated
 from quantdask.errors import SpecError
 from quantdask.sweepfile.fields import NAME, keyed, positive_int, require
 from quantdask.sweepfile.gates import Gate, parse_gates
@@ -218,10 +219,7 @@ class Sweep:
                         "a backend")
         for i, block in enumerate(self.backends):
             if calibrated[i] and self.calibration is None:
-                raise SpecError(f"backends[{i}].backend",
-                                f"{block.backend} fits its quantization to calibration data: add "
-                                "a calibration block (calibration: {text: PATH, samples: N, "
-                                "seq_len: N}, or dataset: {...} instead of text)")
+                raise SpecError(f"backends[{i}].backend", Calibrated.needs_block(block.backend))
 
     def _checked_faults(self):
         require("faults", self.faults, (list, tuple), "a list of fault mappings")

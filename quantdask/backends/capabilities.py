@@ -1,0 +1,155 @@
+"""What a backend can do beyond quantizing a whole model: each capability an object a backend
+has or lacks (``Backend.capabilities``), and each the one place its refusal is written.
+
+- :class:`Calibrated`: it fits its quantization to calibration data (AutoRound, GPTQ, AWQ).
+- :class:`Dequantizes`: it gives each quantized layer's weight back in float (per-layer errors).
+- :class:`ModuleAlone`: it quantizes one module alone (a streamed job's layers).
+- :class:`Searchable`: each module may take a format of its own (the search).
+- :class:`StreamedFit`: it fits block by block from the checkpoint (a streamed model).
+- :class:`Savable`: its model saves with ``save_pretrained`` and reloads with transformers.
+
+A backend without one may say why with :class:`Lacks` (``Lacks(Searchable, "...")``); the
+capability's refusal gives that reason, or its usual one. A backend's own runtime for
+measurement (llama.cpp's, for GGUF) will be one more capability here, with no new field on the
+core.
+
+>>> from quantdask.backends import get_backend
+>>> get_backend("hqq").refusal(Savable)
+'hqq models have no save format quantdask can reload yet'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Capability:
+    """One thing a backend may be able to do. ``refuses`` is the sentence that refuses it to a
+    backend that lacks it (``refusal(backend, why)`` fills it in); ``usual_why`` the reason
+    when the backend gives none."""
+
+    usual_why: ClassVar[str] = ""
+    refuses: ClassVar[str] = "{backend} cannot: {why}"
+
+    @classmethod
+    def refusal(cls, backend: str, why: str) -> str:
+        """The sentence refusing it to ``backend``, for the reason ``why``."""
+        return cls.refuses.format(backend=backend, why=why)
+
+
+@dataclass(frozen=True)
+class Lacks:
+    """A capability a backend lacks, and why (the refusal's reason)."""
+
+    capability: type[Capability]
+    why: str
+
+
+@dataclass(frozen=True)
+class Calibrated(Capability):
+    """The backend fits its quantization to data: a sweep with it needs a ``calibration``
+    block (a :class:`~quantdask.errors.SpecError` otherwise), the calibration settings join
+    its jobs' ids, and ``quantize`` is called with ``calibration=``, a
+    :class:`~quantdask.measure.calibration.Calibration`: ``calibration.windows`` (samples x
+    seq_len token ids, cut once per model with its reference), and ``with
+    calibration.measure():`` to wrap the data-driven step in (``calibrate_s`` and its peaks)."""
+
+    usual_why = ("add a calibration block (calibration: {text: PATH, samples: N, seq_len: N}, "
+                 "or dataset: {...} instead of text)")
+    refuses: ClassVar[str] = "{backend} fits its quantization to calibration data: {why}"
+
+    @classmethod
+    def needs_block(cls, backend: str) -> str:
+        """Why a sweep with ``backend`` and no calibration block is refused."""
+        return cls.refusal(backend, cls.usual_why)
+
+
+@dataclass(frozen=True)
+class Dequantizes(Capability):
+    """``dequantize(module) -> Tensor | None``: a layer's quantized weight dequantized to
+    float, (out_features, in_features); None for a module the backend left alone. Called on
+    the worker in the layer-weights phase, before the model's first forward pass (kernels may
+    repack weights then), for each module whose ``<name>.weight`` the unquantized model has,
+    when the sweep's ``layer_stats`` is on; and by a search's probes. A layer that replaced one
+    the checkpoint stores transposed (GPT-2's ``Conv1D``) keeps that class as ``source_cls``.
+    An exception costs only that layer (logged, counted in ``layers_unmeasured``), never the
+    job. Without it a backend's jobs have no per-layer rows."""
+
+    dequantize: Callable[[torch.nn.Module], torch.Tensor | None]
+    usual_why: ClassVar[str] = "it gives no layer's weight back in float"
+
+    refuses: ClassVar[str] = "{backend} has no per-layer weights: {why}"
+
+
+@dataclass(frozen=True)
+class ModuleAlone(Capability):
+    """``quantize(module, options) -> module``: one linear layer quantized alone, as the
+    backend's ``quantize`` would quantize it with ``options``, on the layer's device, leaving
+    ``module`` as it was. Called on the worker by a streamed job, which quantizes each layer of
+    the stream as it comes, and by a search's probes (with :class:`Searchable`)."""
+
+    quantize: Callable[..., torch.nn.Module]
+    usual_why: ClassVar[str] = "it cannot quantize one module alone"
+
+    refuses: ClassVar[str] = "{backend} cannot quantize one module alone: {why}"
+
+
+@dataclass(frozen=True)
+class Searchable(Capability):
+    """``module_keys``: the options a module's own format sets in the ``modules`` option
+    (``backends.per_module``), which a mixed-precision search's candidates give each module.
+    A searchable backend also has :class:`ModuleAlone` (each (unit, format) cell quantized
+    alone) and :class:`Dequantizes` (the weight the probe swaps in); ``Backend`` checks."""
+
+    module_keys: tuple[str, ...]
+    usual_why: ClassVar[str] = "it cannot quantize one module alone"
+
+    refuses: ClassVar[str] = "{backend} cannot be searched: {why}"
+
+
+@dataclass(frozen=True)
+class StreamedFit(Capability):
+    """``fit(source, options, device, calibration, directory) -> SavedQuantized``: a calibrated
+    backend's fit made block by block from the checkpoint (never the whole model in memory),
+    its quantized model saved in a folder under ``directory``, and how to load it. Called on
+    the worker by a streamed job (``stream.streamed_job``), which then reads the saved layers
+    one at a time (``stream.saved_layers``). ``families``: those (``model_type``) the fit is
+    checked on (empty: every family)."""
+
+    fit: Callable[..., Any]
+    families: tuple[str, ...] = ()
+    usual_why: ClassVar[str] = "it quantizes whole models only"
+    calibrated_why: ClassVar[str] = (
+        "it calibrates each layer on the activations of the layers quantized before it, which "
+        "the stream does not carry block by block yet")
+
+    refuses: ClassVar[str] = ("{backend} cannot quantize a streamed model, one layer at a time: "
+                              "{why}")
+
+    def family_refusal(self, backend: str, model_type: str) -> str | None:
+        """Why this fit is not trusted on ``model_type`` (an unknown family passes here, and
+        the worker checks), or None."""
+        if model_type and self.families and model_type not in self.families:
+            return (f"{backend}'s block-by-block fit from the checkpoint is checked on the "
+                    f"families {', '.join(self.families)}, not {model_type!r}")
+        return None
+
+
+@dataclass(frozen=True)
+class Savable(Capability):
+    """The quantized model saves with ``save_pretrained`` and reloads with transformers'
+    ``AutoModelForCausalLM.from_pretrained``; ``prepare(model)`` first puts it, in place, in
+    the state ``save_pretrained`` must see (bitsandbytes: 4-bit weights repacked for the CPU,
+    unpacked). Read on the worker in the artifacts phase, which runs only when the sweep keeps
+    artifacts: without it the job's ``artifact_error`` says so (a failed save or reload is
+    recorded the same way); the job keeps its result unless ``artifacts.required``."""
+
+    prepare: Callable[[torch.nn.Module], None] | None = None
+    usual_why: ClassVar[str] = "no save format quantdask can reload yet"
+
+    refuses: ClassVar[str] = "{backend} models have {why}"
