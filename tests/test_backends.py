@@ -166,8 +166,8 @@ def test_hqq_per_module_formats_quantize_each_module_as_named(hqq_outcomes, demo
 
 
 def test_hqq_per_module_formats_are_checked_before_anything_runs(demo_model):
+    from quantdask.backends.base import ModelFacts
     from quantdask.backends.hqq import HqqOptions, check_hqq
-    from quantdask.backends.model import ModelFacts
 
     with pytest.raises(SpecError) as error:
         BackendBlock("hqq", configs=[{"bits": 4, "modules": {"a.b": {"bits": 5}}}])
@@ -350,7 +350,7 @@ def test_torchao_per_module_formats_quantize_each_module_as_named(demo_model):
     kept where null, the config's format elsewhere; refused naming the field when wrong."""
     import torch
 
-    from quantdask.backends.model import ModelFacts
+    from quantdask.backends.base import ModelFacts
     from quantdask.backends.torchao import check_torchao, quantize_torchao
     from quantdask.process.model_source import load_model_source
 

@@ -28,7 +28,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from quantdask.backends.base import Backend, Sizing, missing_library, named_in, require_library
+from quantdask.backends.base import (
+    Backend,
+    ModelFacts,
+    SavedQuantized,
+    Sizing,
+    missing_library,
+    named_in,
+    require_library,
+)
 from quantdask.backends.capabilities import (
     Calibrated,
     Dequantizes,
@@ -38,7 +46,6 @@ from quantdask.backends.capabilities import (
     StreamedFit,
 )
 from quantdask.backends.gptq_process import heap_trimmed, logs_in, process_state_kept
-from quantdask.backends.model import ModelFacts, SavedQuantized
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere

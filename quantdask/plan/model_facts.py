@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from quantdask.backends.model import ModelFacts
+from quantdask.backends.base import ModelFacts
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.sweepfile.sweep import Job
 

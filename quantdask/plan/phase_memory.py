@@ -26,8 +26,8 @@ The demo baseline under a speed batch of 8 x (96 + 32) tokens:
 from __future__ import annotations
 
 from quantdask.backends import BackendOptions, get_backend
+from quantdask.backends.base import ModelFacts
 from quantdask.backends.capabilities import StreamedFit
-from quantdask.backends.model import ModelFacts
 from quantdask.measure.logits import SLICE_BUDGET_BYTES
 from quantdask.sweepfile.settings import EvalSettings
 from quantdask.sweepfile.speed import SpeedSettings

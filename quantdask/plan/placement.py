@@ -26,7 +26,7 @@ import polars as pl
 from distributed import Client
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
-from quantdask.backends.model import ModelFacts
+from quantdask.backends.base import ModelFacts
 from quantdask.errors import PlacementError, SpecError
 from quantdask.plan.phase_memory import (
     QUANTIZE,

@@ -24,7 +24,7 @@ from statistics import median
 import polars as pl
 
 from quantdask.backends import get_backend
-from quantdask.backends.model import ModelFacts
+from quantdask.backends.base import ModelFacts
 from quantdask.measure.coverage import Coverage, module_role
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.model_facts import model_facts

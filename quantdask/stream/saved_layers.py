@@ -17,7 +17,7 @@ import copy
 import warnings
 from typing import TYPE_CHECKING
 
-from quantdask.backends.model import SavedQuantized
+from quantdask.backends.base import SavedQuantized
 from quantdask.errors import UnsupportedHere
 from quantdask.measure.checkpoint_reader import CheckpointReader
 from quantdask.measure.layers import decoder_layers
