@@ -78,9 +78,78 @@ class PhaseRecord:
         return tuple(names)
 
     @classmethod
+    def column_types(cls) -> dict[str, type]:
+        """The results columns a record of this type fills, each with its Python type (None
+        left out of an optional one): what ``store.schema`` derives the frame's schema from."""
+        nested, hints, types = cls.nested(), typing.get_type_hints(cls), dict[str, type]()
+        for f in dataclasses.fields(cls):
+            if _FRAME in f.metadata:
+                continue
+            if f.name in nested:
+                types.update(nested[f.name].column_types())
+                continue
+            kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],)
+                     if k is not type(None)]
+            if len(kinds) != 1 or not isinstance(kinds[0], type):
+                raise TypeError(f"{cls.__name__}.{f.name}: a results column holds one plain "
+                                f"type (or None), not {hints[f.name]}")
+            types[f.name] = kinds[0]
+        return types
+
+    @classmethod
     def frame_names(cls) -> tuple[str, ...]:
         """The secondary frames a record of this type fills."""
         return tuple(f.metadata[_FRAME] for f in dataclasses.fields(cls) if _FRAME in f.metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded(PhaseRecord):
+    """What every job's row holds whatever became of it: its identity, stamped by the driver
+    (``run.recorder``)."""
+
+    job_id: str
+    sweep: str
+    model: str
+    backend: str
+    config: str  # canonical JSON of the options
+    config_label: str
+    attempts: int
+    priority: int
+    queued_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended(PhaseRecord):
+    """How and when an attempt ended: done, failed or skipped (``words.Status``; the attempts
+    frame's ``cancelled`` too)."""
+
+    status: str
+    finished_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class GateVerdict(PhaseRecord):
+    """The sweep's gates (null without gates, and for the baseline they are measured against):
+    whether this done job passed them all, the gates it passed, and why each failing one
+    failed, one per line (``run.recorder``)."""
+
+    gates_passed: bool | None = None
+    gates_met: str | None = None
+    gates_failed: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchedFor(PhaseRecord):
+    """A mixed-precision search's job (null for the sweep's own configs): its search, its role
+    (mixed, equal-bytes or uniform), its rank among its budget's candidates, that budget, and
+    the KL and stored bytes the probes predicted (the allocation frame has its formats)."""
+
+    search: str
+    search_role: str
+    search_candidate: int
+    search_budget_bits_per_weight: float
+    predicted_kl: float
+    predicted_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +165,9 @@ class Where(PhaseRecord):
 @dataclasses.dataclass(frozen=True)
 class Peaks(PhaseRecord):
     """Peak device memory (allocated, reserved) and host RSS over a block (see
-    ``measure.PeakMemory``); ``peak_shared``: other jobs on the worker ran meanwhile."""
+    ``measure.usage.PeakMemory``); ``peak_shared``: other jobs packed on the worker ran
+    meanwhile, so the peaks are the worker's (an upper bound of this job's own; placement does
+    not learn from them; null in results from before it was recorded)."""
 
     peak_device_mem_bytes: int
     peak_device_reserved_bytes: int
@@ -137,7 +208,8 @@ class Loaded(PhaseRecord):
 
 @dataclasses.dataclass(frozen=True)
 class Calibrated(PhaseRecord):
-    """A calibrated backend's data-driven step, inside the quantize phase."""
+    """A calibrated backend's data-driven step, inside the quantize phase (inside quantize_s),
+    and its peaks; null for a backend that does not calibrate."""
 
     calibrate_s: float
     calibrate_peak_device_mem_bytes: int
@@ -155,7 +227,9 @@ class Quantized(PhaseRecord):
 @dataclasses.dataclass(frozen=True)
 class Streamed(PhaseRecord):
     """A streamed job's pass (``stream.streamed_job``): its layers read from the checkpoint
-    one at a time."""
+    one at a time (null for a resident job): the checkpoint bytes it read, its mean seconds
+    per layer (read, quantize, run every window), and what it skipped because it needs the
+    model resident."""
 
     quantized: Quantized  # its quantize_s: reading and quantizing the layers
     streamed: bool
@@ -170,20 +244,28 @@ class Covered(PhaseRecord):
 
     size_bytes: int
     bits_per_weight: float
+    # size_bytes split: the quantized weights with their quantization constants (scales,
+    # zeros, absmax, quant maps, packing metadata), and the rest (embeddings, norms, head,
+    # biases, unquantized layers) in whatever dtype the backend leaves it, with its dtypes'
+    # shares ("float16 93%, float32 7%"). Methods compare on bits_per_quantized_weight (8 x
+    # quantized_bytes / quantized_params; null when nothing is quantized, as for the
+    # baseline): bits_per_weight counts the rest's dtype too.
     quantized_bytes: int
     bits_per_quantized_weight: float | None
     unquantized_bytes: int
     unquantized_dtypes: str
+    # Weights the backend holds quantized (logical count), and their share of param_count:
+    # 0 for the baseline; a quantized config that quantized nothing is skipped, never done.
     quantized_params: int
     quantized_share: float
-    full_precision: str | None
+    full_precision: str | None  # what stayed in full precision, largest share first
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerWeights(PhaseRecord):
     """The ``layer_weights`` phase: how many quantized layers could not be measured."""
 
-    layers_unmeasured: int
+    layers_unmeasured: int  # quantized layers the per-layer stats could not measure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,17 +274,20 @@ class Quality(PhaseRecord):
     errors (``measure.statistics.quality_figures``; docs/quality.md)."""
 
     perplexity: float
-    ln_ppl_se: float | None
-    kl_divergence: float
+    # Standard errors (_se) are over eval windows, null with one window; docs/quality.md.
+    ln_ppl_se: float | None  # of ln(perplexity)
+    kl_divergence: float  # KL(baseline || quantized) per token, nats
     kl_se: float | None
+    # KL per position: percentiles over positions, and the largest
     kl_median: float
     kl_p90: float
     kl_p99: float
     kl_p999: float
     kl_max: float
-    top1_agreement: float
-    top1_agreement_se: float | None
+    top1_agreement: float  # share of tokens where the top-1 prediction matches
+    top1_agreement_se: float | None  # binomial, over tokens
     eval_tokens: int
+    # The correct next token's probability, quantized minus baseline, per position
     delta_p_mean: float | None
     delta_p_se: float | None
     delta_p_rms: float | None
@@ -211,6 +296,7 @@ class Quality(PhaseRecord):
     delta_p_median: float | None
     delta_p_p95: float | None
     delta_p_p99: float | None
+    # ln(PPL(quantized) / PPL(baseline)) on the same tokens, and its paired standard error
     ln_ppl_ratio: float | None
     ln_ppl_ratio_se: float | None
 
@@ -222,7 +308,8 @@ class Scored(PhaseRecord):
 
     eval_s: float
     quality: Quality
-    kl_kind: str
+    kl_kind: str  # exact, estimate (unbiased, tail sampled) or lower_bound
+    # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
     kl_tail_mass: float
     windows: list[Row] = frame_rows("windows")
     layers: list[Row] = frame_rows("layers")
@@ -230,19 +317,25 @@ class Scored(PhaseRecord):
 
 @dataclasses.dataclass(frozen=True)
 class TaskScores(PhaseRecord):
-    """The ``score_tasks`` phase (a sweep with a tasks block)."""
+    """The ``score_tasks`` phase (a sweep with a tasks block; null without): its time and
+    peaks (the baseline's: its tasks scored once per model beside the reference), and the
+    samples of all its tasks that had a prompt cut to the model's window (the tasks frame
+    says which)."""
 
     tasks_s: float
     tasks_peak_device_mem_bytes: int
     tasks_peak_host_rss_bytes: int
     tasks_truncated_samples: int
-    tasks_error: str | None = None  # the baseline's: why its tasks have no scores
+    # The baseline's only: why its tasks have no scores (scoring the unquantized model failed;
+    # its quality figures and the quantized jobs' task scores stand). Null otherwise.
+    tasks_error: str | None = None
     tasks: list[Row] = frame_rows("tasks")
 
 
 @dataclasses.dataclass(frozen=True)
 class Speed(PhaseRecord):
-    """The ``time_generation`` phase (a sweep with a speed block)."""
+    """The ``time_generation`` phase (a sweep with a speed block; null without): its wall
+    time, warm-up runs included; its figures are in the speed frame, one row per batch size."""
 
     speed_s: float
     speed: list[Row] = frame_rows("speed")
@@ -250,7 +343,11 @@ class Speed(PhaseRecord):
 
 @dataclasses.dataclass(frozen=True)
 class Artifact(PhaseRecord):
-    """The ``keep_artifacts`` phase: the saved model, or why it could not be saved."""
+    """The ``keep_artifacts`` phase (artifacts: keep; null when none was asked for): where the
+    saved model went, its bytes on disk and sha256 (``job.artifacts.directory_digest``),
+    whether it is still kept (false: deleted, off the Pareto frontier), the reloaded model's
+    KL minus the in-memory one's on the first eval windows (verify: true), and why a save
+    failed."""
 
     artifact_uri: str | None = None
     artifact_bytes: int | None = None
@@ -265,9 +362,9 @@ class NotDone(PhaseRecord):
     """Why an attempt did not finish: its class, and the exception's type, message and
     traceback."""
 
-    status: str
-    failure_class: str
-    error_class: str
+    # One of store.schema.FAILURE_CLASSES, for failed and skipped jobs (none: cancelled)
+    failure_class: str | None
+    error_class: str  # the exception's type
     error_message: str
     traceback: str | None = None
 

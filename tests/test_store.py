@@ -211,6 +211,7 @@ def test_a_done_jobs_windows_round_trip_and_are_part_of_it(tmp_path):
 DRIVER_COLUMNS = ("job_id", "sweep", "model", "backend", "config", "config_label", "priority",
                   "attempts", "queued_at", "finished_at", "gates_passed", "gates_met",
                   "gates_failed")
+"""The columns the driver stamps (run.recorder) and the worker's run_job closes with."""
 
 
 def _returned(phase) -> type:
@@ -279,3 +280,29 @@ def test_a_records_nested_fields_are_read_from_its_type_hints_once(monkeypatch):
     first = records.Scored.nested()
     assert records.Scored.nested() == first == {"quality": records.Quality}
     assert reads == [records.Scored]
+
+
+@pytest.mark.timeout(30)
+def test_the_results_schema_is_derived_from_the_records():
+    import dataclasses
+    import datetime as dt
+
+    from quantdask.records import Ended, GateVerdict, PhaseRecord, Recorded
+    from quantdask.store.schema import RESULT_RECORDS, RESULT_SCHEMA, schema_of
+
+    # Every column once, each of its record's type; the driver's stamps are a record too.
+    assert len(RESULT_SCHEMA) == len({c for r in RESULT_RECORDS for c in r.column_names()})
+    assert set(DRIVER_COLUMNS) | {"status"} == (set(Recorded.column_names())
+                                                | set(Ended.column_names())
+                                                | set(GateVerdict.column_names()))
+    assert RESULT_SCHEMA["finished_at"] == pl.Datetime("us", "UTC")
+    assert RESULT_SCHEMA["perplexity"] == pl.Float64()
+    assert RESULT_SCHEMA["gates_passed"] == pl.Boolean()
+
+    @dataclasses.dataclass(frozen=True)
+    class Odd(PhaseRecord):
+        when: dt.datetime | None
+        stats: dict[str, float]
+
+    with pytest.raises(TypeError, match="Odd.stats: a results column holds one plain type"):
+        schema_of((Odd,))

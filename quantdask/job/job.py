@@ -31,14 +31,7 @@ from quantdask.process.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.process.live_log import live_sender
 from quantdask.process.runtime import held_resources, torch_device
 from quantdask.randomness import job_random
-from quantdask.records import (
-    NotDone,
-    Peaks,
-    ResultRow,
-    Row,
-    Span,
-    Where,
-)
+from quantdask.records import Ended, NotDone, Peaks, PhaseRecord, ResultRow, Row, Span, Where
 from quantdask.util import utcnow
 from quantdask.words import FailureClass, Status
 
@@ -50,10 +43,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("quantdask.job")
-
-WHERE_COLUMNS = Where.column_names()
-"""What a record keeps of an attempt whatever became of it."""
-
 
 def run_phases(run: JobRun) -> None:
     """Each phase in order, with its own time and peaks (a row of the phases frame)."""
@@ -71,22 +60,20 @@ def run_phases(run: JobRun) -> None:
             "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared})
 
 
-def done_record(run: JobRun) -> tuple[ResultRow, dict[str, list[Row]]]:
-    """The measured columns of a done attempt, and its rows of the per-job frames, from the
-    records its phases produced."""
+def done_records(run: JobRun) -> tuple[list[PhaseRecord], dict[str, list[Row]]]:
+    """A done attempt's records (its span, then its phases'), and its rows of the per-job
+    frames."""
     peaks = Peaks.of(run.peak)
     for row in run.phase_rows:  # the span's peak is at least each phase's, read apart from it
         device = row["peak_device_mem_bytes"]
         peaks = peaks.max(Peaks(device, device, row["peak_host_rss_bytes"], row["peak_shared"]))
     if run.job.is_baseline and run.reference.baseline_peaks is not None:
         peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
-    span = Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows)
-    record: ResultRow = {"status": Status.DONE}
+    records = [Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows), *run.records]
     rows: dict[str, list[Row]] = {}
-    for produced in (span, *run.records):
-        record.update(produced.columns())
+    for produced in records:
         rows.update(produced.rows())
-    return record, rows
+    return records, rows
 
 
 def _log_done(record: ResultRow, layers: int) -> None:
@@ -96,35 +83,35 @@ def _log_done(record: ResultRow, layers: int) -> None:
              record["perplexity"], record["kl_divergence"], record["top1_agreement"], layers)
 
 
-def not_done_record(error: Exception, backend: str) -> ResultRow:
-    """A skipped record for what cannot run here (a retry would repeat it), else a failed one
-    classified by ``failure_class_of``; logged either way."""
+def not_done_record(error: Exception, backend: str) -> tuple[Status, NotDone]:
+    """Skipped, for what cannot run here (a retry would repeat it), else failed and classified
+    by ``failure_class_of``; with why, logged either way."""
     if isinstance(error, (UnsupportedHere, NotImplementedError)):
         # NotImplementedError: the library has no kernel or op for this layer type or tensor
         # (torchao on Falcon's layers, say), a limit of this combination.
-        skipped = NotDone(Status.SKIPPED, FailureClass.UNSUPPORTED, type(error).__name__,
+        skipped = NotDone(FailureClass.UNSUPPORTED, type(error).__name__,
                           str(error) or f"{type(error).__name__} in {backend}")
         if isinstance(error, NotImplementedError):
             tb = traceback.format_exc()
             log.warning("skipped (not implemented by the library): %s\n%s", error, tb)
-            return dataclasses.replace(skipped, traceback=tb).columns()
+            return Status.SKIPPED, dataclasses.replace(skipped, traceback=tb)
         log.warning("skipped: %s", error)
-        return skipped.columns()
-    failed = NotDone(Status.FAILED, failure_class_of(error), type(error).__name__,
+        return Status.SKIPPED, skipped
+    failed = NotDone(failure_class_of(error), type(error).__name__,
                      str(error) or type(error).__name__, traceback.format_exc())
     log.error("failed (%s): %s: %s\n%s", failed.failure_class, type(error).__name__, error,
               failed.traceback)
-    return failed.columns()
+    return Status.FAILED, failed
 
 
 def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference | None,
-          scope: AttemptScope, record: ResultRow) -> JobRun:
-    """The attempt's device and backend, its faults, and its model's reference."""
+          scope: AttemptScope, device: tuple[str, str, bool]) -> JobRun:
+    """The attempt's backend on its ``device`` (torch's, the records' label, CUDA or not), its
+    faults, and its model's reference."""
     import torch
 
     backend: Backend = cloudpickle.loads(pickled) if isinstance(pickled, bytes) else pickled
-    device, device_label, cuda = torch_device()
-    record["device"] = device_label
+    on, device_label, cuda = device
     # What this attempt really runs with (a retry after out-of-memory asks for more).
     held = ", ".join(f"{name}={amount:,.0f}" if amount >= 1000 else f"{name}={amount:g}"
                      for name, amount in held_resources().items())
@@ -142,7 +129,7 @@ def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference
         # global generator is reproducible too. Packed jobs draw from their own generators
         # only (``quantdask.randomness``), and leave the global one alone.
         torch.manual_seed(job.seed)
-    return JobRun(job, backend, reference, device, cuda, device_label=device_label)
+    return JobRun(job, backend, reference, on, cuda, device_label=device_label)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
@@ -156,37 +143,38 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     (``status`` failed or skipped), beside the job's log, its per-layer rows and the worker's
     device samples during it.
     """
-    outcome = JobOutcome({})
+    records: list[PhaseRecord] = []
+    rows: dict[str, list[Row]] = {}
+    status = Status.DONE
     with captured_log(log, f"{job.id} attempt={attempt}", live=live_sender()) as buffer, \
             attempt_scope(job.id) as scope, job_random(job.seed):
-        record = outcome.record = Where(scope.worker, scope.host, scope.started_at).columns()
+        where = Where(scope.worker, scope.host, scope.started_at)
         try:
-            run = start(job, backend, attempt, reference, scope, record)
+            device = torch_device()
+            where = dataclasses.replace(where, device=device[1])
+            run = start(job, backend, attempt, reference, scope, device)
             with run.measured():
                 run_phases(run)
-            measured, outcome.rows = done_record(run)
-            record.update(measured)
-            _log_done(record, len(outcome.rows["layers"]))
+            records, rows = done_records(run)
+            _log_done(JobOutcome(tuple(records)).record, len(rows["layers"]))
         except Exception as error:
-            record.update(not_done_record(error, job.backend))
-    outcome.device_samples = scope.samples
-    _fail_if_overrun(outcome, job, attempt, scope, buffer)
-    outcome.record["finished_at"] = utcnow()
-    outcome.log, outcome.whole_log = buffer.getvalue(), True
-    return outcome
+            status, not_done = not_done_record(error, job.backend)
+            records, rows = [not_done], {}
+    late = _overrun(job, attempt, scope, buffer, status)
+    if late is not None:  # the measurements are dropped with it
+        status, records, rows = Status.FAILED, [late], {}
+    return JobOutcome((where, *records, Ended(status, utcnow())), rows, scope.samples,
+                      buffer.getvalue(), whole_log=True)
 
 
-def _fail_if_overrun(outcome: JobOutcome, job: Job, attempt: int, scope: AttemptScope,
-                     buffer) -> None:
+def _overrun(job: Job, attempt: int, scope: AttemptScope, buffer,
+             status: Status) -> NotDone | None:
     """Past the deadline is a timeout whether or not the driver looked in time: the outcome
-    must not depend on how busy the driver was. The measurements are dropped with it."""
+    must not depend on how busy the driver was (a skipped job stays skipped)."""
     elapsed = scope.elapsed()
-    if elapsed <= job.timeout_s or outcome.status == Status.SKIPPED:
-        return
+    if elapsed <= job.timeout_s or status == Status.SKIPPED:
+        return None
     late = JobTimeout("the attempt", elapsed, job.timeout_s)
     log.error("%s %s", job.id, late)  # to the worker's log (the job's handler is gone)
     buffer.write(f"{utcnow().isoformat()} ERROR {job.id} attempt={attempt} {late}\n")
-    outcome.record = {k: outcome.record[k] for k in WHERE_COLUMNS if k in outcome.record}
-    outcome.record.update(status=Status.FAILED, failure_class=FailureClass.TIMEOUT,
-                          error_class="JobTimeout", error_message=str(late))
-    outcome.rows = {}
+    return NotDone(FailureClass.TIMEOUT, "JobTimeout", str(late))

@@ -14,14 +14,14 @@ a dict. What each phase adds to the row and to the frames is typed in ``records`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from quantdask.errors import JobTimeout
+from quantdask.records import Ended, NotDone, PhaseRecord, ResultRow, Row, Where
 from quantdask.util import utcnow
 from quantdask.words import FailureClass, Status
 
-if TYPE_CHECKING:
-    from quantdask.records import ResultRow, Row
+RecordT = TypeVar("RecordT", bound=PhaseRecord)
 
 
 _ALLOCATION_FAILED = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -51,11 +51,12 @@ class JobOutcome:
     """One attempt's outcome, made by ``run_job`` on a worker or by the driver when the attempt
     ended outside it (its worker lost, its deadline passed, no worker left).
 
-    ``record`` holds the flat columns (``status``; the measurements when done; ``failure_class``,
-    ``error_class``, ``error_message``, ``traceback`` when not; where and when it ran).
+    ``records`` are what it produced, typed (``records``): where it ran (``Where``), how it
+    ended (``Ended``), and the phases' records when done or why not (``NotDone``); ``record``
+    is their flat columns, as the results and attempts frames hold them.
     """
 
-    record: ResultRow
+    records: tuple[PhaseRecord, ...]
     # A done attempt's rows of the per-job frames, by frame name (store.schema.FRAMES): the
     # frames of the phases that ran, each written by the recorder with the job's result.
     rows: dict[str, list[Row]] = field(default_factory=dict)
@@ -66,18 +67,36 @@ class JobOutcome:
     whole_log: bool = False
 
     @property
+    def record(self) -> ResultRow:
+        """The flat columns of its records (``status``; the measurements when done;
+        ``failure_class``, ``error_class``, ``error_message``, ``traceback`` when not; where
+        and when it ran)."""
+        columns: ResultRow = {}
+        for record in self.records:
+            columns.update(record.columns())
+        return columns
+
+    def find(self, kind: type[RecordT]) -> RecordT | None:
+        """Its record of type ``kind``, or None."""
+        return next((r for r in self.records if isinstance(r, kind)), None)
+
+    @property
     def status(self) -> Status:
-        return Status(self.record["status"])
+        ended = self.find(Ended)
+        if ended is None:
+            raise ValueError("an outcome without its Ended record")
+        return Status(ended.status)
 
     @property
     def failure_class(self) -> FailureClass | None:
-        value = self.record.get("failure_class")
+        not_done = self.find(NotDone)
+        value = None if not_done is None else not_done.failure_class
         return None if value is None else FailureClass(value)
 
     @classmethod
-    def outside(cls, failure_class: FailureClass, error_class: str, message: str, tb: str = "",
-                worker: str | None = None, status: Status = Status.FAILED) -> JobOutcome:
+    def outside(cls, failure_class: FailureClass | None, error_class: str, message: str,
+                tb: str = "", worker: str | None = None, status: str = Status.FAILED,
+                log: str = "") -> JobOutcome:
         """The outcome of an attempt that ended outside ``run_job``."""
-        return cls({"status": status, "failure_class": failure_class,
-                    "error_class": error_class, "error_message": message,
-                    "traceback": tb or None, "finished_at": utcnow(), "worker": worker})
+        return cls((Where(worker, None, None), Ended(status, utcnow()),
+                    NotDone(failure_class, error_class, message, tb or None)), log=log)

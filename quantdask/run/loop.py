@@ -212,10 +212,9 @@ class SweepDriver:
             if attempt.started is None:
                 continue
             self.cancelled.append(attempt.job.id)
-            self.recorder.attempt(attempt, JobOutcome({
-                "status": AttemptEnd.CANCELLED, "worker": attempt.worker_name,
-                "finished_at": utcnow(), "error_class": "Cancelled",
-                "error_message": "cancelled by SweepHandle.cancel()"}, log=(
+            self.recorder.attempt(attempt, JobOutcome.outside(
+                None, "Cancelled", "cancelled by SweepHandle.cancel()",
+                worker=attempt.worker_name, status=AttemptEnd.CANCELLED, log=(
                     f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt="
                     f"{attempt.number} cancelled by SweepHandle.cancel(); the next run of "
                     "the sweep runs it again\n")))

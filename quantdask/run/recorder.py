@@ -12,6 +12,7 @@ import polars as pl
 
 from quantdask.backends import BASELINE
 from quantdask.job.outcome import JobOutcome
+from quantdask.records import Recorded
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.attempts import Attempt
 from quantdask.run.live_logs import LiveLogs
@@ -62,13 +63,13 @@ class Recorder:
         """The job's final result (with its rows of the per-job frames when done); returns its
         row."""
         job = attempt.job
-        record = dict(
-            outcome.record, job_id=job.id, sweep=job.sweep, model=job.model.label,
-            backend=job.backend,
-            config=json.dumps(job.options.as_dict(), sort_keys=True), config_label=job.config_label,
-            priority=job.priority, attempts=attempt.number, queued_at=attempt.queued_at,
-            **(job.search.columns() if job.search is not None else {}),
-        )
+        recorded = Recorded(
+            job_id=job.id, sweep=job.sweep, model=job.model.label, backend=job.backend,
+            config=json.dumps(job.options.as_dict(), sort_keys=True),
+            config_label=job.config_label, attempts=attempt.number, priority=job.priority,
+            queued_at=attempt.queued_at)
+        record = {**outcome.record, **recorded.columns(),
+                  **(job.search.columns() if job.search is not None else {})}
         if record["status"] == Status.DONE:
             record.update(gate_columns(self.gates, record, outcome.rows.get("tasks", []),
                                        job.is_baseline))

@@ -4,15 +4,17 @@ model and calibration reference (the model built, the hidden states captured onc
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from quantdask.backends import get_backend
 from quantdask.errors import UnsupportedHere
 from quantdask.job.faults import inject_fault
 from quantdask.process.model_source import cached_model_source
 from quantdask.process.runtime import announce_start
+from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
 from quantdask.search.probes import Prober, layer_index
 from quantdask.sweepfile.search import ALL_UNITS
 
@@ -54,7 +56,7 @@ def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Ref
     return compute_reference(model, settings, text)
 
 
-def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
+def search_units(model: ModelSpec, granularity: str) -> SearchUnits:
     """The search's units of ``model`` (name -> its linear modules), each unit's weights and
     the model's parameter count, read from the model as a probe builds it."""
     from quantdask.process.model_source import count_parameters
@@ -63,14 +65,14 @@ def search_units(model: ModelSpec, granularity: str) -> dict[str, Any]:
     announce_start()
     source, _ = cached_model_source(model)
     built = source.build("cpu")
-    return {"units": linear_units(built, granularity), "param_count": count_parameters(built)}
+    return SearchUnits(linear_units(built, granularity), count_parameters(built))
 
 
 def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
                 formats: dict[str, BackendOptions | None],
                 cells: list[tuple[str, tuple[str, ...], str]],
                 units: dict[str, tuple[str, ...]],
-                faults: Sequence[tuple[int, FaultKind]] = ()) -> dict[str, Any]:
+                faults: Sequence[tuple[int, FaultKind]] = ()) -> ProbedChunk:
     """Measure ``cells`` ((unit, its modules, format label)); returns the sensitivity rows
     (without the search's columns) and the bytes the model stores outside ``units``. A format
     the backend cannot apply to a unit (``UnsupportedHere``: a group size that does not divide
@@ -84,22 +86,22 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)
-        rows = []
+        probed = []
         for unit, modules, label in cells:
-            row: dict[str, Any] = {
-                "unit": unit, "format": label,
-                "layer": -1 if unit == ALL_UNITS else layer_index(modules[0], prober.prefix),
-                "params": sum(_weights(prober.model, m) for m in modules),
-                "worker": get_worker().address, "kl": None, "kl_se": None, "bytes": None,
-                "error": None, "seconds": 0.0}
+            cell = ProbedCell(
+                unit=unit, format=label,
+                layer=-1 if unit == ALL_UNITS else layer_index(modules[0], prober.prefix),
+                params=sum(_weights(prober.model, m) for m in modules),
+                worker=get_worker().address)
             try:
-                cell = prober.probe(unit, modules, label, chosen, formats[label])
+                measured = prober.probe(unit, modules, label, chosen, formats[label])
             except UnsupportedHere as error:
-                row["error"] = str(error)
+                cell = dataclasses.replace(cell, error=str(error))
             else:
-                row.update(kl=cell.kl, kl_se=cell.kl_se, bytes=cell.bytes, seconds=cell.seconds)
-            rows.append(row)
-        return {"rows": rows, "rest_bytes": prober.rest_bytes(units)}
+                cell = dataclasses.replace(cell, kl=measured.kl, kl_se=measured.kl_se,
+                                           bytes=measured.bytes, seconds=measured.seconds)
+            probed.append(cell)
+        return ProbedChunk(probed, prober.rest_bytes(units))
 
 
 def _weights(model, name: str) -> int:

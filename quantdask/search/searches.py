@@ -34,6 +34,7 @@ from quantdask.errors import SpecError
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
 from quantdask.search.allocation import Allocation, allocate
+from quantdask.search.cells import ProbedCell, ProbedChunk
 from quantdask.search.probe_runs import ProbeRules, ProbeTask, Room, run_probe_tasks
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.model import ModelSpec
@@ -128,7 +129,7 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     found = one("units", search_units, model, search.granularity)
     if found is None:
         return None
-    units = found.result()["units"]
+    units = found.result().units
     done = _recorded(store, search.name, key)
     every = tuple(m for modules in units.values() for m in modules)
     cells = [(u, units[u], f) for u in units for f in search.formats]
@@ -161,7 +162,7 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     for (unit, label), (kl, size) in done.items():
         if unit in measured and kl is not None:
             measured[unit][label] = (kl, size)
-    return Probed(measured, int(rest[1]), found.result()["param_count"], units)
+    return Probed(measured, int(rest[1]), found.result().param_count, units)
 
 
 def _run_one(client: Client, what: str, room: Room, rules: ProbeRules, tag: str,
@@ -190,15 +191,14 @@ def _chunk_submit(client: Client, model: ModelSpec, reference: Future, search: S
 
 
 def _write_chunk(store: RunStore, search: SearchSpec, key: str, model: str, chunk: list,
-                 part: dict[str, Any], done: dict[tuple[str, str], tuple]) -> None:
+                 part: ProbedChunk, done: dict[tuple[str, str], tuple]) -> None:
     """A probed chunk's rows in the sensitivity frame, in a file of their own; the first
     chunk also writes the bytes outside the units (a chunk on disk implies them)."""
     if ("", "rest") not in done:
-        done[("", "rest")] = (0.0, part["rest_bytes"])
+        done[("", "rest")] = (0.0, part.rest_bytes)
         store.write_rows("sensitivity", f"rest-{search.name}-{key}",
-                         [_rest_row(search.name, key, model, part["rest_bytes"])])
-    rows = [{**row, "search": search.name, "search_key": key, "model": model}
-            for row in part["rows"]]
+                         [ProbedCell.rest(part.rest_bytes).row(search.name, key, model)])
+    rows = [cell.row(search.name, key, model) for cell in part.cells]
     store.write_rows("sensitivity", _chunk_name(search.name, key, chunk), rows)
     log.info("search %s: %d cells probed", search.name, len(rows))
 
@@ -210,14 +210,6 @@ def _recorded(store: RunStore, search: str, key: str) -> dict[tuple[str, str], t
                                               & (pl.col("search_key") == key))
     return {(row["unit"], row["format"]): (row["kl"], row["bytes"])
             for row in frame.iter_rows(named=True)}
-
-
-def _rest_row(search: str, key: str, model: str, rest_bytes: int) -> dict[str, Any]:
-    """The sensitivity frame's row for the bytes no allocation changes (unit "", format
-    "rest")."""
-    return {"search": search, "search_key": key, "model": model, "unit": "", "layer": -1,
-            "format": "rest", "params": 0, "kl": 0.0, "kl_se": 0.0, "bytes": rest_bytes,
-            "error": None, "worker": None, "seconds": 0.0}
 
 
 def _chunk_name(search: str, key: str, chunk: list) -> str:

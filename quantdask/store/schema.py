@@ -11,11 +11,31 @@ docs test iterate over ``FRAMES``: adding a frame is one entry here and the phas
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import polars as pl
 
+from quantdask.records import (
+    Artifact,
+    Covered,
+    Ended,
+    GateVerdict,
+    LayerWeights,
+    Loaded,
+    NotDone,
+    PhaseRecord,
+    Quantized,
+    Recorded,
+    Scored,
+    SearchedFor,
+    Span,
+    Speed,
+    Streamed,
+    TaskScores,
+    Where,
+)
 from quantdask.store.speed import DERIVED, with_baseline_speed
 from quantdask.words import FailureClass, Status
 
@@ -23,137 +43,29 @@ STATUSES = tuple(Status)
 
 _UTC = pl.Datetime("us", "UTC")
 
-RESULT_SCHEMA: dict[str, pl.DataType] = {
-    "job_id": pl.String(),
-    "sweep": pl.String(),
-    "model": pl.String(),
-    "backend": pl.String(),
-    "config": pl.String(),  # canonical JSON of the options
-    "config_label": pl.String(),
-    "status": pl.String(),
-    "attempts": pl.Int64(),
-    "priority": pl.Int64(),
-    "worker": pl.String(),
-    "host": pl.String(),
-    "device": pl.String(),
-    "queued_at": _UTC,
-    "started_at": _UTC,
-    "finished_at": _UTC,
-    "wall_s": pl.Float64(),
-    "load_s": pl.Float64(),
-    "quantize_s": pl.Float64(),
-    # A calibrated backend's data-driven step, inside quantize_s, and its peaks (null for a
-    # backend that does not calibrate).
-    "calibrate_s": pl.Float64(),
-    "calibrate_peak_device_mem_bytes": pl.Int64(),
-    "calibrate_peak_host_rss_bytes": pl.Int64(),
-    "eval_s": pl.Float64(),
-    # The lm-eval task phase (a sweep with a tasks block; null without): its time and peaks
-    # (the baseline's: its tasks scored once per model beside the reference), and the samples
-    # of all its tasks that had a prompt cut to the model's window (the tasks frame says which).
-    "tasks_s": pl.Float64(),
-    "tasks_peak_device_mem_bytes": pl.Int64(),
-    "tasks_peak_host_rss_bytes": pl.Int64(),
-    "tasks_truncated_samples": pl.Int64(),
-    # The baseline's only: why its tasks have no scores (scoring the unquantized model failed;
-    # its quality figures and the quantized jobs' task scores stand). Null otherwise.
-    "tasks_error": pl.String(),
-    # The speed phase (a sweep with a speed block; null without): its wall time, warm-up runs
-    # included. Its figures are in the speed frame, one row per batch size.
-    "speed_s": pl.Float64(),
-    "source_cached": pl.Boolean(),
-    # A streamed job (its decoder layers read from the checkpoint one at a time; null for a
-    # resident one): the checkpoint bytes it read, its mean seconds per layer (read, quantize,
-    # run every window), and what it skipped because it needs the model resident.
-    "streamed": pl.Boolean(),
-    "stream_bytes_read": pl.Int64(),
-    "stream_layer_s": pl.Float64(),
-    "stream_skipped": pl.String(),
-    "peak_device_mem_bytes": pl.Int64(),
-    "peak_device_reserved_bytes": pl.Int64(),
-    "peak_host_rss_bytes": pl.Int64(),
-    # The peaks above are the worker's while jobs packed with this one ran too (an upper bound
-    # of this job's own; placement does not learn from them). Null in results from before.
-    "peak_shared": pl.Boolean(),
-    "param_count": pl.Int64(),
-    "size_bytes": pl.Int64(),
-    "bits_per_weight": pl.Float64(),
-    # size_bytes split: the quantized weights with their quantization constants (scales, zeros,
-    # absmax, quant maps, packing metadata), and the rest (embeddings, norms, head, biases,
-    # unquantized layers) in whatever dtype the backend leaves it, with its dtypes' shares
-    # ("float16 93%, float32 7%"). Methods compare on bits_per_quantized_weight (8 x
-    # quantized_bytes / quantized_params; null when nothing is quantized, as for the baseline):
-    # bits_per_weight counts the rest's dtype too.
-    "quantized_bytes": pl.Int64(),
-    "bits_per_quantized_weight": pl.Float64(),
-    "unquantized_bytes": pl.Int64(),
-    "unquantized_dtypes": pl.String(),
-    # Weights the backend holds quantized (logical count), and their share of param_count:
-    # 0 for the baseline; a quantized config that quantized nothing is skipped, never done.
-    "quantized_params": pl.Int64(),
-    "quantized_share": pl.Float64(),
-    "full_precision": pl.String(),  # what stayed in full precision, largest share first
-    "layers_unmeasured": pl.Int64(),  # quantized layers the per-layer stats could not measure
-    "perplexity": pl.Float64(),
-    # Standard errors (_se) are over eval windows, null with one window; docs/quality.md.
-    "ln_ppl_se": pl.Float64(),  # of ln(perplexity)
-    "kl_divergence": pl.Float64(),  # KL(baseline || quantized) per token, nats
-    "kl_kind": pl.String(),  # exact, estimate (unbiased, tail sampled) or lower_bound
-    "kl_se": pl.Float64(),
-    # KL per position: percentiles over positions, and the largest
-    "kl_median": pl.Float64(),
-    "kl_p90": pl.Float64(),
-    "kl_p99": pl.Float64(),
-    "kl_p999": pl.Float64(),
-    "kl_max": pl.Float64(),
-    # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
-    "kl_tail_mass": pl.Float64(),
-    "top1_agreement": pl.Float64(),  # share of tokens where the top-1 prediction matches
-    "top1_agreement_se": pl.Float64(),  # binomial, over tokens
-    # The correct next token's probability, quantized minus baseline, per position
-    "delta_p_mean": pl.Float64(),
-    "delta_p_se": pl.Float64(),
-    "delta_p_rms": pl.Float64(),
-    "delta_p_p01": pl.Float64(),
-    "delta_p_p05": pl.Float64(),
-    "delta_p_median": pl.Float64(),
-    "delta_p_p95": pl.Float64(),
-    "delta_p_p99": pl.Float64(),
-    # ln(PPL(quantized) / PPL(baseline)) on the same tokens, and its paired standard error
-    "ln_ppl_ratio": pl.Float64(),
-    "ln_ppl_ratio_se": pl.Float64(),
-    "eval_tokens": pl.Int64(),
-    # The saved quantized model (artifacts: keep), null when none was asked for: where it went,
-    # its bytes on disk and sha256 (quantdask.job.artifacts.directory_digest), whether it is
-    # still
-    # kept (false: deleted, off the Pareto frontier), the reloaded model's KL minus the
-    # in-memory one's on the first eval windows (verify: true), and why a save failed.
-    "artifact_uri": pl.String(),
-    "artifact_bytes": pl.Int64(),
-    "artifact_sha256": pl.String(),
-    "artifact_kept": pl.Boolean(),
-    "reload_kl_delta": pl.Float64(),
-    "artifact_error": pl.String(),
-    # The sweep's gates (null without gates, and for the baseline they are measured against):
-    # whether this done job passed them all, the gates it passed, and why each failing one
-    # failed, one per line.
-    "gates_passed": pl.Boolean(),
-    "gates_met": pl.String(),
-    "gates_failed": pl.String(),
-    # A mixed-precision search's job (null for the sweep's own configs): its search, its role
-    # (mixed, equal-bytes or uniform), its rank among its budget's candidates, that budget,
-    # and the KL and stored bytes the probes predicted (the allocation frame has its formats).
-    "search": pl.String(),
-    "search_role": pl.String(),
-    "search_candidate": pl.Int64(),
-    "search_budget_bits_per_weight": pl.Float64(),
-    "predicted_kl": pl.Float64(),
-    "predicted_bytes": pl.Int64(),
-    "failure_class": pl.String(),  # one of FAILURE_CLASSES, for failed and skipped jobs
-    "error_class": pl.String(),  # the exception's type
-    "error_message": pl.String(),
-    "traceback": pl.String(),
-}
+RESULT_RECORDS: tuple[type[PhaseRecord], ...] = (
+    Recorded, Ended, Where, Span, Loaded, Quantized, Streamed, Covered, LayerWeights, Scored,
+    TaskScores, Speed, Artifact, GateVerdict, SearchedFor, NotDone)
+"""The records whose columns make the results frame, one row per job (``records``: each
+column's meaning is a comment on its field there)."""
+
+_POLARS = {int: pl.Int64(), float: pl.Float64(), str: pl.String(), bool: pl.Boolean(),
+           dt.datetime: _UTC}
+
+
+def schema_of(record_types: tuple[type[PhaseRecord], ...]) -> dict[str, pl.DataType]:
+    """The Polars schema of the columns ``record_types`` fill, in their order, each field's
+    Python type as Polars holds it; a column two records fill is declared by the first (a
+    streamed job's quantize_s, every row's status)."""
+    schema: dict[str, pl.DataType] = {}
+    for record_type in record_types:
+        for column, kind in record_type.column_types().items():
+            schema.setdefault(column, _POLARS[kind])
+    return schema
+
+
+RESULT_SCHEMA = schema_of(RESULT_RECORDS)
+"""The results frame's schema, derived from its records (``RESULT_RECORDS``)."""
 
 
 LAYER_SCHEMA: dict[str, pl.DataType] = {

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantdask.errors import SpecError
+from quantdask.records import GateVerdict
 from quantdask.sweepfile.fields import keyed, require
 from quantdask.words import GateOperator
 
@@ -156,7 +157,7 @@ def gate_columns(gates: tuple[Gate, ...], record: dict[str, Any],
     baseline they are measured against): ``gates_passed`` (all met), ``gates_met`` (their
     labels, one per line) and ``gates_failed`` (why each failing one failed, one per line)."""
     if not gates or is_baseline:
-        return {"gates_passed": None, "gates_met": None, "gates_failed": None}
+        return GateVerdict().columns()
     met, failed = [], []
     for gate in gates:
         reasons = gate.failures(record, task_rows)
@@ -164,5 +165,4 @@ def gate_columns(gates: tuple[Gate, ...], record: dict[str, Any],
             failed.extend(reasons)
         else:
             met.append(gate.label)
-    return {"gates_passed": not failed, "gates_met": "\n".join(met),
-            "gates_failed": "\n".join(failed)}
+    return GateVerdict(not failed, "\n".join(met), "\n".join(failed)).columns()

@@ -27,6 +27,7 @@ from typing import Any
 from quantdask.backends import BackendOptions, get_backend, searchable_backends
 from quantdask.backends.capabilities import Searchable
 from quantdask.errors import SpecError
+from quantdask.records import SearchedFor
 from quantdask.sweepfile.fields import NAME, keyed, positive_int, require
 
 KEEP = "keep"
@@ -202,10 +203,8 @@ class SearchRole:
         return tuple(cls("", "", 0, 0.0, 0.0, 0).columns())
 
     def columns(self) -> dict[str, Any]:
-        return {"search": self.search, "search_role": self.role,
-                "search_candidate": self.candidate,
-                "search_budget_bits_per_weight": self.budget_bits_per_weight,
-                "predicted_kl": self.predicted_kl, "predicted_bytes": self.predicted_bytes}
+        return SearchedFor(self.search, self.role, self.candidate, self.budget_bits_per_weight,
+                           self.predicted_kl, self.predicted_bytes).columns()
 
 
 def check_searches(searches: list[SearchSpec], models: Iterable[str],
