@@ -18,15 +18,18 @@ from tests.conftest import sweep_dict
 
 def test_the_kl_of_the_first_windows_is_weighted_by_their_tokens():
     from quantdask.job.artifacts import VERIFY_WINDOWS, windows_kl
+    from quantdask.records import WindowRow
 
-    rows = [{"window": w, "tokens": 10, "kl": 9.0} for w in range(VERIFY_WINDOWS, 8)]
-    rows += [{"window": 3, "tokens": 20, "kl": 0.5}, {"window": 1, "tokens": 30, "kl": 2.0},
-             {"window": 0, "tokens": 10, "kl": 1.0}, {"window": 2, "tokens": 20, "kl": 0.5}]
+    def row(window: int, tokens: int, kl: float) -> WindowRow:
+        return WindowRow(window, tokens, ln_ppl=0.0, kl=kl, top1_agreement=1.0, delta_p=0.0)
+
+    rows = [row(w, 10, 9.0) for w in range(VERIFY_WINDOWS, 8)]
+    rows += [row(3, 20, 0.5), row(1, 30, 2.0), row(0, 10, 1.0), row(2, 20, 0.5)]
     # Per token over windows 0-3 (not the mean of their means, 1.0; nor windows past them).
     assert windows_kl(rows) == pytest.approx((10 * 1.0 + 30 * 2.0 + 40 * 0.5) / 80)
-    assert windows_kl([{"window": 0, "tokens": 5, "kl": -1e-9}]) == 0.0  # clipped, as before
+    assert windows_kl([row(0, 5, -1e-9)]) == 0.0  # clipped, as before
     with pytest.raises(ArithmeticError):
-        windows_kl([{"window": 0, "tokens": 5, "kl": float("nan")}])
+        windows_kl([row(0, 5, float("nan"))])
 
 
 @pytest.mark.timeout(240)

@@ -272,8 +272,9 @@ def test_a_records_nested_fields_are_read_from_its_type_hints_once(monkeypatch):
     import typing
 
     from quantdask import records
+    from quantdask.records import base
 
-    monkeypatch.setattr(records, "_NESTED", {})
+    monkeypatch.setattr(base, "_NESTED", {})
     reads = []
     hints = typing.get_type_hints
     monkeypatch.setattr(typing, "get_type_hints", lambda kind: reads.append(kind) or hints(kind))
@@ -283,9 +284,43 @@ def test_a_records_nested_fields_are_read_from_its_type_hints_once(monkeypatch):
 
 
 @pytest.mark.timeout(30)
+def test_every_frames_schema_and_nullable_columns_come_from_its_row_type():
+    from quantdask import records
+    from quantdask.store.schema import FRAME, schema_of
+
+    typed = {"layers": records.LayerRow, "windows": records.WindowRow, "tasks": records.TaskRow,
+             "speed": records.SpeedAsRead, "phases": records.PhaseRow,
+             "attempts": records.AttemptRow, "sessions": records.SessionRow,
+             "samples": records.SampleRow, "sensitivity": records.SensitivityRow,
+             "allocation": records.AllocationRow}
+    assert set(typed) | {"results"} == set(FRAME)
+    for name, row_type in typed.items():
+        frame = FRAME[name]
+        # A done job's rows come without its id (the store adds it as it writes them).
+        stamped = {"job_id": pl.String()} if frame.per_done_job else {}
+        assert frame.schema == {**stamped, **schema_of((row_type,))}, name
+        assert frame.optional == row_type.optional_columns(), name
+    assert FRAME["speed"].derived == ("baseline_decode_tokens_per_s", "decode_speedup",
+                                      "prefill_speedup")
+    assert FRAME["sensitivity"].optional == ("kl", "kl_se", "bytes", "error", "worker")
+    assert FRAME["attempts"].schema["started_at"] == pl.Datetime("us", "UTC")
+
+
+@pytest.mark.timeout(30)
+def test_typed_rows_are_written_as_their_columns(tmp_path):
+    from quantdask.records import SensitivityRow
+
+    store = RunStore(tmp_path / "run")
+    row = SensitivityRow(search="s", search_key="k", model="m", unit="u", layer=0,
+                         format="4b", params=10, kl=None, kl_se=None, bytes=None,
+                         error="does not fit", worker=None, seconds=0.5)
+    store.write_rows("sensitivity", "part", [row])
+    assert store.read("sensitivity").to_dicts() == [row.row()]
+
+
+@pytest.mark.timeout(30)
 def test_the_results_schema_is_derived_from_the_records():
     import dataclasses
-    import datetime as dt
 
     from quantdask.records import Ended, GateVerdict, PhaseRecord, Recorded
     from quantdask.store.schema import RESULT_RECORDS, RESULT_SCHEMA, schema_of
@@ -304,5 +339,5 @@ def test_the_results_schema_is_derived_from_the_records():
         when: dt.datetime | None
         stats: dict[str, float]
 
-    with pytest.raises(TypeError, match="Odd.stats: a results column holds one plain type"):
+    with pytest.raises(TypeError, match="Odd.stats: a column holds one plain type"):
         schema_of((Odd,))

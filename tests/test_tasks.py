@@ -322,7 +322,7 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monk
     else:
         model, tokenizer = _quantized(model_dir, bits)
     per_sample = _logging_samples(monkeypatch)
-    rows = {row["metric"]: row for row in evaluate_tasks(model, tokenizer, settings)}
+    rows = {row.metric: row for row in evaluate_tasks(model, tokenizer, settings)}
     acc, acc_norm, closest, right = hand_scores(model, tokenizer, _docs(settings))
     [(task, samples)] = per_sample["samples"].items()
     assert [bool(s["acc"]) for s in sorted(samples, key=lambda s: s["doc_id"])] == right
@@ -330,12 +330,12 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monk
     # batches one question's choices and sums in float64: a choice within float32's rounding
     # of the best would make the two disagree.
     assert closest > 1e-4, f"a near tie ({closest:.2g} nats): the comparison cannot decide it"
-    assert rows["acc"]["samples"] == len(_docs(settings))
-    assert rows["acc"]["value"] == acc
-    assert rows["acc_norm"]["value"] == acc_norm
-    n = rows["acc"]["samples"]
-    assert rows["acc"]["stderr"] == pytest.approx((acc * (1 - acc) / (n - 1)) ** 0.5)
-    assert rows["acc"]["truncated_samples"] == 0
+    assert rows["acc"].samples == len(_docs(settings))
+    assert rows["acc"].value == acc
+    assert rows["acc_norm"].value == acc_norm
+    n = rows["acc"].samples
+    assert rows["acc"].stderr == pytest.approx((acc * (1 - acc) / (n - 1)) ** 0.5)
+    assert rows["acc"].truncated_samples == 0
 
 
 class _Warnings:
@@ -375,9 +375,9 @@ def test_truncated_prompts_are_counted_as_lm_eval_cuts_them(monkeypatch):
     rows = evaluate_tasks(model, tokenizer, dataclasses.replace(settings, max_length=window))
     lm_eval_cuts = [line for line in warned.lines if line.startswith("Combined length")]
     assert len(lm_eval_cuts) == sum(map(sum, cut))  # requests lm-eval cut
-    assert {row["truncated_samples"] for row in rows} == {sum(map(any, cut))}
+    assert {row.truncated_samples for row in rows} == {sum(map(any, cut))}
     assert truncated_total(rows) == sum(map(any, cut))  # one task: counted once, not per metric
-    assert {row["truncated_samples"] for row in evaluate_tasks(model, tokenizer, settings)} \
+    assert {row.truncated_samples for row in evaluate_tasks(model, tokenizer, settings)} \
         == {0}
 
 
@@ -420,8 +420,8 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, mon
     settings = TaskSettings(names=["demo_generate"], include_path=str(tmp_path),
                             max_length=window)
     [row] = evaluate_tasks(model, tokenizer, settings)
-    assert row["metric"] == "exact_match" and row["samples"] == 12
-    assert row["truncated_samples"] == sum(n > window - 4 for n in lengths) > 0
+    assert row.metric == "exact_match" and row.samples == 12
+    assert row.truncated_samples == sum(n > window - 4 for n in lengths) > 0
     assert commands == []
 
 
@@ -551,16 +551,18 @@ def test_the_demo_runs_without_lm_eval_less_its_tasks_and_gates(monkeypatch, cap
 
 def test_recovery_is_a_share_kept_whichever_way_the_metric_points():
     from quantdask.measure.tasks import with_baseline
+    from quantdask.records import TaskRow
 
     def row(metric, value, higher):
-        return {"task": "t", "metric": metric, "filter": "none", "value": value,
-                "stderr": None, "higher_is_better": higher}
+        return TaskRow(task="t", is_group=False, metric=metric, filter="none", value=value,
+                       stderr=None, samples=1, truncated_samples=0, num_fewshot=0,
+                       higher_is_better=higher)
 
     baseline = [row("acc", 0.8, True), row("word_perplexity", 20.0, False), row("f1", 0.0, True)]
     joined = with_baseline([row("acc", 0.6, True), row("word_perplexity", 25.0, False),
                             row("f1", 0.3, True)], baseline)
-    assert [r["recovery"] for r in joined] == [pytest.approx(0.75), pytest.approx(0.8), None]
-    assert [r["baseline_value"] for r in joined] == [0.8, 20.0, 0.0]
+    assert [r.recovery for r in joined] == [pytest.approx(0.75), pytest.approx(0.8), None]
+    assert [r.baseline_value for r in joined] == [0.8, 20.0, 0.0]
 
 
 def test_gates_from_python_are_checked_as_the_yaml_ones_are():
@@ -610,7 +612,7 @@ def test_each_template_of_a_task_is_compiled_once_per_process(monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     rows = tasks.evaluate_tasks(model, AutoTokenizer.from_pretrained(DEMO_MODEL_DIR),
                                 TaskSettings(**DEMO_TASK, limit=16))
-    assert {row["samples"] for row in rows} == {16}
+    assert {row.samples for row in rows} == {16}
     # Before: 99 compiles of 3 templates for 16 questions.
     assert compiled and len(compiled) == len(set(compiled)), compiled
 
@@ -630,5 +632,5 @@ def test_each_string_of_a_loglikelihood_task_is_tokenized_once():
     tokenizer.encode = lambda text, *args, **kwargs: encoded.append(
         (text, *args, *sorted(kwargs.items()))) or real(text, *args, **kwargs)
     rows = evaluate_tasks(model, tokenizer, TaskSettings(**DEMO_TASK, limit=16))
-    assert {row["samples"] for row in rows} == {16} and rows[0]["truncated_samples"] == 0
+    assert {row.samples for row in rows} == {16} and rows[0].truncated_samples == 0
     assert encoded and len(encoded) == len(set(encoded)), len(encoded)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quantdask.backends.capabilities import Savable
-from quantdask.records import Artifact, PhaseRecord, Row, Scored
+from quantdask.records import Artifact, PhaseRecord, Scored, WindowRow
 
 if TYPE_CHECKING:
 
@@ -126,13 +126,13 @@ def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
     return target
 
 
-def windows_kl(rows: Sequence[Row]) -> float:
+def windows_kl(rows: Sequence[WindowRow]) -> float:
     """KL per predicted token over the first :data:`VERIFY_WINDOWS` of the windows frame's
     ``rows``: each row's ``kl`` is its window's mean, so weighted by its ``tokens`` (clipped
     at 0, as ``kl_divergence`` is)."""
-    first = sorted(rows, key=lambda row: row["window"])[:VERIFY_WINDOWS]
-    tokens = sum(row["tokens"] for row in first)
-    kl = math.fsum(row["kl"] * row["tokens"] for row in first) / tokens
+    first = sorted(rows, key=lambda row: row.window)[:VERIFY_WINDOWS]
+    tokens = sum(row.tokens for row in first)
+    kl = math.fsum(row.kl * row.tokens for row in first) / tokens
     if not math.isfinite(kl):  # an fp16 overflow, say: a failed check, not a measurement
         raise ArithmeticError(f"non-finite KL ({kl}) on the first {len(first)} windows")
     return max(kl, 0.0)

@@ -31,7 +31,17 @@ from quantdask.process.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.process.live_log import live_sender
 from quantdask.process.runtime import held_resources, torch_device
 from quantdask.randomness import job_random
-from quantdask.records import Ended, NotDone, Peaks, PhaseRecord, ResultRow, Row, Span, Where
+from quantdask.records import (
+    Ended,
+    NotDone,
+    Peaks,
+    PhaseRecord,
+    PhaseRow,
+    ResultRow,
+    Row,
+    Span,
+    Where,
+)
 from quantdask.util import utcnow
 from quantdask.words import FailureClass, Status
 
@@ -53,11 +63,10 @@ def run_phases(run: JobRun) -> None:
         if produced is None:
             continue
         run.records.append(produced)
-        run.phase_rows.append({
-            "position": position, "phase": phase.__name__,
-            "seconds": time.perf_counter() - began,
-            "peak_device_mem_bytes": peak.peak_device_bytes,
-            "peak_host_rss_bytes": peak.peak_rss_bytes, "peak_shared": peak.shared})
+        run.phase_rows.append(PhaseRow(
+            position=position, phase=phase.__name__, seconds=time.perf_counter() - began,
+            peak_device_mem_bytes=peak.peak_device_bytes,
+            peak_host_rss_bytes=peak.peak_rss_bytes, peak_shared=peak.shared))
 
 
 def done_records(run: JobRun) -> tuple[list[PhaseRecord], dict[str, list[Row]]]:
@@ -65,8 +74,8 @@ def done_records(run: JobRun) -> tuple[list[PhaseRecord], dict[str, list[Row]]]:
     frames."""
     peaks = Peaks.of(run.peak)
     for row in run.phase_rows:  # the span's peak is at least each phase's, read apart from it
-        device = row["peak_device_mem_bytes"]
-        peaks = peaks.max(Peaks(device, device, row["peak_host_rss_bytes"], row["peak_shared"]))
+        device = row.peak_device_mem_bytes or 0
+        peaks = peaks.max(Peaks(device, device, row.peak_host_rss_bytes or 0, row.peak_shared))
     if run.job.is_baseline and run.reference.baseline_peaks is not None:
         peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
     records = [Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows), *run.records]

@@ -29,9 +29,11 @@ from quantdask.process.runtime import held_resources
 from quantdask.records import (
     Artifact,
     Covered,
+    LayerRow,
     LayerWeights,
     Loaded,
     PhaseRecord,
+    PhaseRow,
     Quantized,
     Row,
     Scored,
@@ -79,7 +81,7 @@ class JobRun:
     layers: list[Row] = field(default_factory=list)  # weight errors of the measured layers
     unmeasured: dict[str, str] = field(default_factory=dict)  # layer -> why not measured
     records: list[PhaseRecord] = field(default_factory=list)  # what the phases produced
-    phase_rows: list[Row] = field(default_factory=list)  # the phases frame's rows
+    phase_rows: list[PhaseRow] = field(default_factory=list)  # the phases frame's rows
 
     @contextlib.contextmanager
     def measured(self) -> Iterator[None]:
@@ -196,9 +198,15 @@ def score(run: JobRun) -> Scored:
                   layers=_positioned(outputs.rows()))
 
 
-def _positioned(layers: list[Row]) -> list[Row]:
-    """The layers frame's rows: each layer with its order in the network."""
-    return [{**row, "position": i} for i, row in enumerate(layers)]
+def _positioned(layers: list[Row]) -> list[LayerRow]:
+    """The layers frame's rows: each measured layer (``measure.layers``' figures) with its
+    order in the network."""
+    return [LayerRow(position=i, layer=row["layer"], in_features=row["in_features"],
+                     out_features=row["out_features"],
+                     weight_rel_error=row["weight_rel_error"],
+                     weight_sqnr_db=row["weight_sqnr_db"],
+                     output_rel_error=row.get("output_rel_error"))
+            for i, row in enumerate(layers)]
 
 
 def score_tasks(run: JobRun) -> TaskScores | None:

@@ -21,7 +21,7 @@ import math
 from typing import TYPE_CHECKING
 
 from quantdask.measure.statistics import QUALITY_COLUMNS, quality_figures, window_rows
-from quantdask.records import Quality, Row
+from quantdask.records import Quality, WindowRow
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +192,7 @@ class QualityMeter:
             setattr(whole, name, torch.cat([getattr(m, name) for m in meters]))
         return whole
 
-    def window_rows(self) -> list[Row]:
+    def window_rows(self) -> list[WindowRow]:
         """The windows frame's rows (see ``statistics.window_rows``)."""
         return window_rows(self.nll.numpy(), self.kl.numpy(), self.agree.numpy(),
                            self.delta_p.numpy())

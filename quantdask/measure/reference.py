@@ -33,7 +33,7 @@ from quantdask.measure.usage import PeakMemory
 from quantdask.process import cpu_share
 from quantdask.process.attempt import attempt_scope
 from quantdask.process.model_source import cached_model_source
-from quantdask.records import Peaks, Quality, Row
+from quantdask.records import Peaks, Quality, TaskRow, WindowRow
 from quantdask.words import KLKind
 
 if TYPE_CHECKING:
@@ -80,13 +80,13 @@ class Reference:
     kl_kind: KLKind = KLKind.EXACT
     kl_tail_mass: float = 0.0
     baseline_peaks: Peaks | None = None  # the largest any shard of it needed
-    baseline_windows: list[Row] = field(default_factory=list)  # the windows frame's rows
+    baseline_windows: list[WindowRow] = field(default_factory=list)  # the windows frame's rows
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
     tasks: BaselineTasks | None = None  # the baseline's task rows and what scoring them took
 
     @property
-    def baseline_tasks(self) -> list[Row]:
+    def baseline_tasks(self) -> list[TaskRow]:
         """The baseline's rows of the tasks frame (none without a tasks block)."""
         return self.tasks.rows if self.tasks is not None else []
 
@@ -176,7 +176,7 @@ class BaselineTasks:
     """The unquantized model's task rows, with the time and peak memory scoring them took;
     ``error`` says why there are none when scoring them failed (``"RuntimeError: ..."``)."""
 
-    rows: list[Row]
+    rows: list[TaskRow]
     seconds: float
     peak_device_mem_bytes: int
     peak_host_rss_bytes: int
@@ -195,7 +195,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     the reason)."""
     from quantdask.process.runtime import torch_device
 
-    rows: list[Row] = []
+    rows: list[TaskRow] = []
     error = None
     with attempt_scope(f"tasks-{model.label}", take_samples=False) as scope, cpu_share.busy():
         source, _ = cached_model_source(model)
@@ -216,7 +216,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes, error)
 
 
-def _score_unquantized(source, device, tasks: TaskSettings) -> list[Row]:
+def _score_unquantized(source, device, tasks: TaskSettings) -> list[TaskRow]:
     """The tasks frame's rows of the unquantized model (built here, let go on return)."""
     from quantdask.measure.tasks import evaluate_tasks
 

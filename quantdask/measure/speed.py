@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quantdask.measure.usage import PeakMemory
-from quantdask.records import Row
+from quantdask.records import SpeedRow
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ def generate_timed(model, prompts: torch.Tensor, new_tokens: int, cuda: bool,
 
 def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: bool,
                   pad_token_id: int | None, device_label: str, whole_device: bool,
-                  others_busy: Callable[[], bool] | None = None) -> list[Row]:
+                  others_busy: Callable[[], bool] | None = None) -> list[SpeedRow]:
     """The speed frame's rows of ``model``: one per batch size (see the module). A row is
     ``exclusive`` when the job holds its ``whole_device`` and no other job was measured on
     this worker meanwhile; on a CPU slot, ``others_busy()`` (sampled before and after the timed
@@ -117,18 +117,18 @@ def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: b
                 first.append(to_first)
                 steps += decode
         ttft, step = statistics.median(first), _quantile(steps, 0.5)
-        rows.append({
-            "batch_size": batch, "prompt_tokens": settings.prompt_length,
-            "new_tokens": settings.new_tokens, "repeats": settings.repeats,
-            "device": device_label, "exclusive": whole_device and not peak.shared,
-            "other_slots_busy": None if others_busy is None else busy_before or others_busy(),
-            "ttft_s": ttft, "decode_s_p50": step, "decode_s_p90": _quantile(steps, 0.9),
-            "prefill_tokens_per_s": batch * settings.prompt_length / ttft,
+        rows.append(SpeedRow(
+            batch_size=batch, prompt_tokens=settings.prompt_length,
+            new_tokens=settings.new_tokens, repeats=settings.repeats,
+            device=device_label, exclusive=whole_device and not peak.shared,
+            other_slots_busy=None if others_busy is None else busy_before or others_busy(),
+            ttft_s=ttft, decode_s_p50=step, decode_s_p90=_quantile(steps, 0.9),
+            prefill_tokens_per_s=batch * settings.prompt_length / ttft,
             # The median step: a stray slow step (a page fault, another process) does not
             # move it, as it would a mean.
-            "decode_tokens_per_s": batch / step if step else None,
-            "peak_device_mem_bytes": peak.peak_device_bytes,
-        })
+            decode_tokens_per_s=batch / step if step else None,
+            peak_device_mem_bytes=peak.peak_device_bytes,
+        ))
     return rows
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from quantdask.records import Quality, Row
+from quantdask.records import Quality, WindowRow
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,14 +48,14 @@ def mean_and_window_se(values: np.ndarray) -> tuple[float, float | None]:
 
 
 def window_rows(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
-                delta_p: np.ndarray) -> list[Row]:
+                delta_p: np.ndarray) -> list[WindowRow]:
     """One row per window (windows x positions in): its tokens, mean negative log-likelihood,
     KL, top-1 agreement and change in the correct token's probability."""
-    return [{"window": w, "tokens": int(nll.shape[1]),
-             "ln_ppl": math.fsum(nll[w].tolist()) / nll.shape[1],
-             "kl": math.fsum(kl[w].tolist()) / nll.shape[1],
-             "top1_agreement": float(agree[w].sum()) / nll.shape[1],
-             "delta_p": math.fsum(delta_p[w].tolist()) / nll.shape[1]}
+    return [WindowRow(window=w, tokens=int(nll.shape[1]),
+                      ln_ppl=math.fsum(nll[w].tolist()) / nll.shape[1],
+                      kl=math.fsum(kl[w].tolist()) / nll.shape[1],
+                      top1_agreement=float(agree[w].sum()) / nll.shape[1],
+                      delta_p=math.fsum(delta_p[w].tolist()) / nll.shape[1])
             for w in range(nll.shape[0])]
 
 

@@ -15,6 +15,7 @@ that had any request cut, and every row carries that count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -22,7 +23,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from quantdask.randomness import global_generators
-from quantdask.records import Row
+from quantdask.records import TaskRow
 from quantdask.util import import_datasets_offline
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def _truncation_aware_lm():
     return TruncationAwareLM
 
 
-def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
+def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[TaskRow]:
     """The tasks frame's rows for ``model`` (a transformers causal LM, on its device):
     ``simple_evaluate`` over ``settings``' tasks, batched, seeded, offline."""
     import lm_eval
@@ -139,10 +140,10 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[Row]:
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     rows = task_rows(results, {task: len(docs) for task, docs in lm.truncated.items()})
     for row in rows:
-        if row["truncated_samples"]:
+        if row.truncated_samples:
             log.warning("task %s: %d of %s samples had their prompt cut to the model's %d "
-                        "tokens: its %s is not the task's", row["task"], row["truncated_samples"],
-                        row["samples"], lm.max_length, row["metric"])
+                        "tokens: its %s is not the task's", row.task, row.truncated_samples,
+                        row.samples, lm.max_length, row.metric)
     return rows
 
 
@@ -201,7 +202,7 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[Row]:
+def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[TaskRow]:
     """One row per (task, metric, filter) of an lm-eval result (groups too: their ``samples``
     is their tasks' sum), with ``truncated`` samples per task (a group's: its tasks' sum)."""
     groups = results.get("group_subtasks", {})
@@ -214,22 +215,22 @@ def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[Row]:
             if "," not in key or "_stderr," in key:
                 continue
             metric, filter_name = key.split(",", 1)
-            rows.append({
-                "task": task, "is_group": task in groups, "metric": metric,
-                "filter": filter_name, "value": _number(value),
-                "stderr": _number(figures.get(f"{metric}_stderr,{filter_name}")),
-                "samples": sum(counts.get(m, 0) for m in members) or None,
-                "truncated_samples": sum(truncated.get(m, 0) for m in members),
-                "num_fewshot": results.get("n-shot", {}).get(task),
-                "higher_is_better": better.get(task, {}).get(metric),
-            })
+            rows.append(TaskRow(
+                task=task, is_group=task in groups, metric=metric,
+                filter=filter_name, value=_number(value),
+                stderr=_number(figures.get(f"{metric}_stderr,{filter_name}")),
+                samples=sum(counts.get(m, 0) for m in members) or None,
+                truncated_samples=sum(truncated.get(m, 0) for m in members),
+                num_fewshot=results.get("n-shot", {}).get(task),
+                higher_is_better=better.get(task, {}).get(metric),
+            ))
     return rows
 
 
-def truncated_total(rows: list[Row]) -> int:
+def truncated_total(rows: list[TaskRow]) -> int:
     """Samples with a prompt cut, over the tasks of ``rows``: each task's once (its metrics
     share its samples; a group's rows add up tasks already counted)."""
-    per_task = {row["task"]: row["truncated_samples"] for row in rows if not row["is_group"]}
+    per_task = {row.task: row.truncated_samples for row in rows if not row.is_group}
     return sum(per_task.values())
 
 
@@ -238,34 +239,36 @@ def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
     return [leaf for child in groups.get(task, []) for leaf in (_leaves(child, groups) or [child])]
 
 
-def with_baseline(rows: list[Row], baseline: list[Row], baseline_error: str | None = None
-                  ) -> list[Row]:
+def with_baseline(rows: list[TaskRow], baseline: list[TaskRow],
+                  baseline_error: str | None = None) -> list[TaskRow]:
     """``rows`` with the baseline's value and standard error of the same (task, metric, filter),
     and ``recovery``: value / baseline value, or baseline / value for a metric where lower is
     better (perplexity, bits per byte), so that 1.0 is no loss and below 1 a loss either way.
     Where it is null, ``recovery_reason`` says why: ``baseline_error`` (why the baseline's
     scoring failed), a figure missing on either side, or a divisor of 0."""
-    by_key = {(b["task"], b["metric"], b["filter"]): b for b in baseline}
+    by_key = {(b.task, b.metric, b.filter): b for b in baseline}
     joined = []
     for row in rows:
-        base = by_key.get((row["task"], row["metric"], row["filter"]), {})
+        base = by_key.get((row.task, row.metric, row.filter))
         recovery, reason = _recovery(row, base, baseline_error)
-        joined.append({**row, "baseline_value": base.get("value"),
-                       "baseline_stderr": base.get("stderr"), "recovery": recovery,
-                       "recovery_reason": reason})
+        joined.append(dataclasses.replace(
+            row, baseline_value=base.value if base else None,
+            baseline_stderr=base.stderr if base else None, recovery=recovery,
+            recovery_reason=reason))
     return joined
 
 
-def _recovery(row: Row, base: Row, baseline_error: str | None) -> tuple[float | None, str | None]:
+def _recovery(row: TaskRow, base: TaskRow | None,
+              baseline_error: str | None) -> tuple[float | None, str | None]:
     """(recovery, None), or (None, why there is none)."""
     if baseline_error is not None:
         return None, f"the baseline's task scoring failed: {baseline_error}"
-    if not base:
-        return None, f"the baseline has no {row['metric']} for {row['task']}"
-    value, base_value = row["value"], base.get("value")
+    if base is None:
+        return None, f"the baseline has no {row.metric} for {row.task}"
+    value, base_value = row.value, base.value
     if value is None or base_value is None:
         return None, f"{'this config' if value is None else 'the baseline'} has no value"
-    lower_is_better = row["higher_is_better"] is False
+    lower_is_better = row.higher_is_better is False
     divisor = value if lower_is_better else base_value
     if not divisor:
         return None, f"{'this config' if lower_is_better else 'the baseline'} scored 0"

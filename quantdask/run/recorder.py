@@ -12,7 +12,7 @@ import polars as pl
 
 from quantdask.backends import BASELINE
 from quantdask.job.outcome import JobOutcome
-from quantdask.records import Recorded
+from quantdask.records import AttemptRow, Recorded
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.attempts import Attempt
 from quantdask.run.live_logs import LiveLogs
@@ -41,17 +41,17 @@ class Recorder:
         text = attempt_log_text(job.id, attempt.number, record, outcome.log)
         self.live.settle(attempt.key, job.id, text, whole=outcome.whole_log)
         self.store.append_worker_log(record.get("worker") or "unknown-worker", text)
-        self.store.write_attempt({
-            "run_id": self.run_id, "job_id": job.id, "attempt": attempt.number,
-            "key": attempt.key, "worker": record.get("worker"),
-            "device": record.get("device"), "started_at": record.get("started_at")
-            or attempt.started_at, "finished_at": record["finished_at"],
-            "status": record["status"], "failure_class": record.get("failure_class"),
-            "error_class": record.get("error_class"), "error_message": record.get("error_message"),
+        self.store.write_attempt(AttemptRow(
+            run_id=self.run_id, job_id=job.id, attempt=attempt.number,
+            key=attempt.key, worker=record.get("worker"),
+            device=record.get("device"), started_at=record.get("started_at")
+            or attempt.started_at, finished_at=record["finished_at"],
+            status=record["status"], failure_class=record.get("failure_class"),
+            error_class=record.get("error_class"), error_message=record.get("error_message"),
             # What this try ran with: an out-of-memory retry asks for more room.
-            "eval_batch_size": job.eval.batch_size, "gpu_share": job.gpu_share,
-            "device_memory_request_bytes": job.device_memory_bytes or None,
-        })
+            eval_batch_size=job.eval.batch_size, gpu_share=job.gpu_share,
+            device_memory_request_bytes=job.device_memory_bytes or None,
+        ))
 
     def decision(self, attempt: Attempt, failure_class: str, reason: str) -> None:
         """What was decided after a failed attempt, in the job's log."""

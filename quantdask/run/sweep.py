@@ -27,6 +27,7 @@ from distributed import Client
 from quantdask.cluster.operations import cluster_capacity, live_workers, workers_elsewhere
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.placement import place_jobs
+from quantdask.records import SessionRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.artifacts import prune_to_pareto
 from quantdask.run.handle import Listeners, SweepHandle
@@ -58,7 +59,7 @@ class SweepSession:
     jobs: list[Job]
     todo: list[Job]
     driver: SweepDriver
-    row: dict[str, Any]  # the sessions frame's row
+    row: SessionRow  # the sessions frame's row, as last written
     lock: contextlib.ExitStack
 
     def run(self) -> None:
@@ -69,14 +70,14 @@ class SweepSession:
                     self._run_stage(stage)
             if not driver.stop.is_set():  # not cancelled while a search probed
                 driver.run(self.todo)
-            self.row["completed"] = not driver.stop.is_set()
-            if (self.row["completed"] and artifacts is not None
+            self.row = dataclasses.replace(self.row, completed=not driver.stop.is_set())
+            if (self.row.completed and artifacts is not None
                     and artifacts.keep == ArtifactKeep.PARETO):
                 prune_to_pareto(self.store, artifacts)
         finally:
             try:
-                self.store.write_session({**self.row, "finished_at": utcnow()})
-                driver.progress.finish(completed=self.row["completed"])
+                self.store.write_session(dataclasses.replace(self.row, finished_at=utcnow()))
+                driver.progress.finish(completed=self.row.completed)
                 driver.show_progress(final=True)
             finally:
                 self.lock.close()
@@ -101,7 +102,8 @@ class SweepSession:
         driver.progress.jobs_added(len(self.jobs))
         driver.progress.already_finished([Status.DONE] * sum(
             job.id in finished and job.id not in known for job in self.jobs))
-        self.row.update(jobs_planned=len(self.jobs), jobs_run=len(self.todo))
+        self.row = dataclasses.replace(self.row, jobs_planned=len(self.jobs),
+                                       jobs_run=len(self.todo))
         self.store.write_session(self.row)
 
     def results(self) -> pl.DataFrame:
@@ -145,9 +147,9 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
                              placement)
         driver.recorder.restamp_gates()
         driver.show_progress(final=True)  # a watcher sees this session, not the last one
-        row = {"run_id": run_id, "sweep": sweep.name, "started_at": utcnow(),
-               "finished_at": None, "completed": False, "workers": workers, "slots": slots,
-               "jobs_planned": len(jobs), "jobs_run": len(todo)}
+        row = SessionRow(run_id=run_id, sweep=sweep.name, started_at=utcnow(),
+                         finished_at=None, completed=False, workers=workers, slots=slots,
+                         jobs_planned=len(jobs), jobs_run=len(todo))
         store.write_session(row)
     except BaseException:
         lock.close()

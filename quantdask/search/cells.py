@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from quantdask.records import Row
+from quantdask.records import SensitivityRow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +31,10 @@ class ProbedCell:
         return cls(unit="", format="rest", layer=-1, params=0, worker=None, kl=0.0, kl_se=0.0,
                    bytes=rest_bytes)
 
-    def row(self, search: str, search_key: str, model: str) -> Row:
+    def row(self, search: str, search_key: str, model: str) -> SensitivityRow:
         """Its row of the sensitivity frame, with the search's columns."""
-        return {"search": search, "search_key": search_key, "model": model,
-                **dataclasses.asdict(self)}
+        return SensitivityRow(search=search, search_key=search_key, model=model,
+                              **dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)

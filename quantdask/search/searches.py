@@ -31,6 +31,7 @@ from distributed import Client, Future
 
 from quantdask.backends import BackendOptions, get_backend
 from quantdask.errors import SpecError
+from quantdask.records import AllocationRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
 from quantdask.search.allocation import Allocation, allocate
@@ -250,7 +251,7 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
             made.append((f"{search.name} {bits:g}b #{found.rank}", role, found.formats, found))
     made += _at_uniform_bytes(search, probed, ties, fixed)
     jobs: dict[str, Job] = {}
-    rows = []
+    rows: list[AllocationRow] = []
     for config_label, role, chosen, allocation in made:
         # One quantized format everywhere is that format's plain config (one job for both).
         only = set(chosen.values())
@@ -261,13 +262,13 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
         jobs.setdefault(job.id, job)
         budget_bytes = (allocation.budget_bytes if allocation
                         else role.predicted_bytes - probed.rest_bytes)
-        rows += [{"search": search.name, "model": model.label, "job_id": job.id,
-                  "role": role.role, "candidate": role.candidate,
-                  "budget_bits_per_weight": role.budget_bits_per_weight,
-                  "budget_bytes": budget_bytes + probed.rest_bytes, "unit": unit,
-                  "format": label, "predicted_kl": role.predicted_kl,
-                  "predicted_bytes": role.predicted_bytes,
-                  "solver": allocation.solver if allocation else "uniform"}
+        rows += [AllocationRow(search=search.name, model=model.label, job_id=job.id,
+                               role=role.role, candidate=role.candidate,
+                               budget_bits_per_weight=role.budget_bits_per_weight,
+                               budget_bytes=budget_bytes + probed.rest_bytes, unit=unit,
+                               format=label, predicted_kl=role.predicted_kl,
+                               predicted_bytes=role.predicted_bytes,
+                               solver=allocation.solver if allocation else "uniform")
                  for unit, label in chosen.items()]
     store.write_rows("allocation", f"{search.name}-{search_key(sweep, search)}", rows)
     return list(jobs.values())

@@ -35,13 +35,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from quantdask.errors import RunDirError, SchemaError
+from quantdask.records import AttemptRow, FrameRow, SessionRow
 from quantdask.store.schema import FRAME, FRAMES, PER_DONE_JOB, Frame
 from quantdask.store.validation import (
     empty_frame,
@@ -124,7 +125,7 @@ class RunStore:
         return self.write_rows(name, job_id, [{**row, "job_id": job_id} for row in rows],
                                per_done_job=True)
 
-    def write_rows(self, name: str, key: str, rows: list[dict[str, Any]],
+    def write_rows(self, name: str, key: str, rows: Sequence[FrameRow | dict[str, Any]],
                    per_done_job: bool = False) -> Path:
         """Persist ``rows`` of the frame ``name`` as one file named ``key``, atomically (a
         rerun finds each part whole or not at all): a search's parts, or a done job's rows
@@ -134,7 +135,7 @@ class RunStore:
             raise SchemaError(f"{name} is {'not ' if per_done_job else ''}a frame of one file "
                               "per done job")
         path = self.frame_dir(name) / f"{key}.parquet"
-        write_parquet(path, rows_to_frame(rows, frame.stored, name, frame.optional))
+        write_parquet(path, rows_to_frame(_plain(rows), frame.stored, name, frame.optional))
         return path
 
     def write_samples(self, samples: list[dict[str, Any]]) -> Path | None:
@@ -147,18 +148,18 @@ class RunStore:
         write_parquet(path, frame)
         return path
 
-    def write_attempt(self, row: dict[str, Any]) -> Path:
+    def write_attempt(self, row: AttemptRow) -> Path:
         """Persist one try of a job (the attempts schema), atomically."""
-        frame = _checked_rows(FRAME["attempts"], [row])
-        name = f"{row['job_id']}-{row['run_id']}-{row['attempt']}.parquet"
+        frame = _checked_rows(FRAME["attempts"], [row.row()])
+        name = f"{row.job_id}-{row.run_id}-{row.attempt}.parquet"
         path = self.frame_dir("attempts") / name
         write_parquet(path, frame)
         return path
 
-    def write_session(self, row: dict[str, Any]) -> Path:
+    def write_session(self, row: SessionRow) -> Path:
         """Persist (or update) one driver session's row (the sessions schema), atomically."""
-        frame = _checked_rows(FRAME["sessions"], [row])
-        path = self.frame_dir("sessions") / f"{row['run_id']}.parquet"
+        frame = _checked_rows(FRAME["sessions"], [row.row()])
+        path = self.frame_dir("sessions") / f"{row.run_id}.parquet"
         write_parquet(path, frame)
         return path
 
@@ -312,6 +313,12 @@ def attempt_log_text(job_id: str, attempt: int, record: dict[str, Any], log: str
         f"{datetime.datetime.now(datetime.UTC).isoformat()} ERROR {job_id} "
         f"attempt={attempt} failed outside the job ({record.get('failure_class')}): "
         f"{record.get('error_class')}: {record.get('error_message')}\n")
+
+
+def _plain(rows: Sequence[FrameRow | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows as the frame's files hold them: a typed row's columns (a done job's rows arrive
+    with their ``job_id`` added, as dicts)."""
+    return [row.row() if isinstance(row, FrameRow) else row for row in rows]
 
 
 def _checked_rows(frame: Frame, rows: list[dict[str, Any]]) -> pl.DataFrame:

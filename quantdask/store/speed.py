@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import polars as pl
 
+from quantdask.records import SpeedAsRead, SpeedRow
 from quantdask.words import BASELINE
 
-DERIVED = ("baseline_decode_tokens_per_s", "decode_speedup", "prefill_speedup")
-"""The speed frame's columns added when read."""
+DERIVED = tuple(c for c in SpeedAsRead.column_names() if c not in SpeedRow.column_names())
+"""The speed frame's columns added when read (``records.SpeedAsRead``)."""
 
 
 def with_baseline_speed(rows: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame:

@@ -1,10 +1,11 @@
 """What each phase of a job produces, typed: the columns it adds to the job's results row and the
-rows it adds to the secondary frames.
+rows it adds to the secondary frames (``records.rows``).
 
 A phase returns one :class:`PhaseRecord` (a frozen dataclass): its plain fields are results
 columns, a field made with :func:`frame_rows` holds rows of the frame it names, and a field
 whose type is another record contributes that record's columns (the quality figures inside
-the score's record). ``run_job`` assembles the row from the records of the phases that ran;
+the score's record). ``run_job`` keeps the records of the phases that ran (``JobOutcome``);
+the results schema is derived from them (``store.schema.RESULT_RECORDS``), and
 ``tests/test_store.py`` checks from the return annotations that every results column comes
 from exactly one place, so a misspelt column is a failing test, not a missing column in a
 report.
@@ -17,89 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import typing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from quantdask.records.base import PhaseRecord, frame_rows
+from quantdask.records.rows import LayerRow, PhaseRow, SpeedRow, TaskRow, WindowRow
 
 if TYPE_CHECKING:
     from quantdask.measure.usage import PeakMemory
-
-Row = dict[str, Any]
-"""One row of a secondary frame (the store checks it against the frame's schema)."""
-ResultRow = dict[str, Any]
-"""A job's flat row of the results frame, assembled from its phases' records (the store checks
-it against the results schema)."""
-
-_FRAME = "quantdask.frame"
-
-
-def frame_rows(frame: str) -> Any:
-    """A record field holding rows of the secondary frame ``frame`` (``store.schema.FRAMES``)."""
-    return dataclasses.field(default_factory=list, metadata={_FRAME: frame})
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseRecord:
-    """Base of the phases' records (see the module)."""
-
-    def columns(self) -> ResultRow:
-        """Its results columns, nested records' flattened in."""
-        columns: ResultRow = {}
-        nested = type(self).nested()
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if _FRAME in f.metadata:
-                continue
-            if isinstance(value, PhaseRecord):
-                columns.update(value.columns())
-            elif f.name in nested:
-                columns.update(dict.fromkeys(nested[f.name].column_names()))
-            else:
-                columns[f.name] = value
-        return columns
-
-    def rows(self) -> dict[str, list[Row]]:
-        """Its rows of secondary frames, by frame name."""
-        return {f.metadata[_FRAME]: list(getattr(self, f.name))
-                for f in dataclasses.fields(self) if _FRAME in f.metadata}
-
-    @classmethod
-    def nested(cls) -> dict[str, type[PhaseRecord]]:
-        """Fields that hold another record (or None: its columns then null)."""
-        return _nested_fields(cls)
-
-    @classmethod
-    def column_names(cls) -> tuple[str, ...]:
-        """The results columns a record of this type fills."""
-        nested, names = cls.nested(), list[str]()
-        for f in dataclasses.fields(cls):
-            if _FRAME in f.metadata:
-                continue
-            names += nested[f.name].column_names() if f.name in nested else [f.name]
-        return tuple(names)
-
-    @classmethod
-    def column_types(cls) -> dict[str, type]:
-        """The results columns a record of this type fills, each with its Python type (None
-        left out of an optional one): what ``store.schema`` derives the frame's schema from."""
-        nested, hints, types = cls.nested(), typing.get_type_hints(cls), dict[str, type]()
-        for f in dataclasses.fields(cls):
-            if _FRAME in f.metadata:
-                continue
-            if f.name in nested:
-                types.update(nested[f.name].column_types())
-                continue
-            kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],)
-                     if k is not type(None)]
-            if len(kinds) != 1 or not isinstance(kinds[0], type):
-                raise TypeError(f"{cls.__name__}.{f.name}: a results column holds one plain "
-                                f"type (or None), not {hints[f.name]}")
-            types[f.name] = kinds[0]
-        return types
-
-    @classmethod
-    def frame_names(cls) -> tuple[str, ...]:
-        """The secondary frames a record of this type fills."""
-        return tuple(f.metadata[_FRAME] for f in dataclasses.fields(cls) if _FRAME in f.metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +119,7 @@ class Span(PhaseRecord):
 
     wall_s: float
     peaks: Peaks
-    phases: list[Row] = frame_rows("phases")
+    phases: list[PhaseRow] = frame_rows("phases")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +236,8 @@ class Scored(PhaseRecord):
     kl_kind: str  # exact, estimate (unbiased, tail sampled) or lower_bound
     # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
     kl_tail_mass: float
-    windows: list[Row] = frame_rows("windows")
-    layers: list[Row] = frame_rows("layers")
+    windows: list[WindowRow] = frame_rows("windows")
+    layers: list[LayerRow] = frame_rows("layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +254,7 @@ class TaskScores(PhaseRecord):
     # The baseline's only: why its tasks have no scores (scoring the unquantized model failed;
     # its quality figures and the quantized jobs' task scores stand). Null otherwise.
     tasks_error: str | None = None
-    tasks: list[Row] = frame_rows("tasks")
+    tasks: list[TaskRow] = frame_rows("tasks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +263,7 @@ class Speed(PhaseRecord):
     time, warm-up runs included; its figures are in the speed frame, one row per batch size."""
 
     speed_s: float
-    speed: list[Row] = frame_rows("speed")
+    speed: list[SpeedRow] = frame_rows("speed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,20 +294,3 @@ class NotDone(PhaseRecord):
     traceback: str | None = None
 
 
-_NESTED: dict[str, dict[str, type[PhaseRecord]]] = {}
-
-
-def _nested_fields(record_type: type[PhaseRecord]) -> dict[str, type[PhaseRecord]]:
-    """``PhaseRecord.nested``, read from the type hints once per record type (every job
-    assembles its row through it)."""
-    key = f"{record_type.__module__}.{record_type.__qualname__}"
-    if key in _NESTED:
-        return _NESTED[key]
-    nested = {}
-    for name, hint in typing.get_type_hints(record_type).items():
-        for kind in typing.get_args(hint) or (hint,):
-            if (isinstance(kind, type) and typing.get_origin(kind) is None
-                    and issubclass(kind, PhaseRecord)):
-                nested[name] = kind
-    _NESTED[key] = nested
-    return nested
