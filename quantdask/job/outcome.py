@@ -57,9 +57,6 @@ class JobOutcome:
     """
 
     records: tuple[PhaseRecord, ...]
-    # A done attempt's rows of the per-job frames, by frame name (store.schema.FRAMES): the
-    # frames of the phases that ran, each written by the recorder with the job's result.
-    rows: dict[str, list[Row]] = field(default_factory=dict)
     device_samples: list[Row] = field(default_factory=list)
     log: str = ""  # the attempt's own log lines (empty when it ended outside the job)
     # Whether ``log`` is every line the attempt logged (run_job's): it then replaces the lines
@@ -75,6 +72,16 @@ class JobOutcome:
         for record in self.records:
             columns.update(record.columns())
         return columns
+
+    @property
+    def rows(self) -> dict[str, list[Row]]:
+        """A done attempt's rows of the per-job frames, by frame name (``store.schema.FRAMES``),
+        from its records: the frames of the phases that ran, each written by the recorder with
+        the job's result."""
+        rows: dict[str, list[Row]] = {}
+        for record in self.records:
+            rows.update(record.rows())
+        return rows
 
     def find(self, kind: type[RecordT]) -> RecordT | None:
         """Its record of type ``kind``, or None."""
