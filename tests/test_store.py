@@ -214,18 +214,26 @@ DRIVER_COLUMNS = ("job_id", "sweep", "model", "backend", "config", "config_label
 """The columns the driver stamps (run.recorder) and the worker's run_job closes with."""
 
 
-def _returned(phase) -> type:
-    """The record type a phase returns (its annotation, None left out)."""
+def _record_types(phase) -> list:
+    """The record types a phase may return beside its next stage (its annotation,
+    ``tuple[Made, Record | None]``, None left out)."""
     import typing
 
-    hint = typing.get_type_hints(phase)["return"]
-    return next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+    from quantdask.job.phases import Made
+
+    stage, record = typing.get_args(typing.get_type_hints(phase)["return"])
+    assert stage is Made, f"phase {phase.__name__} must return its next stage first"
+    return [t for t in typing.get_args(record) or (record,) if t is not type(None)]
+
+
+def _returned(phase) -> type:
+    """The record type a phase returns (its annotation, None left out)."""
+    [record] = _record_types(phase)
+    return record
 
 
 @pytest.mark.timeout(30)
 def test_every_result_column_comes_from_exactly_one_place():
-    import typing
-
     from quantdask.job.phases import PHASES
     from quantdask.records import NotDone, PhaseRecord, Quantized, Span, Streamed, Where
     from quantdask.store.schema import FRAME, RESULT_SCHEMA
@@ -238,10 +246,9 @@ def test_every_result_column_comes_from_exactly_one_place():
     for record_type in (Where, Span, NotDone):
         producers[record_type.__name__] = record_type.column_names()
     for phase in PHASES:
-        returned = typing.get_type_hints(phase)["return"]
-        types = [t for t in typing.get_args(returned) or (returned,) if t is not type(None)]
+        types = _record_types(phase)
         assert len(types) == 1 and issubclass(types[0], PhaseRecord), (
-            f"phase {phase.__name__} must return one PhaseRecord (or None), not {returned}")
+            f"phase {phase.__name__} must return one PhaseRecord (or None), not {types}")
         producers[phase.__name__] = types[0].column_names()
         for frame in types[0].frame_names():
             frames.setdefault(frame, []).append(phase.__name__)

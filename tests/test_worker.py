@@ -348,6 +348,55 @@ def test_jobs_hold_the_unquantized_weights_only_while_they_run(demo_model):
     assert source._weights is None
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_what_the_phases_made_goes_before_the_measured_span_ends(fails, monkeypatch):
+    """The stages (the model in them) are run_phases' alone: gone by their last reference (the
+    cycle collector off) once it returns, or once it raises though the error and its traceback
+    are still held; a phase sees the records so far, and one that reads what no phase made
+    yet fails saying so."""
+    import gc
+    import types
+    import weakref
+
+    from quantdask.job import phases
+    from quantdask.job.job import run_phases
+    from quantdask.records import LayerWeights
+
+    class Model:  # stands for the quantized model
+        pass
+
+    made_models: list[weakref.ref] = []
+
+    def quantize(run, made):
+        model = Model()
+        made_models.append(weakref.ref(model))
+        return dataclasses.replace(made, model=model), LayerWeights(0)
+
+    def last(run, made):
+        assert made.model is not None and made.records == (LayerWeights(0),)
+        if fails:
+            raise RuntimeError("the last phase failed")
+        return made, None
+
+    monkeypatch.setattr(phases, "PHASES", (quantize, last))
+    run = phases.JobContext(types.SimpleNamespace(streamed=False), None, None, "cpu", False)
+    gc.collect()
+    gc.disable()
+    try:
+        with run.measured():
+            if fails:
+                with pytest.raises(RuntimeError, match="the last phase failed") as caught:
+                    run_phases(run)
+                assert caught.value.__traceback__ is not None
+            else:
+                assert run_phases(run)[0] == [LayerWeights(0)]
+            assert made_models[0]() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="no model made yet"):
+        phases.check_coverage(run, phases.Made())
+
+
 def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_model,
                                                                           monkeypatch):
     import dataclasses

@@ -1,10 +1,12 @@
 """What runs on a Dask worker: one attempt of a job, as the list of phases (``job.phases``),
 into a ``JobOutcome``.
 
-``run_job`` starts the attempt (see ``attempt``), then runs ``PHASES`` in order on one
-``JobRun`` (a streamed job ``streamed_job.STREAMED_PHASES``), each with its own time and
-peaks (the phases frame); the results row is assembled at the end from the records the
-phases returned.
+``run_job`` starts the attempt (see ``attempt``) with its ``JobContext``, then runs ``PHASES``
+in order (a streamed job ``streamed_job.STREAMED_PHASES``): each takes the stage the one
+before it made (``Made``) and returns the next, with its record; each has its own time and
+peaks (the phases frame). ``run_phases`` keeps the records and the phases frame's rows, and
+lets the last stage (the model, the mapped weights) go before the attempt's measured span
+ends; the results row is assembled at the end from the records.
 
 The worker process keeps each model's config and tokenizer between jobs, and maps the weights
 from the checkpoint per job (see ``model_source``); the eval windows and the baseline's
@@ -18,6 +20,7 @@ import dataclasses
 import logging
 import time
 import traceback
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import cloudpickle
@@ -25,7 +28,7 @@ import cloudpickle
 from quantdask.errors import JobTimeout, UnsupportedHere
 from quantdask.job.faults import inject_faults
 from quantdask.job.outcome import JobOutcome, failure_class_of
-from quantdask.job.phases import JobRun, phases_for
+from quantdask.job.phases import JobContext, Made, phases_for
 from quantdask.measure.usage import PeakMemory
 from quantdask.process.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.process.live_log import live_sender
@@ -38,7 +41,6 @@ from quantdask.records import (
     PhaseRecord,
     PhaseRow,
     ResultRow,
-    Row,
     Span,
     Where,
 )
@@ -54,35 +56,44 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quantdask.job")
 
-def run_phases(run: JobRun) -> None:
-    """Each phase in order, with its own time and peaks (a row of the phases frame)."""
-    for position, phase in enumerate(phases_for(run)):
-        began = time.perf_counter()
-        with PeakMemory(run.cuda) as peak:
-            produced = phase(run)
-        if produced is None:
-            continue
-        run.records.append(produced)
-        run.phase_rows.append(PhaseRow(
-            position=position, phase=phase.__name__, seconds=time.perf_counter() - began,
-            peak_device_mem_bytes=peak.peak_device_bytes,
-            peak_host_rss_bytes=peak.peak_rss_bytes, peak_shared=peak.shared))
+def run_phases(run: JobContext) -> tuple[list[PhaseRecord], list[PhaseRow]]:
+    """Each phase in order, handed the stage the one before made, with its own time and peaks
+    (a row of the phases frame): the records they returned, and those rows. The stages (the
+    model, the mapped weights) go as this returns or raises, inside ``run.measured()``."""
+    made, rows = Made(), list[PhaseRow]()
+    try:
+        for position, phase in enumerate(phases_for(run)):
+            began = time.perf_counter()
+            with PeakMemory(run.cuda) as peak:
+                made, produced = phase(run, made)
+            if produced is None:
+                continue
+            made = dataclasses.replace(made, records=(*made.records, produced))
+            rows.append(PhaseRow(
+                position=position, phase=phase.__name__, seconds=time.perf_counter() - began,
+                peak_device_mem_bytes=peak.peak_device_bytes,
+                peak_host_rss_bytes=peak.peak_rss_bytes, peak_shared=peak.shared))
+        return list(made.records), rows
+    except BaseException as error:
+        # The traceback keeps this frame and each phase's below it, and their locals keep a
+        # stage, until the outcome is written (or longer, where a caller keeps the error): the
+        # model would outlive the span. The locals go now; the lines stay for the log.
+        del made
+        traceback.clear_frames(error.__traceback__)
+        raise
 
 
-def done_records(run: JobRun) -> tuple[list[PhaseRecord], dict[str, list[Row]]]:
-    """A done attempt's records (its span, then its phases'), and its rows of the per-job
-    frames."""
+def done_records(run: JobContext, records: Sequence[PhaseRecord],
+                 phase_rows: list[PhaseRow]) -> list[PhaseRecord]:
+    """A done attempt's records: its span (with ``phase_rows``, the phases frame's, from
+    ``run_phases``), then its phases' ``records``."""
     peaks = Peaks.of(run.peak)
-    for row in run.phase_rows:  # the span's peak is at least each phase's, read apart from it
+    for row in phase_rows:  # the span's peak is at least each phase's, read apart from it
         device = row.peak_device_mem_bytes or 0
         peaks = peaks.max(Peaks(device, device, row.peak_host_rss_bytes or 0, row.peak_shared))
     if run.job.is_baseline and run.reference.baseline_peaks is not None:
         peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
-    records = [Span(run.watch.seconds["wall"], peaks, phases=run.phase_rows), *run.records]
-    rows: dict[str, list[Row]] = {}
-    for produced in records:
-        rows.update(produced.rows())
-    return records, rows
+    return [Span(run.watch.seconds["wall"], peaks, phases=phase_rows), *records]
 
 
 def _log_done(record: ResultRow, layers: int) -> None:
@@ -114,7 +125,7 @@ def not_done_record(error: Exception, backend: str) -> tuple[Status, NotDone]:
 
 
 def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference | None,
-          scope: AttemptScope, device: tuple[str, str, bool]) -> JobRun:
+          scope: AttemptScope, device: tuple[str, str, bool]) -> JobContext:
     """The attempt's backend on its ``device`` (torch's, the records' label, CUDA or not), its
     faults, and its model's reference."""
     import torch
@@ -138,7 +149,7 @@ def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference
         # global generator is reproducible too. Packed jobs draw from their own generators
         # only (``quantdask.randomness``), and leave the global one alone.
         torch.manual_seed(job.seed)
-    return JobRun(job, backend, reference, on, cuda, device_label=device_label)
+    return JobContext(job, backend, reference, on, cuda, device_label=device_label)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
@@ -153,7 +164,6 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
     device samples during it.
     """
     records: list[PhaseRecord] = []
-    rows: dict[str, list[Row]] = {}
     status = Status.DONE
     with captured_log(log, f"{job.id} attempt={attempt}", live=live_sender()) as buffer, \
             attempt_scope(job.id) as scope, job_random(job.seed):
@@ -163,16 +173,17 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
             where = dataclasses.replace(where, device=device[1])
             run = start(job, backend, attempt, reference, scope, device)
             with run.measured():
-                run_phases(run)
-            records, rows = done_records(run)
-            _log_done(JobOutcome(tuple(records)).record, len(rows["layers"]))
+                produced, phase_rows = run_phases(run)
+            records = done_records(run, produced, phase_rows)
+            done = JobOutcome(tuple(records))
+            _log_done(done.record, len(done.rows["layers"]))
         except Exception as error:
             status, not_done = not_done_record(error, job.backend)
-            records, rows = [not_done], {}
+            records = [not_done]
     late = _overrun(job, attempt, scope, buffer, status)
     if late is not None:  # the measurements are dropped with it
-        status, records, rows = Status.FAILED, [late], {}
-    return JobOutcome((where, *records, Ended(status, utcnow())), rows, scope.samples,
+        status, records = Status.FAILED, [late]
+    return JobOutcome((where, *records, Ended(status, utcnow())), scope.samples,
                       buffer.getvalue(), whole_log=True)
 
 

@@ -8,7 +8,7 @@ the same input (captured with a forward hook, so each layer is judged on its own
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from quantdask.records import Row
@@ -113,7 +113,7 @@ class OutputErrors:
     of each of its calls only: over every position it would make probe x seq_len x vocab
     floats, several times over (gigabytes at a 128k vocabulary)."""
 
-    def __init__(self, model: torch.nn.Module, rows: list[Row],
+    def __init__(self, model: torch.nn.Module, rows: Sequence[Row],
                  originals: dict[str, torch.Tensor], probe: int):
         self.model: torch.nn.Module | None = model  # None once measured (``__exit__``)
         self.originals, self.probe = originals, probe
