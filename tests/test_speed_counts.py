@@ -115,9 +115,9 @@ def test_a_row_counts_exactly_new_tokens_for_a_model_that_ends_its_text_at_once(
     watched = Watched(model)
     rows = measure(monkeypatch, watched, settings)
     assert len(watched.runs) == len(settings.batch_sizes) * (settings.warmup + settings.repeats)
-    assert [row["batch_size"] for row in rows] == [1, 3]
+    assert [row.batch_size for row in rows] == [1, 3]
     for row in rows:
-        batch = row["batch_size"]
+        batch = row.batch_size
         steps = []
         for run in timed_runs(watched, settings, batch):
             made = run["out"][:, settings.prompt_length:]
@@ -129,13 +129,13 @@ def test_a_row_counts_exactly_new_tokens_for_a_model_that_ends_its_text_at_once(
             assert len(run["steps"]) == settings.new_tokens - 1
             assert made.numel() == batch * (1 + len(run["steps"]))
             steps += run["steps"]
-        assert row["new_tokens"] == settings.new_tokens
-        assert row["ttft_s"] == pytest.approx(PREFILL_S)
-        assert row["prefill_tokens_per_s"] == pytest.approx(
+        assert row.new_tokens == settings.new_tokens
+        assert row.ttft_s == pytest.approx(PREFILL_S)
+        assert row.prefill_tokens_per_s == pytest.approx(
             batch * settings.prompt_length / PREFILL_S)
-        assert row["decode_s_p50"] == pytest.approx(statistics.median(steps))
+        assert row.decode_s_p50 == pytest.approx(statistics.median(steps))
         # A decode step makes one token for each prompt of the batch.
-        assert row["decode_tokens_per_s"] == pytest.approx(batch / statistics.median(steps))
+        assert row.decode_tokens_per_s == pytest.approx(batch / statistics.median(steps))
 
 
 def test_one_stray_slow_decode_step_does_not_move_decode_tokens_per_s(monkeypatch):
@@ -150,9 +150,9 @@ def test_one_stray_slow_decode_step_does_not_move_decode_tokens_per_s(monkeypatc
     steps = [s for run in timed_runs(slowed, settings, 2) for s in run["steps"]]
     assert len(steps) == settings.repeats * (settings.new_tokens - 1)
     assert max(steps) > SLOW_S and sum(s > SLOW_S for s in steps) == 1  # exactly one, timed
-    assert row["decode_tokens_per_s"] == pytest.approx(2 / statistics.median(steps))
-    assert row["decode_tokens_per_s"] == pytest.approx(plain["decode_tokens_per_s"], rel=0.1)
+    assert row.decode_tokens_per_s == pytest.approx(2 / statistics.median(steps))
+    assert row.decode_tokens_per_s == pytest.approx(plain.decode_tokens_per_s, rel=0.1)
     # A mean would have moved: by more than half.
     steady_steps = [s for run in timed_runs(steady, settings, 2) for s in run["steps"]]
     assert 2 / statistics.mean(steps) < 0.6 * (2 / statistics.mean(steady_steps))
-    assert row["decode_s_p90"] < SLOW_S  # the p90 is no max either
+    assert row.decode_s_p90 < SLOW_S  # the p90 is no max either
