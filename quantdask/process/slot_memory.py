@@ -1,0 +1,186 @@
+"""What a CPU slot offers jobs: the memory its nanny lets the worker process reach, less what
+the process holds at rest.
+
+Dask's nanny restarts a worker whose resident memory passes the terminate fraction
+(``distributed.worker.memory.terminate``, 95%) of its ``memory_limit``, and the worker process
+holds part of that before any job starts: the interpreter, torch, transformers and
+bitsandbytes, the modules and caches a first job leaves behind. A slot that offered its whole
+limit let a job in whose estimate sat within 1% of the kill line (issue 54), so a CPU slot
+advertises ``terminate x limit - resting`` as its device memory (``DEVICE_MEMORY``), with
+``resting`` its own RSS measured as it starts (``quantdask.preload``), and each job's estimate
+counts what the job adds to the process.
+
+>>> slot = SlotMemory.of(limit=1600 * 2**20, terminate=0.95, resting=470 * 2**20)
+>>> slot.offered // 2**20, slot.kill_line // 2**20
+(1050, 1520)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METRIC = "quantdask_slot_memory"
+"""The worker metric (``Worker.metrics``, sent to the scheduler with every heartbeat) under
+which a CPU slot reports its :class:`SlotMemory`; the driver reads it from
+``scheduler_info()``."""
+
+FIRST_JOB_BYTES = 96 * 2**20
+"""What a slot's first job adds to the process for good, beside its own memory: the pages of
+torch's and transformers' libraries its code runs in (mapped at import, faulted in on first
+use, counted in RSS), the modules a model's family imports, the allocator's arenas. Measured
+(``benchmarks/slot_memory.py``): 60-90 MiB on a slot forked from the warm server; counted in
+the resting memory so that no job's estimate has to carry it."""
+
+
+@dataclass(frozen=True)
+class SlotMemory:
+    """A CPU slot's memory as its nanny sees it: Dask's ``limit`` (bytes), the ``terminate``
+    fraction past which the nanny restarts the worker, the worker's ``resting`` RSS (bytes),
+    and what that leaves jobs (``offered``)."""
+
+    limit: int
+    terminate: float
+    resting: int
+    offered: int
+
+    @classmethod
+    def of(cls, limit: int, terminate: float, resting: int) -> SlotMemory:
+        """The slot's figures, ``offered`` derived (never below 0)."""
+        return cls(limit, terminate, resting, max(0, int(terminate * limit) - resting))
+
+    @property
+    def kill_line(self) -> int:
+        """The RSS past which the nanny restarts the worker."""
+        return int(self.terminate * self.limit)
+
+    def describe(self) -> str:
+        """How the offer is made, in words."""
+        from quantdask.util import format_bytes
+
+        return (f"a CPU slot whose nanny restarts it past {self.terminate:.0%} of its "
+                f"{format_bytes(self.limit)} memory limit, at {format_bytes(self.kill_line)}, "
+                f"less the {format_bytes(self.resting)} it holds at rest")
+
+    def as_metric(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_metric(cls, metric: Any) -> SlotMemory | None:
+        """The figures a worker reported (None: none, or not in this form)."""
+        try:
+            return cls(**metric)
+        except TypeError:
+            return None
+
+
+def terminate_fraction() -> float:
+    """Dask's terminate fraction as the nanny reads it (False, no restarts: the whole limit)."""
+    import dask
+
+    fraction = dask.config.get("distributed.worker.memory.terminate")
+    return float(fraction) if fraction else 1.0
+
+
+def release_memory() -> None:
+    """Free what a finished task left: the garbage only the cycle collector frees (quantized
+    models hold reference cycles: bitsandbytes' parameters point back at their module), then
+    the freed heap, back to the OS (glibc keeps freed chunks in its arenas). The nanny counts
+    both in the worker's RSS: left, they are the next job's, which the nanny may kill for
+    them. (Cheap after ``freeze_startup_objects``.)"""
+    import gc
+
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+TRIM_EVERY_S = 0.1
+"""How often a CPU slot hands its freed heap back while a task runs: as often as Dask's nanny
+reads the worker's RSS (``distributed.worker.memory.monitor-interval``, 100 ms)."""
+
+
+class _HeapTrimmer:
+    """One thread per process that calls glibc's ``malloc_trim`` every ``TRIM_EVERY_S``
+    while any task runs (tasks packed on a worker share it).
+
+    torch's CPU tensors come from glibc's heap (under its dynamic mmap threshold), whose freed
+    chunks stay resident: a job's RSS rose with every transient it ever freed. The 340 MB
+    model's nf4 job peaked 140-200 MiB above what it held, varying from run to run, and its
+    nanny counts that; trimmed, within 20-60 MiB (benchmarks/slot_memory.py). The trim costs
+    about a millisecond a time."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._users = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> None:
+        import threading
+
+        with self._lock:
+            self._users += 1
+            if self._users == 1 and _malloc_trim() is not None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,),
+                                                name="quantdask-heap-trim", daemon=True)
+                self._thread.start()
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._users -= 1
+            thread, last = self._thread, self._users == 0
+            if last:
+                self._stop.set()
+                self._thread = None
+        if last and thread is not None:
+            thread.join()
+
+    @staticmethod
+    def _run(stop) -> None:
+        trim = _malloc_trim()
+        while trim is not None and not stop.wait(TRIM_EVERY_S):
+            trim(0)
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is not glibc."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+heap_trimmed = _HeapTrimmer()
+"""``with heap_trimmed:`` hands the freed heap back to the OS while the block runs (see
+``_HeapTrimmer``)."""
+
+
+def freeze_startup_objects() -> None:
+    """Leave the objects of the worker's imports out of every later collection (``gc.freeze``):
+    they live as long as the process, and a full collection over them took 0.17 s, which
+    ``release_memory`` would pay at every task's end; after this, a few milliseconds."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def resting_rss() -> int:
+    """This process's resident memory at rest (its freed memory released first), and what a
+    first job adds for good (``FIRST_JOB_BYTES``)."""
+    import psutil
+
+    release_memory()
+    return int(psutil.Process().memory_info().rss) + FIRST_JOB_BYTES
+
+
+def slot_memory(limit: int) -> SlotMemory:
+    """This worker process's figures under Dask memory limit ``limit``."""
+    return SlotMemory.of(limit, terminate_fraction(), resting_rss())
