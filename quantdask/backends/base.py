@@ -121,9 +121,9 @@ class HostWork:
     RESULTS.md section 17); the default, for a backend not measured, is above every one
     measured."""
 
-    quantize: float = 3.0
+    quantize: float = 4.0
     forward: float = 1.5
-    streamed: float = 4.0
+    streamed: float = 6.0
 
 
 OptionsT = TypeVar("OptionsT", bound=BackendOptions)
@@ -182,7 +182,7 @@ class Sizing:
         return picked / facts.param_count
 
 
-UNQUANTIZED = Sizing(quantizes=False, host_work=lambda options: HostWork(0.0, 0.0, 0.0))
+UNQUANTIZED = Sizing(quantizes=False, host_work=lambda options: HostWork(0.0, 0.0, 0.5))
 """The sizing of a backend that quantizes nothing (the baseline)."""
 
 CapabilityT = TypeVar("CapabilityT", bound=Capability)

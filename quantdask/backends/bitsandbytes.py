@@ -274,7 +274,7 @@ def unpack_for_save(model) -> None:
 def host_work(options: BitsAndBytesOptions) -> HostWork:
     """On a CPU slot (measured, benchmarks/slot_memory.py): 4-bit's working memory is half a
     layer; LLM.int8 holds more, its outlier columns in float while it quantizes and runs."""
-    return HostWork(0.5, 0.5, 1.65) if options.bits == 4 else HostWork(1.5, 1.2, 2.2)
+    return HostWork(1.0, 0.5, 2.8) if options.bits == 4 else HostWork(1.5, 1.2, 3.5)
 
 
 bitsandbytes_backend = Backend(

@@ -207,10 +207,10 @@ hqq_backend = Backend(
     options=HqqOptions,
     label=config_label,
     check=check_hqq,
-    # On a CPU slot HQQ's optimizer works on float copies of each layer's weights: 3 layers
-    # while it quantizes (benchmarks/slot_memory.py).
+    # On a CPU slot HQQ's optimizer works on float copies of each layer's weights, and its
+    # quantized layers are counted here too (benchmarks/slot_memory.py).
     sizing=Sizing(selects=selects, weight_bits=weight_bits,
-                  host_work=lambda options: HostWork(3.0, 0.5, 3.8)),
+                  host_work=lambda options: HostWork(3.5, 1.5, 5.5)),
     # Not Savable: layer-by-layer HQQLinear models have no from_pretrained format.
     capabilities=(Dequantizes(dequantize_layer), ModuleAlone(quantize_module),
                   Searchable(MODULE_KEYS)),

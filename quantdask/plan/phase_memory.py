@@ -82,11 +82,14 @@ def layer_bytes(facts: ModelFacts) -> float:
 def host_weights(backend: str, options: BackendOptions, facts: ModelFacts) -> tuple[float, float]:
     """On a CPU slot: (the weights the job reads, the quantized weights beside them). It maps
     the checkpoint and reads every weight (a converted copy too, when it loads another
-    dtype); a backend that quantizes nothing runs the read weights themselves."""
+    dtype); a backend that quantizes nothing runs the read weights themselves, and one that
+    holds the loaded model whole (its ``weight_bits`` the loaded bits: HQQ) builds its
+    quantized layers from the read ones, which its working memory counts."""
     read = facts.weight_bytes + (loaded_bytes(facts) if facts.loaded_bits
                                  != facts.checkpoint_bits else 0)
-    sizing = get_backend(backend).sizing
-    return read, weight_bytes(backend, options, facts) if sizing.quantizes else 0.0
+    quantized = weight_bytes(backend, options, facts)
+    beside = get_backend(backend).sizing.quantizes and quantized < loaded_bytes(facts)
+    return read, quantized if beside else 0.0
 
 
 def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
@@ -94,6 +97,16 @@ def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
     batch_logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4
     row = eval.batch_size * facts.vocab_size * 4
     return min(batch_logits, max(SLICE_BUDGET_BYTES, row)) * LOGIT_COPIES
+
+
+def score_logits(job: Job, facts: ModelFacts, host: bool, streamed: bool = False) -> int:
+    """The eval's logits a job's score holds (``eval_bytes``). On a CPU slot, as measured
+    there (benchmarks/slot_memory.py): the baseline's figure is its model's reference, which
+    holds the log-probs and a temporary (2 copies); a streamed pass scores each slice as it
+    comes (1)."""
+    if not host or not (job.is_baseline or streamed):
+        return eval_bytes(job.eval, facts)
+    return eval_bytes(job.eval, facts) * (2 if job.is_baseline else 1) // LOGIT_COPIES
 
 
 def task_length(tasks: TaskSettings, facts: ModelFacts) -> int:
@@ -135,7 +148,7 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job, facts: ModelFac
         weights = read + quantized
         working = {QUANTIZE: work.quantize * layer, SCORE: work.forward * layer}
     phases = {QUANTIZE: int(weights + working[QUANTIZE]),
-              SCORE: int(weights + working[SCORE] + eval_bytes(job.eval, facts))}
+              SCORE: int(weights + working[SCORE] + score_logits(job, facts, host))}
     if job.tasks is not None:
         phases[TASKS] = int(weights + working[SCORE] + task_bytes(job.tasks, facts))
     if job.speed is not None:
@@ -147,16 +160,17 @@ def streamed_bytes(job: Job, facts: ModelFacts, host: bool = False) -> int:
     """A streamed job's device memory (``stream.streaming``): the weights outside the decoder
     layers (the embedding and an untied head, at most), one layer as loaded and its quantized
     copy (on a CPU slot, ``host``: the backend's streamed working memory, in layers), the
-    float32 hidden states of every eval window, and the score's logits, or a calibrated fit's
+    float32 hidden states of every eval window, and the score's logits (``score_logits``),
+    or a calibrated fit's
     block by block (``streamed_fit_bytes``) if more; 0 when the checkpoint or the model's
     shape is unknown."""
     layer = layer_bytes(facts)
     if not facts.weight_bytes or not layer:
         return 0
     outside = outside_bytes(facts)
-    layers = get_backend(job.backend).sizing.host(job.options).streamed if host else 2
     hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
-    passing = outside + layers * layer + hidden + eval_bytes(job.eval, facts)
+    layers = get_backend(job.backend).sizing.host(job.options).streamed if host else 2.0
+    passing = outside + layers * layer + hidden + score_logits(job, facts, host, streamed=True)
     return int(max(passing, streamed_fit_bytes(job, facts, outside, layer)))
 
 

@@ -99,7 +99,7 @@ def _peak_ratios(job: Job, rows: list[dict], facts: ModelFacts, phases: pl.DataF
 
 def _own(peak: int, resting: int) -> int:
     """What a job's measured peak added to its worker: on a CPU slot the peak is the worker's
-    RSS, its ``resting`` memory included (what the slot's offer leaves out); 0 elsewhere."""
+    RSS, its ``resting`` memory included (what the slot's offer leaves out; elsewhere 0)."""
     return max(1, peak - resting)
 
 

@@ -94,8 +94,7 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
     if reason is None and job.id in skipped:
         # A rerun tries it again (it may run on other machines): to run, with the note.
         reason = f"skipped when it last ran: {skipped[job.id]}"
-    # Without a GPU here, jobs run on CPU slots: figures of what each adds to its worker.
-    memory = estimate_device_memory(job, model, done, phases, host=not model.cuda)
+    memory = estimate_device_memory(job, model, done, phases)
     duration, duration_basis = _duration(job, done)
     return {"order": order, "job_id": job.id, "model": job.model.label,
             "backend": job.backend, "config_label": job.config_label,
@@ -106,7 +105,7 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
             "est_duration_s": duration, "duration_from": duration_basis,
             # auto: placement decides against the workers' memory (null here)
             "streamed": {"always": True, "never": False}.get(stream),
-            "est_streamed_bytes": streamed_estimate(job, model, not model.cuda).bytes}
+            "est_streamed_bytes": streamed_estimate(job, model).bytes}
 
 
 def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.DataFrame:

@@ -28,9 +28,10 @@ which a CPU slot reports its :class:`SlotMemory`; the driver reads it from
 FIRST_JOB_BYTES = 96 * 2**20
 """What a slot's first job adds to the process for good, beside its own memory: the pages of
 torch's and transformers' libraries its code runs in (mapped at import, faulted in on first
-use, counted in RSS), the modules a model's family imports, the allocator's arenas. Measured
-(``benchmarks/slot_memory.py``): 60-90 MiB on a slot forked from the warm server; counted in
-the resting memory so that no job's estimate has to carry it."""
+use, counted in RSS), the modules a model's family and a backend import, the model's config
+and tokenizer kept between jobs. Measured (benchmarks/RESULTS.md section 17): a slot forked
+from the warm server rests at 362-372 MiB as it starts and at 442-471 MiB after its first
+sweep, freed memory released; counted in the resting memory, so no job's estimate carries it."""
 
 
 @dataclass(frozen=True)
