@@ -61,6 +61,22 @@ def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
         pl.Series("delta_p", [with_error(r[10], r[11]) for r in rows], dtype=pl.String))
 
 
+def window_protocol(results: pl.DataFrame) -> list[str]:
+    """How each model's eval windows began (``eval_bos_token_id`` of its done jobs), one line
+    per model: figures measured under two protocols are never read side by side unawares."""
+    if results.is_empty() or "eval_bos_token_id" not in results.columns:
+        return []
+    done = results.filter(pl.col("status") == "done")
+    lines = []
+    for model, ids in sorted(done.group_by("model").agg(pl.col("eval_bos_token_id").unique())
+                             .rows()):
+        said = [("the text cut as tokenized, no BOS per window" if i is None else
+                 f"a BOS (token {i}) at the start of every window, the text after it")
+                for i in sorted(ids, key=lambda i: -1 if i is None else i)]
+        lines.append(f"{model}: " + "; and in other jobs, ".join(said))
+    return lines
+
+
 def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:
     """``frame`` with a ``job`` column naming each job: its config label, prefixed by the model
     when the frame holds several (every model has a ``baseline``)."""
