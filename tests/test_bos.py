@@ -183,3 +183,16 @@ def test_a_searchs_probe_windows_follow_the_same_rule(bos_model, tmp_path_factor
         bos_model, "never")
     assert (auto.bos_token_id, never.bos_token_id) == (1, None) and auto_key != never_key
     assert settings_of(DEMO_MODEL_DIR, "auto")[0].bos_token_id is None
+
+
+def test_the_plan_says_how_each_models_windows_begin(bos_model, write_sweep, capsys):
+    from quantdask.cli.main import main
+
+    data = sweep_dict()
+    data["models"].append({"name": "bos", "path": bos_model})
+    assert main(["plan", write_sweep(data)]) == 0
+    out = capsys.readouterr().out
+    assert ("eval windows of demo (eval.bos: auto): the text cut as tokenized, no BOS per "
+            "window") in out
+    assert "eval windows of bos (eval.bos: auto): a BOS (token 1) at the start of every window" \
+        in out

@@ -78,6 +78,7 @@ def cmd_plan(args) -> int:
     import json
 
     from quantdask.plan.planning import plan_sweep
+    from quantdask.store.figures import bos_text
     from quantdask.sweepfile.sweep_file import load_sweep
     from quantdask.util import format_bytes, format_duration
 
@@ -105,6 +106,9 @@ def cmd_plan(args) -> int:
         print(f"positions: {row['model']}: {row['positions_from']}; its lengths are not checked")
     for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
+    for model in sweep.models:
+        print(f"eval windows of {model.label} (eval.bos: {sweep.eval.bos}): "
+              f"{bos_text(sweep.eval_for(model).bos_token_id)}")
     for search in sweep.searches:
         print(search.describe())
     for line in stream_lines(plan, sweep.stream):

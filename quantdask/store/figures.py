@@ -61,6 +61,13 @@ def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
         pl.Series("delta_p", [with_error(r[10], r[11]) for r in rows], dtype=pl.String))
 
 
+def bos_text(bos_token_id: int | None) -> str:
+    """How windows whose first token is ``bos_token_id`` (None: the text as tokenized) begin."""
+    if bos_token_id is None:
+        return "the text cut as tokenized, no BOS per window"
+    return f"a BOS (token {bos_token_id}) at the start of every window, the text after it"
+
+
 def window_protocol(results: pl.DataFrame) -> list[str]:
     """How each model's eval windows began (``eval_bos_token_id`` of its done jobs), one line
     per model: figures measured under two protocols are never read side by side unawares."""
@@ -70,9 +77,7 @@ def window_protocol(results: pl.DataFrame) -> list[str]:
     lines = []
     for model, ids in sorted(done.group_by("model").agg(pl.col("eval_bos_token_id").unique())
                              .rows()):
-        said = [("the text cut as tokenized, no BOS per window" if i is None else
-                 f"a BOS (token {i}) at the start of every window, the text after it")
-                for i in sorted(ids, key=lambda i: -1 if i is None else i)]
+        said = [bos_text(i) for i in sorted(ids, key=lambda i: -1 if i is None else i)]
         lines.append(f"{model}: " + "; and in other jobs, ".join(said))
     return lines
 
