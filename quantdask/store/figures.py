@@ -12,7 +12,7 @@ import math
 
 import polars as pl
 
-from quantdask.words import KLKind
+from quantdask.words import KLKind, Status
 
 
 def with_error(value: float | None, se: float | None) -> str | None:
@@ -73,7 +73,7 @@ def window_protocol(results: pl.DataFrame) -> list[str]:
     per model: figures measured under two protocols are never read side by side unawares."""
     if results.is_empty() or "eval_bos_token_id" not in results.columns:
         return []
-    done = results.filter(pl.col("status") == "done")
+    done = results.filter(pl.col("status") == Status.DONE)
     lines = []
     for model, ids in sorted(done.group_by("model").agg(pl.col("eval_bos_token_id").unique())
                              .rows()):
