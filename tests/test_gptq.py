@@ -263,7 +263,6 @@ def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measur
     for job, line in zip(saved, lines, strict=True):
         measured, recorded = json.loads(line), job["kl_divergence"]
         where = (job["model"], job["config_label"], measured, recorded)
-        print("KLROW", job["model"], job["config_label"], recorded, measured["kl"], (measured["kl"] - recorded) / recorded, job["kl_se"])
         assert abs(measured["kl"] - recorded) < 3 * max(job["kl_se"], measured["se"]), where
         assert abs(measured["kl"] - recorded) <= 0.05 * recorded, where
 

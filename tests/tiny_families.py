@@ -16,8 +16,9 @@ differ from Llama in what a quantizer sees:
 - ``llama``: the reference shape;
 - ``mistral``, ``qwen3`` (query and key norms), ``gemma3_text`` (four norms per layer, each
   multiplying by 1 + w; sliding and full attention layers): the families of
-  ``MORE_FAMILIES``, built for GPTQ's and AWQ's family checks (``tests/test_gptq.py``) and
-  left out of ``FAMILIES``, which every backend runs (``tests/test_families.py``).
+  ``MORE_FAMILIES``, built for GPTQ's and AWQ's family checks (``tests/test_gptq.py``,
+  ``tests/test_gptq_families.py``, ``tests/test_streaming.py``) and left out of ``FAMILIES``,
+  which every backend runs (``tests/test_families.py``).
 
 ``awq_sized=True`` gives the Llama-like families four key/value heads (one per query head):
 every attention projection then has 64 outputs, a width AWQ takes, and ``v_proj`` and
