@@ -84,9 +84,12 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]
     assert baseline.is_baseline and baseline.id.startswith("none-")
     assert out[1].split()[:2] == ["1", baseline.id]
-    # The header, 7 jobs, a line on streaming (stream: auto) and the counts.
-    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 1
-    assert out[8].startswith("stream: demo-llama: its jobs stream where")
+    # The header, 7 jobs, how the model's windows begin (eval.bos), a line on streaming
+    # (stream: auto) and the counts.
+    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 1 + 1
+    assert out[8] == ("eval windows of demo-llama (eval.bos: auto): the text cut as tokenized, "
+                      "no BOS per window")
+    assert out[9].startswith("stream: demo-llama: its jobs stream where")
     # Every config quantizes the demo model's linear layers but the output head: 90% of it.
     at = out[0].index("quantized")
     assert [line[at:].split()[0] for line in out[1:8]] == ["-"] + ["90%"] * 6

@@ -239,8 +239,8 @@ def test_with_every_worker_gone_the_rest_fail_after_the_grace(two_nodes, tmp_pat
 def placement_nodes(tmp_path_factory):
     """A scheduler and a small `dask worker` node (3 MB of device memory), shared by the
     placement tests below, in order: the first adds a large node (``add_large()``), the last
-    takes it away. (One small node is enough: the 4-bit jobs, which fit both, still spread over
-    the small one and the large one.)"""
+    takes it away. (One small node is enough: the 4-bit jobs fit both, the baseline only the
+    large one.)"""
     nodes = DaskProcesses(tmp_path_factory.mktemp("placement"))
     try:
         address = nodes.start_scheduler()
@@ -282,7 +282,12 @@ def test_large_jobs_land_only_on_the_large_worker_and_small_ones_spread(placemen
     assert results.height == 5 and results["status"].to_list() == ["done"] * 5
     where = dict(zip(results["config_label"], results["worker"], strict=True))
     assert where.pop("baseline") == "large"
-    assert len(where) == 4 and set(where.values()) == {"small-1", "large"}, where  # spread
+    # The 4-bit jobs may run on either worker: each asks for less device memory than the small
+    # one advertises (which of the two takes which is Dask's, by timing: not asserted).
+    assert len(where) == 4 and set(where.values()) <= {"small-1", "large"}, where
+    asked = dict(read_attempts(run_dir).select("job_id", "device_memory_request_bytes").rows())
+    for label, job_id in zip(results["config_label"], results["job_id"], strict=True):
+        assert (asked[job_id] <= 3e6) == (label != "baseline"), (label, asked[job_id])
 
 
 @pytest.mark.timeout(300)

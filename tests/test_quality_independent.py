@@ -50,7 +50,7 @@ def jobs(batch_size: int = 8, kl_top_k: int | str = "all",
 def independent():
     """Windows, and float64 log-probs of the fp and the fp4 model, from transformers alone."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     with open(DEMO_EVAL_TEXT, encoding="utf-8") as f:
@@ -61,9 +61,19 @@ def independent():
     windows = torch.tensor([ids[i * SEQ_LEN:(i + 1) * SEQ_LEN] for i in range(SAMPLES)])
     assert text.startswith(tokenizer.decode(windows[0]).strip()[:20])
 
-    fp = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    log_p, log_q = fp_and_fp4_log_probs(DEMO_MODEL_DIR, windows)
+    return {"windows": windows, "log_p": log_p, "log_q": log_q}
+
+
+def fp_and_fp4_log_probs(model_dir: str, windows):
+    """float64 next-token log-probs on ``windows`` (every position but the last) of the model
+    and of its fp4 quantization through transformers' own ``BitsAndBytesConfig``."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    fp = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     quantized = AutoModelForCausalLM.from_pretrained(
-        DEMO_MODEL_DIR, dtype=torch.float32, device_map="cpu",
+        model_dir, dtype=torch.float32, device_map="cpu",
         # quantdask's bitsandbytes backend for {bits: 4, quant_type: fp4}: no double
         # quantization, float32 compute, the output head left unquantized (transformers' default).
         quantization_config=BitsAndBytesConfig(
@@ -72,7 +82,7 @@ def independent():
     with torch.inference_mode():
         log_p = torch.log_softmax(fp(input_ids=windows).logits[:, :-1].double(), dim=-1)
         log_q = torch.log_softmax(quantized(input_ids=windows).logits[:, :-1].double(), dim=-1)
-    return {"windows": windows, "log_p": log_p, "log_q": log_q}
+    return log_p, log_q
 
 
 def top_k_kl(log_model, log_ref, k: int) -> float:

@@ -18,6 +18,7 @@ from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.settings import DEFAULT_KL_TAIL_SAMPLES, DEFAULT_KL_TOP_K, EvalSettings
 from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid, plan_rows
 from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
+from tests.tiny_families import copy_demo_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,6 +53,7 @@ def test_one_baseline_per_model(tmp_path):
     other = tmp_path / "copy"
     other.mkdir()
     (other / "config.json").write_text("{}")
+    copy_demo_tokenizer(other)  # eval.bos reads it: does it add a BOS? (it does not)
     sweep = make_sweep(models=[ModelSpec(path=DEMO_MODEL_DIR, name="a"),
                                ModelSpec(path=str(other), name="b")])
     jobs = expand_grid(sweep)
@@ -85,6 +87,7 @@ def test_id_is_a_pure_function_of_the_canonical_spec(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    copy_demo_tokenizer(model)  # adds no BOS: the eval's identity holds no bos_token_id
     def sweep(**eval_options) -> Sweep:
         return Sweep(name="s", models=[ModelSpec(path="m", root=str(tmp_path))],
                      backends=[BackendBlock("bitsandbytes", grid={"bits": [8]})],

@@ -4,9 +4,6 @@ times generation holding its device alone even where jobs are packed."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import polars as pl
 import pytest
 import torch
@@ -53,58 +50,22 @@ def test_speed_is_part_of_the_ids_and_gives_every_job_its_whole_device():
     assert not ids[0] & ids[1] and not ids[1] & ids[2]
 
 
-def hand_timed_greedy(model, prompt: torch.Tensor, new_tokens: int, eos: int) -> tuple[int, list]:
-    """A plain greedy loop with the KV cache, end-of-text masked as ``min_new_tokens`` masks it:
-    the tokens it made and each step after the first, timed with ``time.perf_counter``."""
-    steps, made = [], 0
-    with torch.inference_mode():
-        out = model(input_ids=prompt, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-        for _ in range(new_tokens):
-            logits[:, eos] = -float("inf")
-            token = logits.argmax(-1, keepdim=True)
-            made += 1
-            if made == new_tokens:
-                break
-            started = time.perf_counter()
-            out = model(input_ids=token, cache=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1]
-            steps.append(time.perf_counter() - started)
-    return made, steps
-
-
-def test_timing_agrees_with_a_hand_timed_greedy_loop():
-    """The same prompt, in-process, interleaved: quantdask's generate makes as many tokens as
-    a hand-written greedy loop, and its decode step is within a factor of 2 of the loop's
-    (loose on purpose: these machines are noisy, and generate adds its own bookkeeping;
-    compared on their fastest steps, which preemption cannot make faster)."""
+def test_generate_makes_exactly_the_tokens_a_hand_written_greedy_loop_makes():
+    """The same prompt, in-process: quantdask's timed generate makes as many tokens as a
+    hand-written greedy loop, and stamps each decode step. How their step times compare is a
+    benchmark (benchmarks/speed_vs_hand_loop.py), not a test: two measured durations move
+    apart on a loaded machine."""
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.speed_vs_hand_loop import hand_timed_greedy
     from quantdask.measure.speed import generate_timed, prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
-    windows = torch.arange(4, 300).reshape(2, -1)
-    prompt = prompt_ids(windows, 1, 32)
-    eos = model.generation_config.eos_token_id
-    ours, hand = [], []
-    # One torch thread: with the suite's other process busy on the second core, a two-thread
-    # op's speed swings with where the OS puts its threads (a 3x ratio once, in a full run).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(3):
-            made, ttft, steps = generate_timed(model, prompt, 24, cuda=False, pad_token_id=3)
-            assert made == 24 and len(steps) == 23 and ttft > 0
-            ours += steps
-            count, loop_steps = hand_timed_greedy(model, prompt, 24, eos)
-            assert count == made
-            hand += loop_steps
-    finally:
-        torch.set_num_threads(threads)
-    # Their fastest tenths: a step the OS preempted is only ever slower, and on a machine
-    # shared with the suite's other process a median still moved 3x once.
-    fast = [statistics.quantiles(steps, n=10)[0] for steps in (ours, hand)]
-    assert 0.5 < fast[0] / fast[1] < 2.0, fast
+    prompt = prompt_ids(torch.arange(4, 300).reshape(2, -1), 1, 32)
+    made, ttft, steps = generate_timed(model, prompt, 24, cuda=False, pad_token_id=3)
+    count, loop_steps = hand_timed_greedy(model, prompt, 24, model.generation_config.eos_token_id)
+    assert made == count == 24 and len(steps) == len(loop_steps) == 23
+    assert ttft > 0 and all(step > 0 for step in steps)
 
 
 @pytest.mark.slow

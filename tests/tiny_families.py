@@ -117,3 +117,31 @@ def copy_demo_tokenizer(directory: Path) -> None:
     """The demo model's tokenizer (vocabulary 1,024) into ``directory``."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(DEMO_MODEL_DIR) / name, directory / name)
+
+
+def demo_model_with_bos(directory: Path, adds_bos: bool = True, has_bos: bool = True) -> str:
+    """The demo model with its tokenizer as real checkpoints ship theirs: ``adds_bos``, a
+    Llama-3/Gemma-style tokenizer.json whose post-processor puts the BOS (``<s>``) before every
+    plain encode (``TemplateProcessing``, tokenizer_class PreTrainedTokenizerFast); without it,
+    the demo's (a BOS token it never adds). ``has_bos=False``: no BOS token at all (as
+    Qwen2's)."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(DEMO_MODEL_DIR, directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    if adds_bos:
+        bos = tokenizer.token_to_id("<s>")
+        tokenizer.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                          special_tokens=[("<s>", bos)])])
+        tokenizer.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if not has_bos:
+        config.pop("bos_token", None)
+    config_path.write_text(json.dumps(config, indent=2))
+    return str(directory)

@@ -78,6 +78,7 @@ def cmd_plan(args) -> int:
     import json
 
     from quantdask.plan.planning import plan_sweep
+    from quantdask.store.figures import bos_text
     from quantdask.sweepfile.sweep_file import load_sweep
     from quantdask.util import format_bytes, format_duration
 
@@ -105,6 +106,9 @@ def cmd_plan(args) -> int:
         print(f"positions: {row['model']}: {row['positions_from']}; its lengths are not checked")
     for row in plan.filter(plan["state"] == PlanState.UNSUPPORTED).to_dicts():
         print(f"{PlanState.UNSUPPORTED}: {row['config_label']}: {row['reason']}")
+    for model in sweep.models:
+        print(f"eval windows of {model.label} (eval.bos: {sweep.eval.bos}): "
+              f"{bos_text(sweep.eval_for(model).bos_token_id)}")
     for search in sweep.searches:
         print(search.describe())
     for line in stream_lines(plan, sweep.stream):
@@ -153,6 +157,7 @@ def _run(sweep, args) -> int:
     print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
                                    "bits_per_weight", "quantized_share", "ppl", "vs_baseline",
                                    "kl", "top1", "wall_s"]))
+    _print_protocol(results)
     _print_tasks(run_dir, results)
     counts = {s: results.filter(pl.col("status") == s).height for s in Status}
     attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
@@ -174,6 +179,14 @@ def _run(sweep, args) -> int:
         print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
         return EXIT_FAILED_JOBS
     return gated
+
+
+def _print_protocol(results) -> None:
+    """How each model's eval windows began (eval.bos): the figures' protocol."""
+    from quantdask.store.figures import window_protocol
+
+    for line in window_protocol(results):
+        print(f"eval windows of {line}")
 
 
 def _print_tasks(run_dir: str, results) -> None:
@@ -314,6 +327,7 @@ def cmd_status(args) -> int:
                                      if c in frame.columns]))
     counts = frame.group_by("status").len().sort("status").rows()
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
+    _print_protocol(RunStore(args.run_dir).read_results())
     for excluded in RunStore(args.run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
     return _gate_failures(RunStore(args.run_dir).read_results())

@@ -37,11 +37,13 @@ from quantdask.records import (
     LayerWeights,
     Loaded,
     PhaseRecord,
+    Quality,
     Quantized,
     Row,
     Scored,
     Speed,
     TaskScores,
+    WindowRow,
 )
 
 if TYPE_CHECKING:
@@ -205,13 +207,11 @@ def score(run: JobContext, made: Made) -> tuple[Made, Scored]:
         # reference task's, not this job's).
         if reference.baseline is None:
             raise ValueError("this job's reference carries no baseline scores")
-        return made, Scored(0.0, reference.baseline, reference.kl_kind,
-                            reference.kl_tail_mass, windows=list(reference.baseline_windows),
-                            layers=_positioned(made.layers))
+        return made, _scored(run, 0.0, reference.baseline, list(reference.baseline_windows),
+                             made.layers)
     if made.meter is not None:  # streamed: measured in its one pass, output errors too
-        return made, Scored(run.watch.seconds["eval"], made.meter.scores(), reference.kl_kind,
-                            reference.kl_tail_mass, windows=made.meter.window_rows(),
-                            layers=_positioned(made.layers))
+        return made, _scored(run, run.watch.seconds["eval"], made.meter.scores(),
+                             made.meter.window_rows(), made.layers)
     model = need(made.model, "model")
     outputs = OutputErrors(model, made.layers, need(made.originals, "originals"),
                            PROBE_WINDOWS)
@@ -220,9 +220,17 @@ def score(run: JobContext, made: Made) -> tuple[Made, Scored]:
                                 run.job.eval.batch_size, run.device, on_batch=outputs.batch)
     for name, reason in outputs.failed.items():
         log.warning("per-layer output error skips %s: %s", name, reason)
-    return made, Scored(run.watch.seconds["eval"], meter.scores(), reference.kl_kind,
-                        reference.kl_tail_mass, windows=meter.window_rows(),
-                        layers=_positioned(outputs.rows()))
+    return made, _scored(run, run.watch.seconds["eval"], meter.scores(), meter.window_rows(),
+                         outputs.rows())
+
+
+def _scored(run: JobContext, seconds: float, quality: Quality, windows: list[WindowRow],
+            layers: Sequence[Row]) -> Scored:
+    """The score phase's record: the figures, with what they were measured against (the
+    reference's KL kind and tail, the windows' BOS) and the layers frame's rows."""
+    reference = run.reference
+    return Scored(seconds, quality, reference.kl_kind, reference.kl_tail_mass,
+                  run.job.eval.bos_token_id, windows=windows, layers=_positioned(layers))
 
 
 def _positioned(layers: Sequence[Row]) -> list[LayerRow]:
@@ -279,7 +287,8 @@ def time_generation(run: JobContext, made: Made) -> tuple[Made, Speed | None]:
         rows = measure_speed(need(made.model, "model"), run.reference.windows, settings,
                              run.cuda, need(made.source, "source").tokenizer.pad_token_id,
                              run.device_label, whole,
-                             None if run.cuda else cpu_share.others_busy)
+                             None if run.cuda else cpu_share.others_busy,
+                             run.job.eval.bos_token_id)
     return made, Speed(run.watch.seconds["speed"], speed=rows)
 
 

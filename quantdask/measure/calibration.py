@@ -24,19 +24,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("quantdask.job")
 
 
-def calibration_windows(token_ids: list[int], seq_len: int, samples: int,
-                        seed: int) -> torch.Tensor:
+def calibration_windows(token_ids: list[int], seq_len: int, samples: int, seed: int,
+                        bos_token_id: int | None = None) -> torch.Tensor:
     """``samples`` windows of ``seq_len`` tokens (samples x seq_len, int64) starting at offsets
-    drawn uniformly with ``seed``: the same windows on every worker and every rerun."""
+    drawn uniformly with ``seed``: the same windows on every worker and every rerun. With
+    ``bos_token_id``, each window is that token and ``seq_len`` - 1 tokens of the text, as the
+    eval's are (``metrics.eval_windows``)."""
     import torch
 
-    if len(token_ids) < seq_len:
+    from quantdask.measure.metrics import with_bos
+
+    body = seq_len - (bos_token_id is not None)
+    if len(token_ids) < body:
         raise ValueError(f"calibration text has {len(token_ids)} tokens, fewer than "
                          f"calibration.seq_len ({seq_len}). Lower it or give a longer text")
     ids = torch.tensor(token_ids, dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(token_ids) - seq_len + 1, (samples,), generator=generator)
-    return torch.stack([ids[start:start + seq_len] for start in starts.tolist()])
+    starts = torch.randint(0, len(token_ids) - body + 1, (samples,), generator=generator)
+    return with_bos(torch.stack([ids[start:start + body] for start in starts.tolist()]),
+                    bos_token_id)
 
 
 class Calibration:

@@ -27,15 +27,38 @@ if TYPE_CHECKING:
     import torch
 
 
-def eval_windows(token_ids: list[int], seq_len: int, samples: int) -> torch.Tensor:
-    """The first ``samples`` non-overlapping windows of ``seq_len`` tokens, as a 2-D tensor."""
+def text_ids(tokenizer, text: str, bos_token_id: int | None) -> list[int]:
+    """``text``'s token ids as windows are cut from them: where a BOS starts every window
+    (``bos_token_id``), the text alone, without the special tokens the tokenizer would add
+    once (no second BOS in window 0, no EOS); else as the tokenizer encodes it."""
+    if bos_token_id is None:
+        return tokenizer(text)["input_ids"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def with_bos(body: torch.Tensor, bos_token_id: int | None) -> torch.Tensor:
+    """Rows of text tokens (rows x n), each behind ``bos_token_id`` (rows x n + 1); as they
+    are without one."""
     import torch
 
-    needed = seq_len * samples
+    if bos_token_id is None:
+        return body
+    return torch.cat([body.new_full((body.size(0), 1), bos_token_id), body], dim=1)
+
+
+def eval_windows(token_ids: list[int], seq_len: int, samples: int,
+                 bos_token_id: int | None = None) -> torch.Tensor:
+    """The first ``samples`` non-overlapping windows of ``seq_len`` tokens, as a 2-D tensor;
+    with ``bos_token_id``, each that token and the next ``seq_len`` - 1 of the text."""
+    import torch
+
+    body = seq_len - (bos_token_id is not None)
+    needed = body * samples
     if len(token_ids) < needed:
         raise ValueError(f"eval text has {len(token_ids)} tokens; eval.samples x eval.seq_len "
                          f"needs {needed}. Lower them or give a longer text")
-    return torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, seq_len)
+    windows = torch.tensor(token_ids[:needed], dtype=torch.long).view(samples, body)
+    return with_bos(windows, bos_token_id)
 
 
 TAIL_SEED = 20261202

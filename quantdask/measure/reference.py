@@ -28,6 +28,7 @@ from quantdask.measure.metrics import (
     exact_sum,
     reference_slice,
     tail_offsets,
+    text_ids,
 )
 from quantdask.measure.usage import PeakMemory
 from quantdask.process import cpu_share
@@ -250,8 +251,9 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
     from quantdask.process.runtime import torch_device
 
     source, _ = cached_model_source(model, weights=not streamed)
-    windows = eval_windows(source.tokenizer(text)["input_ids"], settings.seq_len,
-                           settings.samples)[rows[0]:rows[1]].clone()  # not the whole storage
+    windows = eval_windows(text_ids(source.tokenizer, text, settings.bos_token_id),
+                           settings.seq_len, settings.samples,
+                           settings.bos_token_id)[rows[0]:rows[1]].clone()  # not the whole
     device, _, cuda = torch_device()
     meter = QualityMeter(windows, None)
     compact: dict[str, torch.Tensor] = {}
@@ -316,9 +318,12 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
             tokenizer = AutoTokenizer.from_pretrained(
                 model.location, trust_remote_code=model.trust_remote_code,
                 revision=model.revision)
+            if calibration_text is None:
+                raise ValueError("no calibration text was read")
             calibration_ids = calibration_windows(
-                tokenizer(calibration_text)["input_ids"], calibration.seq_len,
-                calibration.samples, calibration.seed)
+                text_ids(tokenizer, calibration_text, settings.bos_token_id),
+                calibration.seq_len, calibration.samples, calibration.seed,
+                settings.bos_token_id)
         except Exception as error:  # noqa: BLE001 - recorded for the calibrated jobs
             calibration_error = f"{type(error).__name__}: {error}"
             log.error("%s: calibration windows not cut: %s", model.label, calibration_error)

@@ -58,16 +58,22 @@ def _token_clock(cuda: bool):
     return TokenClock
 
 
-def prompt_ids(windows: torch.Tensor, batch_size: int, length: int) -> torch.Tensor:
-    """``batch_size`` prompts of ``length`` tokens, consecutive stretches of the eval windows
-    (read again from the start when they hold fewer tokens)."""
+def prompt_ids(windows: torch.Tensor, batch_size: int, length: int,
+               bos_token_id: int | None = None) -> torch.Tensor:
+    """``batch_size`` prompts of ``length`` tokens, consecutive stretches of the eval text
+    (read again from the start when it holds fewer tokens). Where the eval's windows each
+    start with ``bos_token_id``, so does each prompt, then ``length`` - 1 tokens of the text
+    (the windows' BOS columns left out: the text, not the flattened windows)."""
     import torch
 
-    tokens = windows.reshape(-1)
-    need = batch_size * length
+    from quantdask.measure.metrics import with_bos
+
+    body = length - (bos_token_id is not None)
+    tokens = (windows if bos_token_id is None else windows[:, 1:]).reshape(-1)
+    need = batch_size * body
     if tokens.numel() < need:
         tokens = tokens.repeat(-(-need // tokens.numel()))
-    return tokens[:need].reshape(batch_size, length).to(torch.long)
+    return with_bos(tokens[:need].reshape(batch_size, body).to(torch.long), bos_token_id)
 
 
 def generate_timed(model, prompts: torch.Tensor, new_tokens: int, cuda: bool,
@@ -95,14 +101,15 @@ def generate_timed(model, prompts: torch.Tensor, new_tokens: int, cuda: bool,
 
 def measure_speed(model, windows: torch.Tensor, settings: SpeedSettings, cuda: bool,
                   pad_token_id: int | None, device_label: str, whole_device: bool,
-                  others_busy: Callable[[], bool] | None = None) -> list[SpeedRow]:
+                  others_busy: Callable[[], bool] | None = None,
+                  bos_token_id: int | None = None) -> list[SpeedRow]:
     """The speed frame's rows of ``model``: one per batch size (see the module). A row is
     ``exclusive`` when the job holds its ``whole_device`` and no other job was measured on
     this worker meanwhile; on a CPU slot, ``others_busy()`` (sampled before and after the timed
     runs) says whether another slot's job computed on the machine's cores."""
     rows = []
     for batch in settings.batch_sizes:
-        prompts = prompt_ids(windows, batch, settings.prompt_length)
+        prompts = prompt_ids(windows, batch, settings.prompt_length, bos_token_id)
         for _ in range(settings.warmup):
             generate_timed(model, prompts, settings.new_tokens, cuda, pad_token_id)
         first, steps = [], []

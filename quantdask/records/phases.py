@@ -236,6 +236,9 @@ class Scored(PhaseRecord):
     kl_kind: str  # exact, estimate (unbiased, tail sampled) or lower_bound
     # The reference's mean probability mass outside its top eval.kl_top_k tokens (0: exact KL)
     kl_tail_mass: float
+    # The token that starts every eval window (eval.bos resolved with the model's tokenizer);
+    # null: the text cut as the tokenizer encodes it (a BOS at most in window 0)
+    eval_bos_token_id: int | None = None
     windows: list[WindowRow] = frame_rows("windows")
     layers: list[LayerRow] = frame_rows("layers")
 

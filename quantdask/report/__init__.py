@@ -24,7 +24,7 @@ _MODULES = {
     "quantdask.store.summary": ("device_summary", "failures_table", "phases_table",
                                 "sweep_summary"),
     "quantdask.store.frontier": ("kl_ties", "pareto_frontier"),
-    "quantdask.store.figures": ("with_job_label",),
+    "quantdask.store.figures": ("window_protocol", "with_job_label"),
 }
 """Where each function of ``quantdask.report`` lives."""
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

@@ -50,19 +50,25 @@ log = logging.getLogger(LOG_CHANNEL)
 def probe_settings(sweep: Sweep, search: SearchSpec) -> EvalSettings:
     """The probes' windows: ``search.windows`` windows of the calibration text, as long as
     the eval's (or the calibration's, if shorter), measured as the eval measures KL."""
-    calibration, evaluation = sweep.calibration, sweep.eval
+    calibration, evaluation = sweep.calibration, sweep.eval_for(_model(sweep, search))
     assert calibration is not None  # check_searches refuses a search without it
     return EvalSettings(text=calibration.text, dataset=calibration.dataset,
                         seq_len=min(calibration.seq_len, evaluation.seq_len),
                         samples=search.windows, batch_size=evaluation.batch_size,
-                        kl_top_k=evaluation.kl_top_k,
-                        kl_tail_samples=evaluation.kl_tail_samples, root=calibration.root)
+                        kl_top_k=evaluation.kl_top_k, kl_tail_samples=evaluation.kl_tail_samples,
+                        bos=evaluation.bos, root=calibration.root
+                        ).with_bos(evaluation.bos_token_id)
+
+
+def _model(sweep: Sweep, search: SearchSpec) -> ModelSpec:
+    """The model ``search`` searches."""
+    return next(m for m in sweep.models if m.label == search.model)
 
 
 def search_key(sweep: Sweep, search: SearchSpec) -> str:
     """What a cell's figures depend on: the model, the backend and each format's options, the
     units' granularity and the probes' windows. Cells recorded under another key are stale."""
-    model = next(m for m in sweep.models if m.label == search.model)
+    model = _model(sweep, search)
     formats = {label: (o.as_dict() if o is not None else None)
                for label, o in search.format_options().items()}
     identity = {"model": model.identity(), "backend": search.backend, "formats": formats,
@@ -117,7 +123,7 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     from quantdask.search.probe_task import search_reference, search_units
 
     watch = watch or StageWatch()
-    model = next(m for m in sweep.models if m.label == search.model)
+    model = _model(sweep, search)
     settings, key = probe_settings(sweep, search), search_key(sweep, search)
     tag = f"search-{search.name}-{uuid.uuid4().hex[:8]}"  # this driver's own Dask keys
     room = Room(resources or {"GPU": 1.0 / sweep.jobs_per_gpu}, settings.batch_size)
@@ -229,7 +235,7 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
                    ) -> list[Job]:
     """The jobs that verify ``search``'s allocations (see the module), and their rows of the
     allocation frame (written here)."""
-    model = next(m for m in sweep.models if m.label == search.model)
+    model = _model(sweep, search)
     formats = search.format_options()
     units = list(probed.units)
     ties, fixed = search.ties_in(units), search.fixed_in(units)

@@ -12,7 +12,7 @@ import math
 
 import polars as pl
 
-from quantdask.words import KLKind
+from quantdask.words import KLKind, Status
 
 
 def with_error(value: float | None, se: float | None) -> str | None:
@@ -59,6 +59,27 @@ def with_quality_text(results: pl.DataFrame) -> pl.DataFrame:
         pl.Series("top1", [with_error(r[6], r[7]) for r in rows], dtype=pl.String),
         pl.Series("vs_baseline", [with_error(r[8], r[9]) for r in rows], dtype=pl.String),
         pl.Series("delta_p", [with_error(r[10], r[11]) for r in rows], dtype=pl.String))
+
+
+def bos_text(bos_token_id: int | None) -> str:
+    """How windows whose first token is ``bos_token_id`` (None: the text as tokenized) begin."""
+    if bos_token_id is None:
+        return "the text cut as tokenized, no BOS per window"
+    return f"a BOS (token {bos_token_id}) at the start of every window, the text after it"
+
+
+def window_protocol(results: pl.DataFrame) -> list[str]:
+    """How each model's eval windows began (``eval_bos_token_id`` of its done jobs), one line
+    per model: figures measured under two protocols are never read side by side unawares."""
+    if results.is_empty() or "eval_bos_token_id" not in results.columns:
+        return []
+    done = results.filter(pl.col("status") == Status.DONE)
+    lines = []
+    for model, ids in sorted(done.group_by("model").agg(pl.col("eval_bos_token_id").unique())
+                             .rows()):
+        said = [bos_text(i) for i in sorted(ids, key=lambda i: -1 if i is None else i)]
+        lines.append(f"{model}: " + "; and in other jobs, ".join(said))
+    return lines
 
 
 def with_job_label(frame: pl.DataFrame) -> pl.DataFrame:

@@ -3,10 +3,12 @@ calibrated backends, and where done jobs' quantized models are saved."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
 from quantdask.errors import SpecError
+from quantdask.sweepfile.bos import BOS_RULES
 from quantdask.sweepfile.fields import positive_int, require, resolve_root
 from quantdask.sweepfile.text_source import DatasetSource, TextSource
 from quantdask.words import ArtifactKeep
@@ -30,7 +32,13 @@ class EvalSettings(TextSource):
     position, and over the rest of the vocabulary estimated without bias from
     ``kl_tail_samples`` tokens sampled from it (0: the rest as one bucket, a lower bound; see
     ``QualityMeter``); or ``"all"`` for the exact figure over the whole vocabulary (a reference
-    of samples x seq_len x vocab floats)."""
+    of samples x seq_len x vocab floats).
+
+    ``bos``: whether each window starts with the model's beginning-of-sequence token (``auto``,
+    ``always`` or ``never``; ``sweepfile.bos``). A window with one is the BOS and
+    ``seq_len`` - 1 tokens of text, the text encoded without special tokens; the BOS position
+    is never scored. ``bos_token_id`` is the rule resolved for one model (``Sweep.eval_for``):
+    None, the text cut as the tokenizer encodes it."""
 
     text: str | None = None
     seq_len: int = 128
@@ -39,8 +47,12 @@ class EvalSettings(TextSource):
     kl_top_k: int | str = DEFAULT_KL_TOP_K
     kl_tail_samples: int = DEFAULT_KL_TAIL_SAMPLES
     dataset: DatasetSource | dict | None = None
+    bos: str = "auto"
     root: str = field(default="", compare=False)
     text_sha256: str = field(default="", init=False)
+    # Resolved per model (with_bos), never written in a sweep file (an init field, so that
+    # dataclasses.replace keeps it: a retry's smaller batch measures the same windows).
+    bos_token_id: int | None = field(default=None, metadata={"resolved": True})
 
     def __post_init__(self):
         object.__setattr__(self, "root", resolve_root(self.root))
@@ -58,6 +70,18 @@ class EvalSettings(TextSource):
             raise SpecError("kl_tail_samples", f"must be a number of tokens >= 0 such as "
                                                f"{DEFAULT_KL_TAIL_SAMPLES} (0: a lower bound), "
                                                f"got {self.kl_tail_samples!r}")
+        if self.bos not in BOS_RULES:
+            raise SpecError("bos", f"must be {', '.join(BOS_RULES)} (auto: a BOS token at the "
+                                   "start of every window where the model's tokenizer adds "
+                                   f"one), got {self.bos!r}")
+
+    def with_bos(self, token_id: int | None) -> EvalSettings:
+        """These settings for a model whose windows each start with ``token_id`` (None: the
+        text as tokenized). A copy, not ``dataclasses.replace``: that would read the text
+        again."""
+        resolved = copy.copy(self)
+        object.__setattr__(resolved, "bos_token_id", token_id)
+        return resolved
 
     @property
     def top_k(self) -> int | None:
@@ -74,6 +98,8 @@ class EvalSettings(TextSource):
             identity["kl_top_k"] = self.top_k
             if self.kl_tail_samples:  # 0 is what every run measured before the tail samples
                 identity["kl_tail_samples"] = self.kl_tail_samples
+        if self.bos_token_id is not None:  # no BOS inserted is what every run measured before
+            identity["bos_token_id"] = self.bos_token_id
         return identity
 
     @property

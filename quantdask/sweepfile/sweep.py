@@ -19,12 +19,13 @@ import itertools
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from quantdask.backends import BASELINE, BackendOptions, get_backend
 from quantdask.backends.capabilities import Calibrated
 from quantdask.errors import SpecError
+from quantdask.sweepfile.bos import window_bos
 from quantdask.sweepfile.fields import NAME, keyed, positive_int, require
 from quantdask.sweepfile.gates import Gate, parse_gates
 from quantdask.sweepfile.model import ModelSpec
@@ -183,6 +184,11 @@ class Sweep:
                             f"{elsewhere} may be on other machines, each writing to its own "
                             "disk: give a directory every worker shares and set "
                             "artifacts.shared: true, or an fsspec URL (s3://bucket/prefix)")
+
+    def eval_for(self, model: ModelSpec) -> EvalSettings:
+        """The eval settings of ``model``'s jobs: ``eval.bos`` resolved with its tokenizer
+        (``sweepfile.bos``; refused here, before anything runs, where it cannot apply)."""
+        return self.eval.with_bos(window_bos(self.eval.bos, model))
 
     def check_searches_resident(self, jobs: list[Job]) -> None:
         """Refuse a search whose model streams (``stream: always``, or placement found it fits
@@ -350,12 +356,13 @@ def make_job(sweep: Sweep, model: ModelSpec, backend: str, options: BackendOptio
     # A job timing generation holds its whole device: packed jobs would time each other.
     share = 1.0 if sweep.speed is not None else 1.0 / sweep.jobs_per_gpu
     calibration = sweep.calibration if get_backend(backend).calibrated else None
-    identity = job_identity(model, backend, options, sweep.eval, sweep.seed, calibration,
+    evaluation = sweep.eval_for(model)
+    identity = job_identity(model, backend, options, evaluation, sweep.seed, calibration,
                             sweep.tasks, sweep.speed)
     label = config_label or get_backend(backend).config_label(options)
     return Job(
         id=job_id(identity), sweep=sweep.name, model=model, backend=backend, options=options,
-        config_label=label, eval=sweep.eval, seed=sweep.seed, priority=priority,
+        config_label=label, eval=evaluation, seed=sweep.seed, priority=priority,
         retries=sweep.retries, timeout_s=float(sweep.timeout_s), gpu_share=share,
         layer_stats=sweep.layer_stats, calibration=sweep.calibration,
         artifacts=sweep.artifacts, tasks=sweep.tasks, speed=sweep.speed, search=search,
@@ -363,10 +370,6 @@ def make_job(sweep: Sweep, model: ModelSpec, backend: str, options: BackendOptio
         faults=tuple((f["attempt"], f["kind"]) for f in sweep.faults
                      if f["config"] == label and f.get("model", model.label) == model.label),
     )
-
-
-def field_names(cls) -> list[str]:
-    return [f.name for f in fields(cls) if f.init and f.name != "root"]
 
 
 def start_rank(job: Job) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
 from quantdask.errors import SpecError
@@ -16,7 +17,7 @@ from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.search import SearchSpec
 from quantdask.sweepfile.settings import ArtifactSettings, CalibrationSettings, EvalSettings
 from quantdask.sweepfile.speed import SpeedSettings
-from quantdask.sweepfile.sweep import BackendBlock, Sweep, field_names
+from quantdask.sweepfile.sweep import BackendBlock, Sweep
 from quantdask.sweepfile.tasks import TaskSettings
 
 
@@ -30,6 +31,12 @@ def _under(prefix: str):
         raise SpecError(joined or "sweep", err.message) from None
     except TypeError as err:  # a missing required argument of a spec class
         raise SpecError(prefix or "sweep", str(err).split(") ", 1)[-1]) from None
+
+
+def field_names(cls) -> list[str]:
+    """The keys a sweep file may give ``cls`` (not ``root``, nor what is resolved later)."""
+    return [f.name for f in fields(cls)
+            if f.init and f.name != "root" and not f.metadata.get("resolved")]
 
 
 def _mapping(where: str, value: Any, cls: type, required: tuple[str, ...] = ()) -> dict:
