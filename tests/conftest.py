@@ -62,7 +62,7 @@ LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_
                  "test_for_people.py", "test_slot_memory.py", "test_sweep_cluster.py",
                  "test_tasks_sweep.py",
                  "test_quantized_size.py", "test_kl_exact.py", "test_operator.py",
-                 "test_artifacts.py")
+                 "test_artifacts.py", "test_gptq_families.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -13,7 +13,16 @@ differ from Llama in what a quantizer sees:
 - ``gemma``: tied input and output embeddings (a scaled embedding class);
 - ``qwen2_151k``: Qwen2's real 151,936-token vocabulary on a tiny body;
 - ``gpt_neox``: fused ``query_key_value``;
-- ``llama``: the reference shape.
+- ``llama``: the reference shape;
+- ``mistral``, ``qwen3`` (query and key norms), ``gemma3_text`` (four norms per layer, each
+  multiplying by 1 + w; sliding and full attention layers): the families of
+  ``MORE_FAMILIES``, built for GPTQ's and AWQ's family checks (``tests/test_gptq.py``,
+  ``tests/test_gptq_families.py``, ``tests/test_streaming.py``) and left out of ``FAMILIES``,
+  which every backend runs (``tests/test_families.py``).
+
+``awq_sized=True`` gives the Llama-like families four key/value heads (one per query head):
+every attention projection then has 64 outputs, a width AWQ takes, and ``v_proj`` and
+``o_proj`` the same shape, so gptqmodel's AWQ also folds a scale between them.
 """
 
 from __future__ import annotations
@@ -29,12 +38,17 @@ _LLAMA_LIKE = dict(vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128
                    max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 FAMILIES = ("llama", "gpt2", "falcon", "mixtral", "phi3", "gemma", "qwen2_151k", "gpt_neox")
+MORE_FAMILIES = ("mistral", "qwen3", "gemma3_text")
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, awq_sized: bool = False):
     """The tiny ``transformers`` config of ``family``."""
     import transformers as t
 
+    if awq_sized:
+        config = tiny_config(family)
+        config.num_key_value_heads = config.num_attention_heads
+        return config
     if family == "llama":
         return t.LlamaConfig(**_LLAMA_LIKE)
     if family == "gpt2":
@@ -56,16 +70,26 @@ def tiny_config(family: str):
         return t.GPTNeoXConfig(vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4,
                                max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
-    raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "mistral":
+        return t.MistralConfig(**_LLAMA_LIKE, head_dim=16)
+    if family == "qwen3":
+        return t.Qwen3Config(**_LLAMA_LIKE, head_dim=16)
+    if family == "gemma3_text":
+        # A window shorter than the tests' sequences: the sliding layer differs from the full.
+        return t.Gemma3TextConfig(**_LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=16,
+                                  sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"])
+    raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES + MORE_FAMILIES)}")
 
 
-def build_tiny(family: str, directory: Path) -> Path:
+def build_tiny(family: str, directory: Path, awq_sized: bool = False) -> Path:
     """Build, save and return ``directory`` holding ``family``'s tiny float32 model."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family, awq_sized),
+                                             dtype=torch.float32).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     copy_demo_tokenizer(directory)

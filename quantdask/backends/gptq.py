@@ -8,10 +8,11 @@ config.json, packed ``qweight``/``qzeros``/``scales``) and load it back with pla
 ``from_pretrained``, as a user ships and serves it: what is measured is that model.
 
 gptqmodel ends the whole process (``os._exit``) when one of its pool threads meets an input it
-cannot take, so every shape and family it was not checked on is refused before it is called:
-in the plan (``check``) and again on the worker (:class:`UnsupportedHere`, the job skipped
-with the reason). What it changes in the process (its environment, the root logger, printing,
-log files in the working directory) is put back after each job
+cannot take, so every shape and family it was not checked on is refused before it is called
+(the families and the evidence: ``quantdask.backends.gptq_families``): in the plan
+(``check``) and again on the worker (:class:`UnsupportedHere`, the job skipped with the
+reason). What it changes in the process (its environment, the root logger, printing, log
+files in the working directory) is put back after each job
 (``quantdask.backends.gptq_process``): later jobs on the worker see what they would have seen
 without it.
 """
@@ -45,6 +46,7 @@ from quantdask.backends.capabilities import (
     Searchable,
     StreamedFit,
 )
+from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refusal
 from quantdask.backends.gptq_process import heap_trimmed, logs_in, process_state_kept
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
@@ -57,15 +59,6 @@ GPTQMODEL = ("gptqmodel", "gptqmodel", "'quantdask[gptq]'")  # module, name, ins
 GPTQ_BITS = (2, 3, 4, 8)  # what transformers reloads (gptqmodel's 5-7 bit format it does not)
 GPTQ_GROUPS = (-1, 16, 32, 64, 128, 256)
 AWQ_GROUPS = (-1, 16, 32, 64, 128)  # its torch kernel's
-# The families each method was checked on end to end (quantize, save, plain reload, the same
-# logits). Others fail in ways gptqmodel does not report: GPT-2's reload raises, Phi-3's
-# forward does, Falcon's reload leaves its layers random, AWQ on GPT-NeoX reloads to NaN.
-GPTQ_FAMILIES = ("llama", "gemma", "qwen2", "gpt_neox", "mixtral")
-AWQ_FAMILIES = ("llama",)  # gemma's and qwen2's tiny models here have no AWQ-sized layers
-
-# The families GPTQ's checkpoint-backed fit (a streamed job's) was checked on: the same saved
-# model, to the bit, as the resident fit. On GPT-NeoX gptqmodel's offloading loses the head.
-GPTQ_STREAMED_FAMILIES = ("llama", "gemma", "qwen2")
 AWQ_NOT_STREAMED = ("gptqmodel's checkpoint-backed AWQ fit saves another model than its resident "
                     "fit (its scaled norms and weights differ), and a job's figures must not "
                     "depend on where it runs")
@@ -167,10 +160,9 @@ def unsupported(method: str, options, model_type: str,
                 shapes: dict[str, tuple[int, int]]) -> str | None:
     """Why gptqmodel cannot take this config on this model (family, layer widths), or None:
     each would end the worker's process, or reload to a wrong model."""
-    families = GPTQ_FAMILIES if method == "gptq" else AWQ_FAMILIES
-    if model_type not in families:
-        return (f"{method} through gptqmodel is checked on the families "
-                f"{', '.join(families)}, not {model_type or 'this model'!r}")
+    refused = family_refusal(method, model_type)  # (gptq_families: the evidence)
+    if refused:
+        return refused
     group = options.group_size
     for name, (width, out) in shapes.items():
         if group > 0 and width % group:
