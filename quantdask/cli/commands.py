@@ -144,14 +144,10 @@ def cmd_plan(args) -> int:
 
 
 def _run(sweep, args) -> int:
-    import polars as pl
-
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
     from quantdask.plan.lengths import check_lengths
     from quantdask.run.sweep import run_sweep
-    from quantdask.store.figures import with_quality_text
-    from quantdask.store.run_store import read_attempts
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
@@ -175,6 +171,17 @@ def _run(sweep, args) -> int:
         else:
             results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
+    return _print_summary(run_dir, results)
+
+
+def _print_summary(run_dir, results) -> int:
+    """The terminal summary of a finished run: every job's figures, the protocol, the tasks,
+    the counts, where the results and logs are, each job not done; the exit code."""
+    import polars as pl
+
+    from quantdask.store.figures import with_quality_text
+    from quantdask.store.run_store import read_attempts
+
     rows = with_quality_text(results).sort(
         pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
