@@ -1,5 +1,5 @@
 """Estimate against measured peak on CPU slots (issue 54), run by hand; results in RESULTS.md
-section 17.
+section 18.
 
 Each model's jobs run on one CPU slot with a Dask memory limit (``start_cluster(workers=1,
 memory_limit=...)``), resident (``stream: never``) and streamed (``stream: always``). For
@@ -12,7 +12,7 @@ resting memory as it reported it (``process.slot_memory``), i.e. what the job ad
 process, the figure the slot's offer is compared with. The target: measured <= estimate <=
 1.3 x measured.
 
-    .venv/bin/python -m benchmarks.slot_memory --models mid,deep,held,demo
+    .venv/bin/python -m benchmarks.slot_memory                 # mid, deep, held (12 minutes)
     .venv/bin/python -m benchmarks.slot_memory --models demo   # the demo only (a minute)
     .venv/bin/python -m benchmarks.slot_memory --reuse         # the estimates again, same runs
 """
@@ -183,7 +183,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/quantdask-slot-memory", type=Path)
-    parser.add_argument("--models", default="mid,deep,held,demo")
+    parser.add_argument("--models", default="mid,deep,held")
     parser.add_argument("--limit", default="3GiB", help="the slot's Dask memory limit")
     parser.add_argument("--reuse", action="store_true",
                         help="the measured side from the last run's directories; estimate only")

@@ -118,7 +118,7 @@ class HostWork:
     quantizes, while its quantized model runs forward (beside the eval's logits), and in a
     streamed pass (the layer read, its quantized copy and their working memory). Measured on
     two float32 llamas of 340 MB, with 6 and 24 layers (``benchmarks/slot_memory.py``,
-    RESULTS.md section 17); the default, for a backend not measured, is above every one
+    RESULTS.md section 18); the default, for a backend not measured, is above every one
     measured."""
 
     quantize: float = 4.0

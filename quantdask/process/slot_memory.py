@@ -29,7 +29,7 @@ FIRST_JOB_BYTES = 96 * 2**20
 """What a slot's first job adds to the process for good, beside its own memory: the pages of
 torch's and transformers' libraries its code runs in (mapped at import, faulted in on first
 use, counted in RSS), the modules a model's family and a backend import, the model's config
-and tokenizer kept between jobs. Measured (benchmarks/RESULTS.md section 17): a slot forked
+and tokenizer kept between jobs. Measured (benchmarks/RESULTS.md section 18): a slot forked
 from the warm server rests at 362-372 MiB as it starts and at 442-471 MiB after its first
 sweep, freed memory released; counted in the resting memory, so no job's estimate carries it."""
 
