@@ -19,9 +19,9 @@ from typing import Any
 from quantdask.process.devices import this_workers_sampler
 from quantdask.process.live_log import LiveLog
 from quantdask.process.runtime import announce_start, quiet_libraries
-from quantdask.process.slot_memory import heap_trimmed, release_memory
+from quantdask.process.slot_memory import release_memory
 from quantdask.records import Row
-from quantdask.util import utcnow
+from quantdask.util import heap_trimmed, utcnow
 
 
 @dataclass

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from quantdask.util import malloc_trim
+
 METRIC = "quantdask_slot_memory"
 """The worker metric (``Worker.metrics``, sent to the scheduler with every heartbeat) under
 which a CPU slot reports its :class:`SlotMemory`; the driver reads it from
@@ -92,75 +94,9 @@ def release_memory() -> None:
     import gc
 
     gc.collect()
-    trim = _malloc_trim()
+    trim = malloc_trim()
     if trim is not None:
         trim(0)
-
-
-TRIM_EVERY_S = 0.1
-"""How often a CPU slot hands its freed heap back while a task runs: as often as Dask's nanny
-reads the worker's RSS (``distributed.worker.memory.monitor-interval``, 100 ms)."""
-
-
-class _HeapTrimmer:
-    """One thread per process that calls glibc's ``malloc_trim`` every ``TRIM_EVERY_S``
-    while any task runs (tasks packed on a worker share it).
-
-    torch's CPU tensors come from glibc's heap (under its dynamic mmap threshold), whose freed
-    chunks stay resident: a job's RSS rose with every transient it ever freed. The 340 MB
-    model's nf4 job peaked 140-200 MiB above what it held, varying from run to run, and its
-    nanny counts that; trimmed, within 20-60 MiB (benchmarks/slot_memory.py). The trim costs
-    about a millisecond a time."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self._lock = threading.Lock()
-        self._users = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> None:
-        import threading
-
-        with self._lock:
-            self._users += 1
-            if self._users == 1 and _malloc_trim() is not None:
-                self._stop = threading.Event()
-                self._thread = threading.Thread(target=self._run, args=(self._stop,),
-                                                name="quantdask-heap-trim", daemon=True)
-                self._thread.start()
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._users -= 1
-            thread, last = self._thread, self._users == 0
-            if last:
-                self._stop.set()
-                self._thread = None
-        if last and thread is not None:
-            thread.join()
-
-    @staticmethod
-    def _run(stop) -> None:
-        trim = _malloc_trim()
-        while trim is not None and not stop.wait(TRIM_EVERY_S):
-            trim(0)
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library is not glibc."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-heap_trimmed = _HeapTrimmer()
-"""``with heap_trimmed:`` hands the freed heap back to the OS while the block runs (see
-``_HeapTrimmer``)."""
 
 
 def freeze_startup_objects() -> None:
