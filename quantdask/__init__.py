@@ -21,7 +21,8 @@ from quantdask.backends import (
     option,
     register_backend,
 )
-from quantdask.cluster.local import Adapt, ClusterHandle, start_cluster, tls_security
+from quantdask.cluster.adapt import Adapt
+from quantdask.cluster.local import ClusterHandle, start_cluster, tls_security
 from quantdask.errors import (
     PlacementError,
     QuantdaskError,

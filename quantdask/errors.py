@@ -69,11 +69,11 @@ class PlacementError(QuantdaskError):
 
     ``too_big`` lists (job id, job label, estimated bytes, what the estimate rests on, what
     sets its peak: the phase and why, or ""); ``largest`` is the most device memory a worker
-    advertises, ``largest_worker`` its name.
+    advertises, ``largest_worker`` its name, ``offer`` how a CPU slot's figure is made.
     """
 
     def __init__(self, too_big: list[tuple[str, str, int, str, str]], largest: float,
-                 largest_worker: str):
+                 largest_worker: str, offer: str = ""):
         from quantdask.util import format_bytes
 
         self.too_big, self.largest, self.largest_worker = too_big, largest, largest_worker
@@ -83,8 +83,11 @@ class PlacementError(QuantdaskError):
         super().__init__(
             f"{len(too_big)} job(s) fit on no worker: the largest device memory a worker "
             f"advertises is {format_bytes(int(largest))} = {int(largest):,} bytes (worker "
-            f"{largest_worker}):\n"
+            f"{largest_worker}{': ' + offer if offer else ''}):\n"
             + "\n".join(lines)
             + "\nfix: add a worker with a larger GPU, lower eval.batch_size or eval.seq_len "
               "(speed.batch_sizes, speed.prompt_length or speed.new_tokens where the peak is "
-              "time_generation), or remove those configs; nothing was run or changed")
+              "time_generation), or remove those configs"
+            + (", or give the CPU slots a larger memory limit (quantdask run --memory-limit, "
+               "start_cluster(memory_limit=...))" if offer else "")
+            + "; nothing was run or changed")

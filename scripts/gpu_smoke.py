@@ -174,14 +174,18 @@ def print_packed(results, met: list[str], alone: set[str]) -> None:
 
 def memory_advertised_as_expected(client, gpus: list[str], dry_run: bool) -> tuple[bool, str]:
     """Whether every worker advertises its device memory for placement: the total of one of
-    the chosen GPUs by NVML, or on a CPU slot the worker's memory limit."""
-    from quantdask.plan.placement import advertised_memory
+    the chosen GPUs by NVML, or on a CPU slot what its nanny lets jobs use of its memory limit
+    (``process.slot_memory``)."""
+    from quantdask.plan.placement import advertised_memory, slot_memories
 
     advertised = advertised_memory(client)
     if dry_run:
         limits = {str(w["name"]): w["memory_limit"]
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
-        ok = bool(advertised) and advertised == limits
+        slots = slot_memories(client)
+        ok = bool(advertised) and set(slots) == set(limits) and advertised == {
+            name: slot.offered for name, slot in slots.items()} and all(
+            slot.limit == limits[name] for name, slot in slots.items())
     else:
         from quantdask.process.devices import NvmlProbe, nvml_uuid
 

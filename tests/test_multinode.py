@@ -24,6 +24,7 @@ from distributed.security import Security
 
 from quantdask.cluster.local import Adapt, start_cluster, tls_security
 from quantdask.errors import PlacementError, SpecError
+from quantdask.plan.placement import slot_memories
 from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_attempts, read_results
 from quantdask.sweepfile.sweep import DEVICE_MEMORY
@@ -122,12 +123,15 @@ def test_a_sweep_over_tls_through_scheduler_survives_a_node_killed_mid_sweep(two
     # node-2 is killed here; the tests after it use node-1 alone
     nodes, address = two_nodes.processes, two_nodes.address
     resources = wait_for_workers(address, {"node-1", "node-2"}, two_nodes.security)
-    # Each worker advertises its device memory (here a CPU slot: its memory limit).
+    # Each worker advertises its device memory (here a CPU slot: what its nanny lets jobs use
+    # of its memory limit, process.slot_memory).
     with Client(address, security=two_nodes.security) as client:
         limits = {str(w["name"]): w["memory_limit"]
                   for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        slots = slot_memories(client)
     assert {name: r["GPU"] for name, r in resources.items()} == dict.fromkeys(limits, 1)
-    assert {name: r[DEVICE_MEMORY] for name, r in resources.items()} == limits
+    assert {name: r[DEVICE_MEMORY] for name, r in resources.items()} == {
+        name: int(0.95 * limit) - slots[name].resting for name, limit in limits.items()}
     data = sweep_dict(name="nodes", retries=2, backends=[
         FOUR_BIT, {"backend": BNB, "grid": {"bits": [8], "int8_threshold": [0.0, 6.0]}}])
     # A second or two a job, of real work: with jobs that sleep instead (a slow fault), Dask

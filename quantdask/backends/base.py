@@ -97,6 +97,7 @@ class ModelFacts:
     head_dim: int = 0
     model_type: str = ""  # config.json's (the family: "llama"); empty: unknown
     hidden_size: int = 0  # the width of the hidden states between decoder layers (0: unknown)
+    tied_head: bool = False  # the output head is the embedding (config.json's tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,21 @@ class SavedQuantized:
     directory: str
     loading: Any = None
     prepare: Callable[[torch.nn.Module], None] | None = None
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """What a backend's job holds on a CPU slot beyond the weights (there the device is the
+    host: the worker's RSS, which its nanny counts), in decoder layers as loaded: while it
+    quantizes, while its quantized model runs forward (beside the eval's logits), and in a
+    streamed pass (the layer read, its quantized copy and their working memory). Measured on
+    two float32 llamas of 340 MB, with 6 and 24 layers (``benchmarks/slot_memory.py``,
+    RESULTS.md section 18); the default, for a backend not measured, is above every one
+    measured."""
+
+    quantize: float = 4.0
+    forward: float = 1.5
+    streamed: float = 6.0
 
 
 OptionsT = TypeVar("OptionsT", bound=BackendOptions)
@@ -139,12 +155,20 @@ class Sizing:
     ``weight_bits(options, loaded_bits) -> float``: the bits one weight takes on the device at
     the job's peak, its scales and constants included, given the bits it is loaded at (the
     device-memory estimate placement and ``quantdask plan`` use until the job has a measured
-    peak of its own); default: the weights stay as loaded."""
+    peak of its own); default: the weights stay as loaded.
+
+    ``host_work(options) -> HostWork``: what a job of it holds beyond the weights on a CPU
+    slot, where placement counts the worker's RSS (:class:`HostWork`); default ``HostWork()``."""
 
     quantizes: bool = True
     selects: Callable[[str, type, Any], bool] | None = None
     stored_bytes: Callable[[torch.Tensor], int] | None = None
     weight_bits: Callable[[Any, int], float] | None = None
+    host_work: Callable[[Any], HostWork] | None = None
+
+    def host(self, options: BackendOptions) -> HostWork:
+        """``host_work(options)``, or the default."""
+        return self.host_work(options) if self.host_work is not None else HostWork()
 
     def predicted_share(self, options: BackendOptions, facts: ModelFacts) -> float | None:
         """The share of the model's weights this config will quantize, from the modules
@@ -158,7 +182,7 @@ class Sizing:
         return picked / facts.param_count
 
 
-UNQUANTIZED = Sizing(quantizes=False)
+UNQUANTIZED = Sizing(quantizes=False, host_work=lambda options: HostWork(0.0, 0.0, 0.5))
 """The sizing of a backend that quantizes nothing (the baseline)."""
 
 CapabilityT = TypeVar("CapabilityT", bound=Capability)

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from quantdask.backends.base import (
     Backend,
+    HostWork,
     Sizing,
     missing_library,
     named_in,
@@ -36,6 +37,11 @@ class BitsAndBytesOptions(BackendOptions):
 
     def complete(self) -> BitsAndBytesOptions:
         return complete_options(self)
+
+    def batch_dependent(self) -> bool:
+        # LLM.int8 decomposes the outlier columns of each pass's inputs (at a threshold of 3
+        # the KL moved 3.6% between batches of 4 and of 16).
+        return self.bits == 8 and bool(self.int8_threshold)
 
 
 _FOUR_BIT_ONLY = ("quant_type", "double_quant", "compute_dtype")
@@ -265,13 +271,19 @@ def unpack_for_save(model) -> None:
         weight.data, weight.quant_state = data, state
 
 
+def host_work(options: BitsAndBytesOptions) -> HostWork:
+    """On a CPU slot (measured, benchmarks/slot_memory.py): 4-bit's working memory is half a
+    layer; LLM.int8 holds more, its outlier columns in float while it quantizes and runs."""
+    return HostWork(1.0, 0.5, 2.8) if options.bits == 4 else HostWork(1.5, 1.2, 3.5)
+
+
 bitsandbytes_backend = Backend(
     name="bitsandbytes",
     quantize=quantize_bitsandbytes,
     options=BitsAndBytesOptions,
     label=config_label,
     check=check_bitsandbytes,
-    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    sizing=Sizing(selects=selects, weight_bits=weight_bits, host_work=host_work),
     capabilities=(
         Dequantizes(dequantize_layer), Savable(prepare=unpack_for_save),
         ModuleAlone(quantize_module),

@@ -47,12 +47,12 @@ from quantdask.backends.capabilities import (
     StreamedFit,
 )
 from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refusal
-from quantdask.backends.gptq_process import heap_trimmed, logs_in, process_state_kept
+from quantdask.backends.gptq_process import logs_in, process_state_kept
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError, UnsupportedHere
 from quantdask.randomness import global_generators
-from quantdask.util import scratch_root
+from quantdask.util import heap_trimmed, scratch_root
 
 GPTQMODEL = ("gptqmodel", "gptqmodel", "'quantdask[gptq]'")  # module, name, install
 
@@ -322,7 +322,7 @@ def quantize_gptq_streamed(source, options: GptqOptions, device: str, calibratio
         wrapped = GPTQModel.load(source.spec.location, config, dtype=source.dtype,
                                  trust_remote_code=source.spec.trust_remote_code)
         export = os.path.join(directory, "model")
-        with heap_trimmed():
+        with heap_trimmed:  # (gptqmodel's pool threads keep what they free)
             _fit_and_save(wrapped, calibration, extra, directory, export)
     shutil.rmtree(config.offload_to_disk_path, ignore_errors=True)
     return SavedQuantized(export, _cpu_kernel("gptq", options) if device == "cpu" else None,

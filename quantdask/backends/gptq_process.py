@@ -72,34 +72,3 @@ def logs_in(folder: str):
         yield
     finally:
         loop_processor._PROJECT_LOG_DIR = where
-
-
-@contextlib.contextmanager
-def heap_trimmed(every_s: float = 0.2):
-    """Hand the freed heap back to the OS every ``every_s`` seconds while the block runs
-    (glibc's ``malloc_trim``). gptqmodel's pool threads free each fitted layer's tensors
-    into glibc's per-thread heaps, which keep them: its fit from the checkpoint of a 2.09 GB
-    model held 2.4 GB of anonymous memory, freed but never returned (0.84 GB trimmed), and a
-    worker's memory limit counts it. Nothing where the C library is not glibc."""
-    import ctypes
-    import threading
-
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        yield
-        return
-    done = threading.Event()
-
-    def keep_trimming() -> None:
-        while not done.wait(every_s):
-            trim(0)
-
-    trimmer = threading.Thread(target=keep_trimming, name="quantdask-heap-trim", daemon=True)
-    trimmer.start()
-    try:
-        yield
-    finally:
-        done.set()
-        trimmer.join()
-        trim(0)

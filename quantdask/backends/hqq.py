@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
+    HostWork,
     Sizing,
     missing_library,
     named_in,
@@ -206,7 +207,10 @@ hqq_backend = Backend(
     options=HqqOptions,
     label=config_label,
     check=check_hqq,
-    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    # On a CPU slot HQQ's optimizer works on float copies of each layer's weights, and its
+    # quantized layers are counted here too (benchmarks/slot_memory.py).
+    sizing=Sizing(selects=selects, weight_bits=weight_bits,
+                  host_work=lambda options: HostWork(3.5, 1.5, 5.5)),
     # Not Savable: layer-by-layer HQQLinear models have no from_pretrained format.
     capabilities=(Dequantizes(dequantize_layer), ModuleAlone(quantize_module),
                   Searchable(MODULE_KEYS)),

@@ -133,6 +133,12 @@ class BackendOptions:
         so it must be deterministic. Default: unchanged."""
         return self
 
+    def batch_dependent(self) -> bool:
+        """Whether the quantized model's figures depend on which eval windows share a forward
+        pass (LLM.int8 picks its outlier columns per pass): an out-of-memory retry then keeps
+        the eval batch, so that its figures stay comparable. Default: they do not."""
+        return False
+
     def with_defaults(self, **defaults: Any) -> Self:
         """A copy with each of ``defaults`` that is unset here set (for ``complete``)."""
         return replace(self, **{name: value for name, value in defaults.items()

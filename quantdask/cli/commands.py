@@ -74,6 +74,28 @@ def stream_lines(plan, stream: str) -> list[str]:
     return lines
 
 
+def slot_memory_lines(client) -> list[str]:
+    """What the CPU slots' memory limits mean, one line per limit: Dask's memory limit, where
+    each slot's nanny restarts it, the slots' resting memory and what jobs are placed
+    against (their offer, ``process.slot_memory``)."""
+    from quantdask.plan.placement import slot_memories
+    from quantdask.util import format_bytes
+
+    def span(values: list[int]) -> str:
+        low, high = min(values), max(values)
+        return format_bytes(low) if low == high else f"{format_bytes(low)}-{format_bytes(high)}"
+
+    by_limit: dict = {}
+    for name, slot in sorted(slot_memories(client).items()):
+        by_limit.setdefault((slot.limit, slot.terminate), []).append((name, slot))
+    return [f"memory: {len(slots)} CPU slot(s), each with memory limit {format_bytes(limit)} "
+            f"(Dask's memory_limit; its nanny restarts a slot past {terminate:.0%}, at "
+            f"{format_bytes(slots[0][1].kill_line)}); resting "
+            f"{span([s.resting for _, s in slots])}, so jobs are placed against "
+            f"{span([s.offered for _, s in slots])}"
+            for (limit, terminate), slots in by_limit.items()]
+
+
 def cmd_plan(args) -> int:
     import json
 
@@ -122,14 +144,10 @@ def cmd_plan(args) -> int:
 
 
 def _run(sweep, args) -> int:
-    import polars as pl
-
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
     from quantdask.plan.lengths import check_lengths
     from quantdask.run.sweep import run_sweep
-    from quantdask.store.figures import with_quality_text
-    from quantdask.store.run_store import read_attempts
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
@@ -139,9 +157,12 @@ def _run(sweep, args) -> int:
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),
+                       memory_limit=args.memory_limit,
                        jobs_per_worker=1 if args.scheduler else sweep.jobs_per_gpu) as cluster:
         print(f"quantdask: {cluster.n_workers} workers ({cluster.kind}); "
               f"Dask dashboard: {cluster.dashboard_link}", flush=True)
+        for line in slot_memory_lines(cluster.client):
+            print(line, flush=True)
         # A terminal gets the live dashboard; a pipe or a log file, timestamped lines.
         if sys.stdout.isatty():
             with LiveDashboard() as dashboard:
@@ -150,6 +171,17 @@ def _run(sweep, args) -> int:
         else:
             results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
+    return _print_summary(run_dir, results)
+
+
+def _print_summary(run_dir, results) -> int:
+    """The terminal summary of a finished run: every job's figures, the protocol, the tasks,
+    the counts, where the results and logs are, each job not done; the exit code."""
+    import polars as pl
+
+    from quantdask.store.figures import with_quality_text
+    from quantdask.store.run_store import read_attempts
+
     rows = with_quality_text(results).sort(
         pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
         pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)

@@ -49,7 +49,7 @@ def _positive_int(text: str) -> int:
 
 
 def _adapt(text: str):
-    from quantdask.cluster.local import Adapt
+    from quantdask.cluster.adapt import Adapt
 
     try:
         return Adapt.parse(text)
@@ -114,6 +114,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-address", default="127.0.0.1:0",
                    help="where the local cluster's Dask dashboard listens (default "
                         "127.0.0.1 on a free port; e.g. :8787 to expose it)")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="each CPU slot's Dask memory limit, e.g. 1600MiB: its nanny restarts a "
+                        "slot past 95%% of it, and jobs are placed against that less the "
+                        "slot's resting memory (CPU slots only)")
     p.add_argument("--adapt", type=_adapt, metavar="MIN:MAX",
                    help="let the local cluster grow while jobs wait and shrink when idle, "
                         "between MIN and MAX workers (on GPUs: at most one per GPU)")

@@ -19,6 +19,7 @@ from typing import Any
 from distributed import Client
 from distributed.security import Security
 
+from quantdask.cluster.adapt import Adapt
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import SpecError
 from quantdask.process.runtime import TorchThreads, WarmImports
@@ -39,58 +40,6 @@ SCHEDULER_OPTIONS = {"allowed_failures": 0}
 """Dask would rerun a task whose worker died up to 3 times on its own, silently; quantdask's
 retry policy counts and classifies those losses instead, so Dask is told to rerun nothing.
 (A scheduler reached by address keeps its own setting.)"""
-
-
-@dataclass(frozen=True)
-class Adapt:
-    """Let a cluster grow while jobs wait and shrink when they are done, between ``minimum``
-    and ``maximum`` workers (Dask's adaptive scaling).
-
-    Dask asks for enough workers to finish the waiting work in about ``target_duration_s``,
-    reconsiders every ``interval_s``, and retires a worker once it has wanted fewer for
-    ``idle_s``. ``Adapt.parse("1:4")`` reads the CLI's ``--adapt MIN:MAX``.
-    """
-
-    minimum: int = 1
-    maximum: int = 4
-    interval_s: float = 1.0
-    idle_s: float = 10.0
-    target_duration_s: float = 5.0
-
-    def __post_init__(self):
-        for name in ("minimum", "maximum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise SpecError(f"adapt.{name}", f"must be an integer >= 0, got {value!r}")
-        if self.maximum < max(1, self.minimum):
-            raise SpecError("adapt.maximum", f"must be at least the minimum and 1, got "
-                                             f"{self.minimum}:{self.maximum}")
-        for name in ("interval_s", "idle_s", "target_duration_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise SpecError(f"adapt.{name}", f"must be a number of seconds > 0, got "
-                                                 f"{value!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> Adapt:
-        """``"MIN:MAX"``, as in ``--adapt 1:4``."""
-        low, _, high = text.partition(":")
-        try:
-            counts = int(low), int(high)
-        except ValueError:
-            raise SpecError("adapt", f"must be MIN:MAX worker counts such as 1:4, got "
-                                     f"{text!r}") from None
-        return cls(*counts)
-
-    def apply(self, cluster: Any) -> None:
-        """Turn on adaptive scaling on ``cluster`` (any Dask cluster object with ``adapt``)."""
-        if not hasattr(cluster, "adapt"):
-            raise SpecError("adapt", f"{type(cluster).__name__} cannot scale itself; start "
-                                     "workers by hand or use a cluster that can (local, SLURM)")
-        cluster.adapt(minimum=self.minimum, maximum=self.maximum,
-                      interval=f"{self.interval_s}s",
-                      wait_count=max(1, round(self.idle_s / self.interval_s)),
-                      target_duration=f"{self.target_duration_s}s")
 
 
 def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
@@ -186,8 +135,8 @@ def start_cluster(
     mutual TLS. Servers bind to ``host`` (127.0.0.1 unless you choose otherwise);
     ``dashboard_address=None`` turns the dashboard off. ``jobs_per_worker`` (a sweep's
     ``jobs_per_gpu``) is how many jobs one worker may run at once; ``torch_threads`` caps torch's
-    threads on CPU slots. ``memory_limit`` (bytes, "950MB") caps each CPU slot's memory (Dask's
-    worker memory limit), which it advertises as its device memory.
+    threads on CPU slots. ``memory_limit`` (bytes, "1600MiB"): each CPU slot's Dask memory
+    limit (GPU workers and workers started elsewhere refuse it; ``process.slot_memory``).
     """
     if isinstance(jobs_per_worker, bool) or not isinstance(jobs_per_worker, int) \
             or jobs_per_worker < 1:
@@ -195,12 +144,13 @@ def start_cluster(
     if address is not None and scheduler is not None and address != scheduler:
         raise SpecError("scheduler", "give the scheduler's address once (address= or scheduler=)")
     address = address or scheduler
+    memory_limit = _memory_limit(memory_limit, address is not None or cluster is not None)
     if address is not None or cluster is not None:
         if workers is not None or gpus is not None:
             raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
                                          "with --workers or --gpus")
         return _connect(address, cluster, adapt, security)
-    selected, available = _local_devices(workers, gpus, adapt)
+    selected, available = _local_devices(workers, gpus, adapt, memory_limit)
     common: dict[str, Any] = {
         "host": host, "dashboard_address": dashboard_address, "threads_per_worker":
         jobs_per_worker, "resources": {"GPU": 1}, "silence_logs": logging.ERROR,
@@ -211,16 +161,38 @@ def start_cluster(
     if available and workers is None:
         return _start_cuda_cluster(_physical_gpus(selected or list(range(available)), adapt),
                                    common, adapt)
-    if memory_limit is not None:
-        common["memory_limit"] = memory_limit
+    common.update({"memory_limit": memory_limit} if memory_limit is not None else {})
     return _start_cpu_slots(workers or 2, common, adapt, torch_threads, jobs_per_worker,
                             security)
 
 
-def _local_devices(workers: int | None, gpus: str | list[int] | None,
-                   adapt: Adapt | None) -> tuple[list[int] | None, int]:
+def _memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
+    """A CPU slot's memory limit in bytes, as Dask reads it (``1600MiB``, ``2GB``, bytes;
+    None: Dask's default); refused for workers this process does not start."""
+    from dask.utils import parse_bytes
+
+    if value is None:
+        return None
+    if elsewhere:
+        raise SpecError("memory_limit", "--memory-limit sets the memory limit of the CPU slots "
+                                        "quantdask starts; the workers of a scheduler reached "
+                                        "by address were started elsewhere: give each `dask "
+                                        "worker ... --memory-limit 1600MiB` where it starts, or "
+                                        "drop --memory-limit")
+    try:
+        limit = int(parse_bytes(value)) if isinstance(value, str) else int(value)
+    except (ValueError, TypeError):
+        limit = 0
+    if isinstance(value, bool) or limit <= 0:
+        raise SpecError("memory_limit", f"must be a size such as 1600MiB or 2GB (or bytes), "
+                                        f"got {value!r}")
+    return limit
+
+
+def _local_devices(workers: int | None, gpus: str | list[int] | None, adapt: Adapt | None,
+                   memory_limit: int | None = None) -> tuple[list[int] | None, int]:
     """(the GPUs chosen, or None for all; the CUDA GPUs this process sees), the worker count and
-    GPU ids checked."""
+    GPU ids checked, and a memory limit refused for GPU workers (theirs is their GPU's)."""
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
         raise SpecError("workers", f"must be a positive integer, got {workers!r}")
@@ -234,6 +206,12 @@ def _local_devices(workers: int | None, gpus: str | list[int] | None,
     if selected is not None and max(selected) >= available:
         raise SpecError("gpus", f"GPU {max(selected)} does not exist; this machine has "
                                 f"{available} (ids 0-{available - 1})")
+    if memory_limit is not None and available and workers is None:
+        raise SpecError("memory_limit", f"--memory-limit (start_cluster(memory_limit=...)) is a "
+                        f"CPU slot's Dask memory limit, and this machine's {available} GPU(s) "
+                        "make GPU workers, whose device memory is the GPU's own (they run "
+                        "without a host memory limit): drop --memory-limit, or give --workers N "
+                        "for CPU slots")
     return selected, available
 
 
@@ -280,7 +258,7 @@ def _start_cpu_slots(n: int, common: dict[str, Any], adapt: Adapt | None,
 
         # Each slot's share of the host, as if all were running: a slot added later must not
         # advertise (as its device memory) what the earlier ones already have.
-        common["memory_limit"] = psutil.virtual_memory().total // adapt.maximum
+        common.setdefault("memory_limit", psutil.virtual_memory().total // adapt.maximum)
     threads = torch_threads or max(1, (os.cpu_count() or 1)
                                    // ((adapt.maximum if adapt else n) * jobs_per_worker))
     from distributed import LocalCluster

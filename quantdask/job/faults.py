@@ -52,23 +52,17 @@ def inject_fault(kind: FaultKind, attempt: int) -> None:
         _grow_until_restarted()
 
 
-def _grow_until_restarted(step: int = 8 * 2**20, every_s: float = 0.1,
-                          at_once: float = 0.7) -> None:
-    """Hold host memory until the nanny restarts the worker past its memory limit: up to
-    ``at_once`` of the limit at once, then ``step`` more bytes every ``every_s`` seconds
-    (slowly, so the telemetry, once a second, sees it near the limit). Refused on a worker
-    without a limit: this would fill the machine."""
-    import psutil
+def _grow_until_restarted(step: int = 32 * 2**20, every_s: float = 0.1) -> None:
+    """Hold ``step`` more bytes of host memory every ``every_s`` seconds until the nanny
+    restarts the worker past its memory limit (its own event says so: the job is recorded
+    ``out_of_memory``). Refused on a worker without a limit: this would fill the machine."""
     import torch
     from distributed import get_worker
 
-    limit = get_worker().memory_manager.memory_limit
-    if not limit:
+    if not get_worker().memory_manager.memory_limit:
         raise RuntimeError("the memory fault needs workers with a memory limit "
                            "(start_cluster(memory_limit=...))")
-    # Written, so resident. (From a worker's few hundred MB to a 1 GB limit at 80 MB/s took
-    # 7 s, almost all of it far from the limit.)
-    held = [torch.ones(max(0, int(at_once * limit) - psutil.Process().memory_info().rss) // 4)]
+    held = []
     while True:
-        held.append(torch.ones(step // 4))
+        held.append(torch.ones(step // 4))  # written, so resident
         time.sleep(every_s)

@@ -19,7 +19,7 @@ from typing import TypeVar
 from quantdask.errors import JobTimeout
 from quantdask.records import Ended, NotDone, PhaseRecord, ResultRow, Row, Where
 from quantdask.util import utcnow
-from quantdask.words import FailureClass, Status
+from quantdask.words import AttemptEnd, FailureClass, Status
 
 RecordT = TypeVar("RecordT", bound=PhaseRecord)
 
@@ -99,6 +99,16 @@ class JobOutcome:
         not_done = self.find(NotDone)
         value = None if not_done is None else not_done.failure_class
         return None if value is None else FailureClass(value)
+
+    @classmethod
+    def cancelled(cls, job_id: str, number: int, worker: str | None) -> JobOutcome:
+        """The outcome of attempt ``number`` of ``job_id`` that ``SweepHandle.cancel()``
+        stopped (the next run of the sweep runs the job again)."""
+        return cls.outside(None, "Cancelled", "cancelled by SweepHandle.cancel()",
+                           worker=worker, status=AttemptEnd.CANCELLED, log=(
+                               f"{utcnow().isoformat()} WARNING {job_id} attempt={number} "
+                               "cancelled by SweepHandle.cancel(); the next run of the sweep "
+                               "runs it again\n"))
 
     @classmethod
     def outside(cls, failure_class: FailureClass | None, error_class: str, message: str,

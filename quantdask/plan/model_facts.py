@@ -135,4 +135,7 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
                       max_positions=position_limit(config)[0], layers=decoder_layers,
                       kv_heads=kv_heads, head_dim=head_dim,
                       model_type=str(config.get("model_type") or ""),
-                      hidden_size=_first_int(config, "hidden_size", "n_embd", "d_model"))
+                      hidden_size=_first_int(config, "hidden_size", "n_embd", "d_model"),
+                      # unsaid: untied, the larger figure
+                      tied_head=bool(text_config(config).get(
+                          "tie_word_embeddings", config.get("tie_word_embeddings", False))))

@@ -17,6 +17,14 @@ theirs, as in the phases frame), and each holds the model's weights plus what it
   (``logits_to_keep=1``, also at the prefill), batch x vocab, which it copies to float32 and
   the logits processors copy again.
 
+On a CPU slot (``host``) the device is the host, and what counts is what the job adds to the
+worker process's RSS (its nanny's measure; the slot's own resting memory is taken off what it
+offers, ``process.slot_memory``): the checkpoint's pages the job maps and reads (and a
+converted copy when the job loads it in another dtype), the quantized weights beside them, the
+phase's figure above, and the backend's working memory (``Sizing.host_work``, in decoder
+layers). A streamed job there holds the weights outside the layers, the hidden states, the
+eval's logits, and the backend's streamed working memory in layers.
+
 The demo baseline under a speed batch of 8 x (96 + 32) tokens:
 
 >>> phase_bytes(job.backend, job.options, job, facts)  # doctest: +SKIP
@@ -52,11 +60,53 @@ def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> fl
     return facts.weight_bytes * weight_bits / facts.checkpoint_bits
 
 
+def loaded_bytes(facts: ModelFacts) -> float:
+    """The weights as loaded (in the model spec's dtype)."""
+    return facts.weight_bytes * facts.loaded_bits / facts.checkpoint_bits
+
+
+def outside_bytes(facts: ModelFacts) -> float:
+    """The weights outside the decoder layers: the embedding, and an untied head."""
+    tables = 1 if facts.tied_head else 2
+    return min(loaded_bytes(facts), tables * facts.vocab_size * facts.hidden_size
+               * facts.loaded_bits / 8)
+
+
+def layer_bytes(facts: ModelFacts) -> float:
+    """One decoder layer's weights as loaded, on average (0: the model's shape is unknown)."""
+    if not facts.layers or not facts.hidden_size:
+        return 0.0
+    return (loaded_bytes(facts) - outside_bytes(facts)) / facts.layers
+
+
+def host_weights(backend: str, options: BackendOptions, facts: ModelFacts) -> tuple[float, float]:
+    """On a CPU slot: (the weights the job reads, the quantized weights beside them). It maps
+    the checkpoint and reads every weight (a converted copy too, when it loads another
+    dtype); a backend that quantizes nothing runs the read weights themselves, and one that
+    holds the loaded model whole (its ``weight_bits`` the loaded bits: HQQ) builds its
+    quantized layers from the read ones, which its working memory counts."""
+    read = facts.weight_bytes + (loaded_bytes(facts) if facts.loaded_bits
+                                 != facts.checkpoint_bits else 0)
+    quantized = weight_bytes(backend, options, facts)
+    beside = get_backend(backend).sizing.quantizes and quantized < loaded_bytes(facts)
+    return read, quantized if beside else 0.0
+
+
 def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
     """The eval's logits, which exist a slice of positions at a time."""
     batch_logits = eval.batch_size * eval.seq_len * facts.vocab_size * 4
     row = eval.batch_size * facts.vocab_size * 4
     return min(batch_logits, max(SLICE_BUDGET_BYTES, row)) * LOGIT_COPIES
+
+
+def score_logits(job: Job, facts: ModelFacts, host: bool, streamed: bool = False) -> int:
+    """The eval's logits a job's score holds (``eval_bytes``). On a CPU slot, as measured
+    there (benchmarks/slot_memory.py): the baseline's figure is its model's reference, which
+    holds the log-probs and a temporary (2 copies); a streamed pass scores each slice as it
+    comes (1)."""
+    if not host or not (job.is_baseline or streamed):
+        return eval_bytes(job.eval, facts)
+    return eval_bytes(job.eval, facts) * (2 if job.is_baseline else 1) // LOGIT_COPIES
 
 
 def task_length(tasks: TaskSettings, facts: ModelFacts) -> int:
@@ -82,35 +132,45 @@ def generation_bytes(speed: SpeedSettings, facts: ModelFacts) -> int:
             + max(speed.batch_sizes) * facts.vocab_size * 4 * LOGIT_COPIES)
 
 
-def phase_bytes(backend: str, options: BackendOptions, job: Job,
-                facts: ModelFacts) -> dict[str, int]:
+def phase_bytes(backend: str, options: BackendOptions, job: Job, facts: ModelFacts,
+                host: bool = False) -> dict[str, int]:
     """Each counted phase's device memory for ``backend`` with ``options`` under ``job``'s
-    settings (its eval, tasks and speed blocks), in the phases' order; empty when the
+    settings (its eval, tasks and speed blocks), in the phases' order; on a CPU slot
+    (``host``) what the job adds to the worker's RSS (see the module); empty when the
     checkpoint is unknown."""
     if not facts.weight_bytes:
         return {}
     weights = weight_bytes(backend, options, facts)
-    phases = {QUANTIZE: int(weights), SCORE: int(weights + eval_bytes(job.eval, facts))}
+    working = {QUANTIZE: 0.0, SCORE: 0.0}
+    if host:
+        read, quantized = host_weights(backend, options, facts)
+        work, layer = get_backend(backend).sizing.host(options), layer_bytes(facts)
+        weights = read + quantized
+        working = {QUANTIZE: work.quantize * layer, SCORE: work.forward * layer}
+    phases = {QUANTIZE: int(weights + working[QUANTIZE]),
+              SCORE: int(weights + working[SCORE] + score_logits(job, facts, host))}
     if job.tasks is not None:
-        phases[TASKS] = int(weights + task_bytes(job.tasks, facts))
+        phases[TASKS] = int(weights + working[SCORE] + task_bytes(job.tasks, facts))
     if job.speed is not None:
-        phases[SPEED] = int(weights + generation_bytes(job.speed, facts))
+        phases[SPEED] = int(weights + working[SCORE] + generation_bytes(job.speed, facts))
     return phases
 
 
-def streamed_bytes(job: Job, facts: ModelFacts) -> int:
+def streamed_bytes(job: Job, facts: ModelFacts, host: bool = False) -> int:
     """A streamed job's device memory (``stream.streaming``): the weights outside the decoder
     layers (the embedding and an untied head, at most), one layer as loaded and its quantized
-    copy, the float32 hidden states of every eval window, and the score's logits, or a
-    calibrated fit's block by block (``streamed_fit_bytes``) if more; 0 when the checkpoint
-    or the model's shape is unknown."""
-    if not facts.weight_bytes or not facts.layers or not facts.hidden_size:
+    copy (on a CPU slot, ``host``: the backend's streamed working memory, in layers), the
+    float32 hidden states of every eval window, and the score's logits (``score_logits``),
+    or a calibrated fit's
+    block by block (``streamed_fit_bytes``) if more; 0 when the checkpoint or the model's
+    shape is unknown."""
+    layer = layer_bytes(facts)
+    if not facts.weight_bytes or not layer:
         return 0
-    loaded = facts.weight_bytes * facts.loaded_bits / facts.checkpoint_bits
-    outside = min(loaded, 2 * facts.vocab_size * facts.hidden_size * facts.loaded_bits / 8)
-    layer = (loaded - outside) / facts.layers
+    outside = outside_bytes(facts)
     hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
-    passing = outside + 2 * layer + hidden + eval_bytes(job.eval, facts)
+    layers = get_backend(job.backend).sizing.host(job.options).streamed if host else 2.0
+    passing = outside + layers * layer + hidden + score_logits(job, facts, host, streamed=True)
     return int(max(passing, streamed_fit_bytes(job, facts, outside, layer)))
 
 

@@ -36,6 +36,7 @@ from quantdask.plan.phase_memory import (
     phase_bytes,
     streamed_bytes,
 )
+from quantdask.process.slot_memory import METRIC, SlotMemory
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, Job
 from quantdask.util import format_bytes
@@ -79,20 +80,27 @@ def _ran_phases(job_id: str, phases: pl.DataFrame) -> set[str]:
     return set(phases.filter(pl.col("job_id") == job_id)["phase"].to_list())
 
 
-def _peak_ratios(job: Job, rows: list[dict], facts: ModelFacts,
-                 phases: pl.DataFrame) -> list[float]:
+def _peak_ratios(job: Job, rows: list[dict], facts: ModelFacts, phases: pl.DataFrame,
+                 host: bool, resting: int) -> list[float]:
     """Measured peak / config figure of each of ``rows`` (this model's other done jobs), each
     figure over the phases that job ran (a job that ran no speed phase is not compared with
     a figure for one)."""
     ratios = []
     for row in rows:
         options = stored_options(row)
-        theirs = {} if options is None else phase_bytes(row["backend"], options, job, facts)
+        theirs = ({} if options is None
+                  else phase_bytes(row["backend"], options, job, facts, host))
         ran = _ran_phases(row["job_id"], phases)
         figure = max((b for phase, b in theirs.items() if not ran or phase in ran), default=0)
         if figure:
-            ratios.append(row["peak_device_mem_bytes"] / figure)
+            ratios.append(_own(row["peak_device_mem_bytes"], resting) / figure)
     return ratios
+
+
+def _own(peak: int, resting: int) -> int:
+    """What a job's measured peak added to its worker: on a CPU slot the peak is the worker's
+    RSS, its ``resting`` memory included (what the slot's offer leaves out; elsewhere 0)."""
+    return max(1, peak - resting)
 
 
 def _from_figures(job: Job, facts: ModelFacts, figures: dict[str, int], scale: float,
@@ -105,12 +113,14 @@ def _from_figures(job: Job, facts: ModelFacts, figures: dict[str, int], scale: f
 
 
 def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame,
-                           phases: pl.DataFrame | None = None) -> MemoryEstimate:
+                           phases: pl.DataFrame | None = None, host: bool = False,
+                           resting: int = 0) -> MemoryEstimate:
     """``job``'s device memory: its own measured peak if it ran before (in ``done``, earlier
     done results); else the largest of its phases' figures by config (``phase_memory``)
     scaled by how the measured peaks of this model's other jobs compare with their figures
     (over the phases each ran, from ``phases``, the phases frame); else that figure alone.
-    ``SAFETY`` on top."""
+    ``SAFETY`` on top. On CPU slots (``host``) every figure is what the job adds to its
+    worker's RSS, and a measured peak counts less the slots' ``resting`` memory."""
     phases = pl.DataFrame() if phases is None else phases
     # A peak measured while packed jobs ran beside it is theirs too: not this job's figure.
     shared = (pl.col("peak_shared").fill_null(False) if "peak_shared" in done.columns
@@ -121,20 +131,21 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame,
     rows = (done.filter((pl.col("model") == job.model.label)
                         & pl.col("peak_device_mem_bytes").is_not_null() & ~shared).to_dicts()
             if done.height else [])
-    own = [r["peak_device_mem_bytes"] for r in rows if r["job_id"] == job.id]
+    own = [_own(r["peak_device_mem_bytes"], resting) for r in rows if r["job_id"] == job.id]
     if own:
         phase = _measured_peak_phase(job.id, phases)
         return MemoryEstimate(int(max(own) * SAFETY), "its measured peak", measured=max(own),
                               peak_phase=phase, peak_note=phase or "")
-    figures = phase_bytes(job.backend, job.options, job, facts)
-    ratios = _peak_ratios(job, rows, facts, phases)
+    figures = phase_bytes(job.backend, job.options, job, facts, host)
+    ratios = _peak_ratios(job, rows, facts, phases, host, resting)
     if figures and ratios:
         return _from_figures(job, facts, figures, median(ratios) * SAFETY,
                              f"config, scaled by {len(ratios)} measured peaks of this model")
     if figures:
         return _from_figures(job, facts, figures, SAFETY, "checkpoint size and config")
     if rows:
-        return MemoryEstimate(int(median(r["peak_device_mem_bytes"] for r in rows) * SAFETY),
+        return MemoryEstimate(int(median(_own(r["peak_device_mem_bytes"], resting)
+                                         for r in rows) * SAFETY),
                               f"{len(rows)} measured peaks of this model")
     return MemoryEstimate(None, "nothing known")
 
@@ -169,15 +180,28 @@ def done_phases(run_dir: str | os.PathLike | None) -> pl.DataFrame:
 
 def _job_takers(client: Client) -> dict[str, dict]:
     """The workers now that take jobs (those with a ``GPU`` resource): address -> resources,
-    with the worker's name under ``"name"``."""
+    with the worker's name under ``"name"`` and, for a CPU slot with a memory limit, its
+    :class:`SlotMemory` under ``"slot"``."""
     workers = client.scheduler_info(n_workers=-1)["workers"]
-    return {address: {**w.get("resources", {}), "name": str(w["name"])}
+    return {address: {**w.get("resources", {}), "name": str(w["name"]),
+                      "slot": SlotMemory.from_metric(w.get("metrics", {}).get(METRIC))}
             for address, w in workers.items() if w.get("resources", {}).get("GPU", 0) > 0}
+
+
+def slot_memories(client: Client) -> dict[str, SlotMemory]:
+    """Each job-taking CPU slot with a memory limit: its name -> what it reported of its
+    memory (its limit, the nanny's terminate fraction, its resting memory, its offer)."""
+    return {w["name"]: w["slot"] for w in _job_takers(client).values() if w["slot"] is not None}
 
 
 def advertised_memory(client: Client) -> dict[str, float | None]:
     """Each job-taking worker's name -> the ``DEVICE_MEMORY`` it advertises (None: none)."""
     return {w["name"]: w.get(DEVICE_MEMORY) for w in _job_takers(client).values()}
+
+
+def most_room(client: Client) -> float:
+    """The most ``DEVICE_MEMORY`` a job-taking worker advertises now (0: none)."""
+    return max((memory or 0 for memory in advertised_memory(client).values()), default=0)
 
 
 def workers_with_room(client: Client, need: float) -> dict[str, str]:
@@ -194,6 +218,24 @@ class Placement:
     jobs: list[Job]
     largest: float = 0.0  # the most DEVICE_MEMORY a worker advertises (0: placement is off)
     reference_bytes: dict[str, int] = field(default_factory=dict)  # model label -> bytes
+    # The CPU slots' memory as they reported it, by worker name (none: GPUs, or no limit);
+    # with them, estimates count what a job adds to its worker's RSS.
+    slots: dict[str, SlotMemory] = field(default_factory=dict)
+
+    def slot(self, name: str | None, client: Client) -> SlotMemory | None:
+        """What the CPU slot called ``name`` reported of its memory (at placement, or now:
+        a slot that joined since)."""
+        if name is not None and name not in self.slots:
+            self.slots.update(slot_memories(client))
+        return self.slots.get(name) if name is not None else None
+
+    def room(self, client: Client) -> float:
+        """The most a worker offers now; a larger worker that joined since raises what jobs
+        may ask for (``capped``)."""
+        room = most_room(client)
+        if self.largest:  # (0: placement by memory is off, and stays off)
+            self.largest = max(self.largest, room)
+        return room
 
     def capped(self, job: Job) -> Job:
         """``job`` asking for no more than the largest worker has (an out-of-memory retry
@@ -244,15 +286,20 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     if found is None:
         return Placement(list(jobs))
     largest_worker, largest = found
+    slots = slot_memories(client)
+    # CPU slots: each figure is what a job adds to its worker's RSS (the slot's offer leaves
+    # its resting memory out; a measured peak includes it).
+    host = largest_worker in slots
+    resting = slots[largest_worker].resting if host else 0
     done, phases = done_results(run_dir), done_phases(run_dir)
     facts: dict[str, ModelFacts] = {}
     for job in jobs:
         if job.model.label not in facts:
             facts[job.model.label] = model_facts(job, layers=False)
-    estimates = {job.id: estimate_device_memory(job, facts[job.model.label], done, phases)
-                 for job in jobs}
+    estimates = {job.id: estimate_device_memory(job, facts[job.model.label], done, phases,
+                                                host, resting) for job in jobs}
     if stream == "auto":
-        streaming = streaming_models(jobs, estimates, facts, largest, finished)
+        streaming = streaming_models(jobs, estimates, facts, largest, finished, host)
         # A backend that cannot quantize one layer at a time stays resident (and is refused
         # below when it does not fit).
         jobs = [replace(job, streamed=True) if job.model.label in streaming
@@ -262,7 +309,7 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     for job in jobs:
         estimate = estimates[job.id]
         if job.streamed:
-            estimate = streamed_estimate(job, facts[job.model.label])
+            estimate = streamed_estimate(job, facts[job.model.label], host)
         need = estimate.bytes
         if need is None:
             placed.append(job)
@@ -273,7 +320,7 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
         if firm > largest and job.id not in finished:
             note = estimate.peak_note
             if stream == "auto" and not job.streamed:
-                note += _streaming_note(job, facts[job.model.label])
+                note += _streaming_note(job, facts[job.model.label], host)
             too_big.append((job.id, f"{job.model.label} {job.config_label}", firm,
                             estimate.basis, note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
@@ -281,8 +328,10 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
             # The model's reference runs the unquantized model, as its baseline job does.
             reference_bytes[job.model.label] = min(need, int(largest))
     if too_big:
-        raise PlacementError(too_big, largest, largest_worker)
-    return Placement(placed, largest, reference_bytes)
+        slot = slots.get(largest_worker)
+        raise PlacementError(too_big, largest, largest_worker,
+                             slot.describe() if slot is not None else "")
+    return Placement(placed, largest, reference_bytes, slots)
 
 
 @functools.cache
@@ -298,21 +347,21 @@ def unstreamable_model(model: ModelSpec) -> str | None:
     return unstreamable(model)
 
 
-def streamed_estimate(job: Job, facts: ModelFacts) -> MemoryEstimate:
+def streamed_estimate(job: Job, facts: ModelFacts, host: bool = False) -> MemoryEstimate:
     """A streamed job's estimate (``phase_memory.streamed_bytes``, ``SAFETY`` on top)."""
-    need = int(streamed_bytes(job, facts) * SAFETY) or None
+    need = int(streamed_bytes(job, facts, host) * SAFETY) or None
     return MemoryEstimate(need, "streamed: one layer, the hidden states, the head",
                           peak_phase="stream", peak_note="stream: one decoder layer at a time",
                           firm=need)
 
 
-def _streaming_note(job: Job, facts: ModelFacts) -> str:
+def _streaming_note(job: Job, facts: ModelFacts, host: bool) -> str:
     """What streaming would need for a job that fits no worker resident, or why it cannot."""
     refusal = (get_backend(job.backend).stream_refusal(facts.model_type)
                or unstreamable_model(job.model))
     if refusal:
         return f"; it cannot stream one layer at a time: {refusal}"
-    need = streamed_estimate(job, facts).bytes
+    need = streamed_estimate(job, facts, host).bytes
     return f"; streamed one layer at a time it would need ~{format_bytes(need)}" if need else ""
 
 
@@ -327,25 +376,25 @@ def _firm(estimate: MemoryEstimate, largest: float) -> int:
     return firm
 
 
-def _weights_and_score(job: Job, facts: ModelFacts) -> float:
+def _weights_and_score(job: Job, facts: ModelFacts, host: bool) -> float:
     """A job's resident estimate for its weights and its eval alone (streaming helps with
     those, not with a speed batch's cache or a task batch); unknown: infinite."""
-    figures = phase_bytes(job.backend, job.options, job, facts)
+    figures = phase_bytes(job.backend, job.options, job, facts, host)
     core = [figures[phase] for phase in (QUANTIZE, SCORE) if phase in figures]
     return max(core) * SAFETY if core else float("inf")
 
 
 def streaming_models(jobs: list[Job], estimates: dict[str, MemoryEstimate],
                      facts: dict[str, ModelFacts], largest: float,
-                     finished: Set[str] = frozenset()) -> set[str]:
+                     finished: Set[str] = frozenset(), host: bool = False) -> set[str]:
     """The models to stream: those with a job still to run that fits no worker resident,
     when their checkpoint can stream and every job of the model fits one streamed (the
     reference and every job of such a model stream, one layer at a time; a model that fits
     neither way is refused resident, with what streaming would need or why it cannot)."""
     tight = {job.model.label for job in jobs if job.id not in finished
              and _firm(estimates[job.id], largest) > largest
-             and _weights_and_score(job, facts[job.model.label]) > largest}
+             and _weights_and_score(job, facts[job.model.label], host) > largest}
     models = {job.model.label: job.model for job in jobs}
     return {model for model in tight if unstreamable_model(models[model]) is None
-            and all(0 < (streamed_estimate(job, facts[model]).bytes or 0) <= largest
+            and all(0 < (streamed_estimate(job, facts[model], host).bytes or 0) <= largest
                    for job in jobs if job.model.label == model and job.id not in finished)}

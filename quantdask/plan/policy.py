@@ -123,36 +123,8 @@ def worker_went_away(error: BaseException) -> bool:
         or "CommClosed" in type(error).__name__
 
 
-NEAR_THE_LIMIT = 0.8
-"""A lost worker whose sampled memory reached this share of its limit (Dask's own pause
-threshold) was likely killed for memory: its nanny samples ten times as often as the
-telemetry, and restarts it past ``distributed.worker.memory.terminate`` (95%)."""
-
-
-def memory_limit_note(peak_rss: int | None, limit: int | None) -> str | None:
-    """What to say of a lost worker's memory: why it was likely restarted, or nothing.
-
-    >>> memory_limit_note(1_100 * 2**20, 1_144 * 2**20)[:60]
-    '; its worker held 1.1 GiB (96% of its 1.1 GiB memory limit) '
-    >>> memory_limit_note(500 * 2**20, 1_144 * 2**20) is None
-    True
-    """
-    import dask
-
-    from quantdask.util import format_bytes
-
-    if not peak_rss or not limit or peak_rss < NEAR_THE_LIMIT * limit:
-        return None
-    terminate = dask.config.get("distributed.worker.memory.terminate") or 0.95
-    return (f"; its worker held {format_bytes(peak_rss)} ({peak_rss / limit:.0%} of its "
-            f"{format_bytes(limit)} memory limit) when last sampled, and Dask's nanny restarts "
-            f"a worker past {terminate:.0%} of its limit: likely killed for memory (give the "
-            f"workers a larger memory_limit, or run fewer jobs per worker)")
-
-
 def outcome_of_error(error: BaseException, job: Job, *, lost: bool, cut: bool,
-                     in_reference: bool, worker: str | None,
-                     memory_note: str | None = None) -> JobOutcome:
+                     in_reference: bool, worker: str | None) -> JobOutcome:
     """The outcome of an attempt whose future ended in ``error`` instead of a ``JobOutcome``
     (and was not requeued): ``lost`` its worker, its model's reference ``cut`` at its deadline,
     or the error raised ``in_reference`` (each of the model's jobs records one failed attempt).
@@ -172,6 +144,5 @@ def outcome_of_error(error: BaseException, job: Job, *, lost: bool, cut: bool,
     where = "in its model's reference: " if in_reference else ""
     return JobOutcome.outside(
         FailureClass.WORKER_LOST if lost else failure_class_of(error), type(error).__name__,
-        where + (str(error) or type(error).__name__) + (memory_note if lost and memory_note
-                                                        else ""),
+        where + (str(error) or type(error).__name__),
         "".join(traceback.format_exception(error)), worker=worker)

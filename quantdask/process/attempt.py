@@ -19,8 +19,9 @@ from typing import Any
 from quantdask.process.devices import this_workers_sampler
 from quantdask.process.live_log import LiveLog
 from quantdask.process.runtime import announce_start, quiet_libraries
+from quantdask.process.slot_memory import release_memory
 from quantdask.records import Row
-from quantdask.util import utcnow
+from quantdask.util import heap_trimmed, utcnow
 
 
 @dataclass
@@ -53,8 +54,12 @@ def attempt_scope(key: str, take_samples: bool = True) -> Iterator[AttemptScope]
         sampler.job_started(key)
     try:
         quiet_libraries()
-        yield scope
+        # On a CPU slot the device is the host: its freed heap goes back while the task runs,
+        # so the RSS the nanny counts follows what the task holds.
+        with heap_trimmed if not torch.cuda.is_available() else contextlib.nullcontext():
+            yield scope
     finally:
+        release_memory()  # the task's garbage and freed heap are not the next task's
         if torch.cuda.is_available():
             with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
                 torch.cuda.empty_cache()

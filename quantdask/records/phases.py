@@ -295,5 +295,10 @@ class NotDone(PhaseRecord):
     error_class: str  # the exception's type
     error_message: str
     traceback: str | None = None
+    # An attempt its worker's nanny killed for memory (Dask's worker-restart-memory event):
+    # the worker's Dask memory limit, and its RSS as the nanny read it, past the terminate
+    # fraction of that limit (the peak the attempt reached, at least); null otherwise.
+    memory_limit_bytes: int | None = None
+    killed_at_rss_bytes: int | None = None
 
 

@@ -25,12 +25,12 @@ from quantdask.cluster.operations import (
 from quantdask.job.job import run_job
 from quantdask.job.outcome import JobOutcome
 from quantdask.plan.health import DeviceHealth
-from quantdask.plan.placement import Placement, advertised_memory, workers_with_room
+from quantdask.plan.memory_kills import NANNY_MEMORY_TOPIC, MemoryKill, MemoryKills
+from quantdask.plan.placement import Placement, most_room, workers_with_room
 from quantdask.plan.policy import (
     Grace,
     Requeues,
     WorkerWatch,
-    memory_limit_note,
     outcome_of_error,
     past_deadline,
     stranded,
@@ -48,7 +48,7 @@ from quantdask.run.recorder import Recorder
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.sweep import Job, Sweep
 from quantdask.util import utcnow
-from quantdask.words import AttemptEnd, FailureClass, Status
+from quantdask.words import FailureClass, Status
 
 log = logging.getLogger(LOG_CHANNEL)
 
@@ -96,6 +96,7 @@ class SweepDriver:
         self._next_stranded_check = 0.0
         self._workers = WorkerWatch(NO_WORKERS_GRACE_S)
         self._unfit = Grace(NO_WORKERS_GRACE_S)  # attempts and references no worker has room for
+        self.kills = MemoryKills()  # workers their nanny killed for memory, attempts waiting
         self.stop = threading.Event()  # set by SweepHandle.cancel(): submit nothing more
         self.cancelled: list[str] = []  # jobs whose running attempts were cancelled
 
@@ -161,18 +162,22 @@ class SweepDriver:
         alone = topics.subscribers(self.client, TELEMETRY_TOPIC) == 0
         if alone:  # samples from before this sweep are not its own (nor another sweep's)
             self.client.run(drain_this_worker, on_error="ignore")
-        topics.subscribe(self.client, JOB_START_TOPIC, self._on_job_start)
-        topics.subscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
-        topics.subscribe(self.client, JOB_LOG_TOPIC, self.recorder.live.on_event)
+        listened = ((JOB_START_TOPIC, self._on_job_start), (TELEMETRY_TOPIC, self._on_telemetry),
+                    (JOB_LOG_TOPIC, self.recorder.live.on_event),
+                    (NANNY_MEMORY_TOPIC, self.kills.on_event))
+        for topic, handler in listened:
+            topics.subscribe(self.client, topic, handler)
         try:
             for job in jobs:
                 self.submit(job, 1)
-            while not self.stop.is_set() and (
-                    not self.pending.is_empty() or self.delayed or self.references.parked):
+            while not self.stop.is_set() and (not self.pending.is_empty() or self.delayed
+                                              or self.references.parked or self.kills):
                 ready = self.pending.next_batch(block=False) if self.pending.has_ready() else []
                 for future, result in ready:
                     self._collect(future, result)
                 self.recorder.live.write(self.attempts.get)  # running attempts' lines so far
+                for attempt, error in self.kills.settled(self.clock()):  # lost, or killed
+                    self._finish_lost(attempt, error, True, False)
                 self._release_parked()
                 self._enforce_deadlines()
                 self._submit_due_retries()
@@ -189,9 +194,8 @@ class SweepDriver:
             self.client.cancel(self.references.all_futures())
             raise
         finally:
-            topics.unsubscribe(self.client, JOB_START_TOPIC, self._on_job_start)
-            topics.unsubscribe(self.client, TELEMETRY_TOPIC, self._on_telemetry)
-            topics.unsubscribe(self.client, JOB_LOG_TOPIC, self.recorder.live.on_event)
+            for topic, handler in listened:
+                topics.unsubscribe(self.client, topic, handler)
             self.recorder.live.close()
             self.references.release()
         if topics.subscribers(self.client, TELEMETRY_TOPIC) == 0:
@@ -212,12 +216,8 @@ class SweepDriver:
             if attempt.started is None:
                 continue
             self.cancelled.append(attempt.job.id)
-            self.recorder.attempt(attempt, JobOutcome.outside(
-                None, "Cancelled", "cancelled by SweepHandle.cancel()",
-                worker=attempt.worker_name, status=AttemptEnd.CANCELLED, log=(
-                    f"{utcnow().isoformat()} WARNING {attempt.job.id} attempt="
-                    f"{attempt.number} cancelled by SweepHandle.cancel(); the next run of "
-                    "the sweep runs it again\n")))
+            self.recorder.attempt(attempt, JobOutcome.cancelled(attempt.job.id, attempt.number,
+                                                                attempt.worker_name))
         log.warning("sweep %s cancelled: %d running attempts stopped", self.sweep.name,
                     len(self.cancelled))
 
@@ -270,7 +270,7 @@ class SweepDriver:
         NO_WORKERS_GRACE_S for such a worker to come (back)."""
         if not self.placement.largest:
             return
-        room = max((m or 0 for m in advertised_memory(self.client).values()), default=0)
+        room = most_room(self.client)
         waiting = {k: a for k, a in self.attempts.waiting().items()
                    if a.job.device_memory_bytes > room}
         unfit_references = self.references.unfit(room)
@@ -322,10 +322,23 @@ class SweepDriver:
             self.progress.attempt_dropped(str(future.key))
             self.submit(job, attempt.number)
             return
+        if lost and not cut and attempt.worker_name in self.placement.slots:
+            # Its nanny's memory event may come after the news of the loss.
+            self.kills.await_event((attempt, error), attempt.worker_address, self.clock())
+            return
+        self._finish_lost(attempt, error, lost, cut)
+
+    def _finish_lost(self, attempt: Attempt, error: BaseException, lost: bool,
+                     cut: bool) -> None:
+        """An attempt ended without an outcome: killed for memory by its nanny, or ``error``'s."""
+        rss = self.kills.rss(attempt.worker_address) if lost else None
+        if rss is not None:
+            kill = MemoryKill(rss, self.placement.slot(attempt.worker_name, self.client))
+            self._finish(attempt, kill.outcome(attempt.worker_name), kill=kill)
+            return
         self._finish(attempt, outcome_of_error(
-            error, job, lost=lost, cut=cut, worker=attempt.worker_name,
-            in_reference=self.references.failed(job, attempt.reference_key),
-            memory_note=memory_limit_note(*self.progress.host_memory(attempt.key))))
+            error, attempt.job, lost=lost, cut=cut, worker=attempt.worker_name,
+            in_reference=self.references.failed(attempt.job, attempt.reference_key)))
 
     def _enforce_deadlines(self) -> None:
         for _, address in self.references.overdue():
@@ -366,9 +379,11 @@ class SweepDriver:
             self._finish(attempt, JobOutcome.outside(FailureClass.WORKER_LOST, "NoWorkers",
                                                      message), final=True)
 
-    def _finish(self, attempt: Attempt, outcome: JobOutcome, final: bool = False) -> None:
-        """Settle an attempt: record it; then retry it (a failure its class retries), or
-        record the job's result."""
+    def _finish(self, attempt: Attempt, outcome: JobOutcome, final: bool = False,
+                kill: MemoryKill | None = None) -> None:
+        """Settle an attempt: record it; then retry it (a failure its class retries: see
+        ``retry.after_failure``, with the nanny's ``kill`` for memory), or record the job's
+        result."""
         job, record = attempt.job, outcome.record
         samples = outcome.device_samples
         self.recorder.attempt(attempt, outcome)
@@ -379,7 +394,7 @@ class SweepDriver:
             if worker:
                 self.health.failed(worker, job.id, failure)
             decision = after_failure(job, attempt.number, failure, self.sweep.retry_backoff_s,
-                                     final)
+                                     final, kill, self.placement.room(self.client) if kill else 0)
             self.recorder.decision(attempt, failure, decision.reason)
             if decision.retry and decision.job is not None:
                 log.warning("%s attempt %d failed (%s: %s: %s); %s", job.id, attempt.number,

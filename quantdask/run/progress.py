@@ -216,15 +216,6 @@ class SweepProgress:
             self._event(f"{record['status']:7} {label} (attempt {attempt}){where}, "
                         f"{failure.failure_class}: {failure.message}; {then}")
 
-    def host_memory(self, key: str) -> tuple[int | None, int | None]:
-        """Running attempt ``key``'s peak worker-process memory, sampled, and its worker's
-        memory limit (None where unknown or unlimited)."""
-        with self._lock:
-            running = self.running.get(key)
-            if running is None:
-                return None, None
-            return running.peak_host_rss_bytes, running.host_memory_limit_bytes
-
     def attempt_dropped(self, key: str) -> None:
         """An attempt that will be submitted again (requeued, cut at its deadline)."""
         with self._lock:
