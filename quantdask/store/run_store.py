@@ -42,7 +42,7 @@ from typing import Any
 import polars as pl
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.records import AttemptRow, FrameRow, SessionRow
+from quantdask.records import AttemptRow, FrameRow, SessionRow, WorkerTaskRow
 from quantdask.store.schema import FRAME, FRAMES, PER_DONE_JOB, Frame
 from quantdask.store.validation import (
     empty_frame,
@@ -155,6 +155,11 @@ class RunStore:
         path = self.frame_dir("attempts") / name
         write_parquet(path, frame)
         return path
+
+    def write_worker_task(self, row: WorkerTaskRow) -> Path:
+        """Persist one task other than a job's attempt that a worker ran (the worker_tasks
+        schema), atomically."""
+        return self.write_rows("worker_tasks", _SAFE_NAME.sub("_", row.key), [row])
 
     def write_session(self, row: SessionRow) -> Path:
         """Persist (or update) one driver session's row (the sessions schema), atomically."""
@@ -405,6 +410,12 @@ def read_speed(run_dir: str | os.PathLike) -> pl.DataFrame:
 def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
     """Every try of every job of ``run_dir``: one row per attempt."""
     return read_frame(run_dir, "attempts")
+
+
+def read_worker_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every task other than a job's attempt that ``run_dir``'s sessions ran on a worker (a
+    model's reference, a search's probes...): one row per task, with its kind."""
+    return read_frame(run_dir, "worker_tasks")
 
 
 def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:
