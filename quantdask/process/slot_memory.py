@@ -90,10 +90,15 @@ def release_memory() -> None:
     models hold reference cycles: bitsandbytes' parameters point back at their module), then
     the freed heap, back to the OS (glibc keeps freed chunks in its arenas). The nanny counts
     both in the worker's RSS: left, they are the next job's, which the nanny may kill for
-    them. (Cheap after ``freeze_startup_objects``.)"""
+    them. The collection runs only in a process whose startup objects are frozen
+    (``freeze_startup_objects``: a worker started with quantdask's preload), where it costs a
+    few milliseconds; elsewhere (a job run in a notebook's or a test's process) it walked the
+    whole heap at every phase's end and doubled the test suite's time, and no nanny counts
+    that process's RSS."""
     import gc
 
-    gc.collect()
+    if gc.get_freeze_count():
+        gc.collect()
     trim = malloc_trim()
     if trim is not None:
         trim(0)
