@@ -89,6 +89,51 @@ def metric_scale(values: pl.Series) -> alt.Scale:
     return alt.Scale(zero=False, padding=12)
 
 
+def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.DataFrame | None,
+                   number: int) -> alt.LayerChart | alt.FacetChart:
+    """One model's ``metric`` against its size (see ``quality_chart``); ``number`` names its
+    zoom."""
+    tooltip = QUALITY_TOOLTIP
+    # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
+    # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
+    # error over the windows (ties).
+    ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
+    data = pareto_frontier(data, loss=ranked_by, windows=windows)
+    data = data.with_columns(
+        pl.when(pl.col("backend") == BASELINE).then(pl.lit("baseline"))
+        .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
+        .otherwise(pl.lit("dominated")).alias("kind"))
+    scale = metric_scale(data[metric])
+    if scale.type == "log":  # error bars down to 0 have no place on it
+        data = data.with_columns(pl.max_horizontal(
+            f"{metric}_lo", pl.col(metric).filter(pl.col(metric) > 0).min() / 2)
+            .alias(f"{metric}_lo"))
+    base = alt.Chart(data).encode(
+        x=alt.X(f"{SIZE_BITS}:Q", scale=alt.Scale(zero=False, padding=12),
+                title="bits per quantized weight (the baseline: as stored)"))
+    error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
+        y=alt.Y(f"{metric}_lo:Q", scale=scale), y2=f"{metric}_hi:Q",
+        color=alt.Color("backend:N"), tooltip=tooltip)
+    points = base.mark_point(size=90, filled=True).encode(
+        y=alt.Y(f"{metric}:Q", title=title + (" (log scale)" if scale.type == "log" else ""),
+                scale=scale),
+        color=alt.Color("backend:N"),
+        shape=alt.Shape("kind:N", scale=alt.Scale(
+            domain=["baseline", "Pareto frontier", "dominated"],
+            range=["diamond", "circle", "triangle-up"])),
+        tooltip=tooltip,
+    )
+    frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
+        color="black", strokeDash=[4, 2], opacity=0.5).encode(
+        y=f"{metric}:Q", detail="model:N", order=f"{SIZE_BITS}:Q")
+    baseline = alt.Chart(data.filter(pl.col("backend") == BASELINE)).mark_rule(
+        color="gray", strokeDash=[6, 3]).encode(y=f"{metric}:Q", tooltip=tooltip)
+    zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{number}")
+    model = data["model"][0]
+    return alt.layer(frontier, baseline, error_bars, points.add_params(zoom)).properties(
+        width=360, height=260, title=f"{model}: {title} vs bits per quantized weight")
+
+
 def quality_chart(results: pl.DataFrame,
                   windows: pl.DataFrame | None = None) -> alt.Chart | alt.VConcatChart:
     """Quality against size: bits per quantized weight (the quantized layers' weights with their
@@ -103,56 +148,14 @@ def quality_chart(results: pl.DataFrame,
     data = _with_error_bars(results.filter(pl.col("status") == Status.DONE))
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
-    tooltip = QUALITY_TOOLTIP
-
-    panels: list[str] = []
-
-    def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart | alt.FacetChart:
-        # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
-        # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
-        # error over the windows (ties).
-        ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
-        data = pareto_frontier(data, loss=ranked_by, windows=windows)
-        data = data.with_columns(
-            pl.when(pl.col("backend") == BASELINE).then(pl.lit("baseline"))
-            .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
-            .otherwise(pl.lit("dominated")).alias("kind"))
-        scale = metric_scale(data[metric])
-        if scale.type == "log":  # error bars down to 0 have no place on it
-            data = data.with_columns(pl.max_horizontal(
-                f"{metric}_lo", pl.col(metric).filter(pl.col(metric) > 0).min() / 2)
-                .alias(f"{metric}_lo"))
-        base = alt.Chart(data).encode(
-            x=alt.X(f"{SIZE_BITS}:Q", scale=alt.Scale(zero=False, padding=12),
-                    title="bits per quantized weight (the baseline: as stored)"))
-        error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
-            y=alt.Y(f"{metric}_lo:Q", scale=scale), y2=f"{metric}_hi:Q",
-            color=alt.Color("backend:N"), tooltip=tooltip)
-        points = base.mark_point(size=90, filled=True).encode(
-            y=alt.Y(f"{metric}:Q", title=title + (" (log scale)" if scale.type == "log" else ""),
-                    scale=scale),
-            color=alt.Color("backend:N"),
-            shape=alt.Shape("kind:N", scale=alt.Scale(
-                domain=["baseline", "Pareto frontier", "dominated"],
-                range=["diamond", "circle", "triangle-up"])),
-            tooltip=tooltip,
-        )
-        frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
-            color="black", strokeDash=[4, 2], opacity=0.5).encode(
-            y=f"{metric}:Q", detail="model:N", order=f"{SIZE_BITS}:Q")
-        baseline = alt.Chart(data.filter(pl.col("backend") == BASELINE)).mark_rule(
-            color="gray", strokeDash=[6, 3]).encode(y=f"{metric}:Q", tooltip=tooltip)
-        panels.append(metric)  # each panel zooms on its own: its selection has its own name
-        zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{len(panels)}")
-        model = data["model"][0]
-        return alt.layer(frontier, baseline, error_bars, points.add_params(zoom)).properties(
-            width=360, height=260, title=f"{model}: {title} vs bits per quantized weight")
-
     # One row of panels per model: perplexities of different models do not share a scale.
+    # Each panel zooms on its own: its selection has its own name (its number).
     return alt.vconcat(*[
-        alt.hconcat(panel(model_data, "perplexity", "perplexity (no unit)"),
-                    panel(model_data, "kl_divergence", "KL divergence (nats/token)"))
-        for _, model_data in data.group_by("model", maintain_order=True)
+        alt.hconcat(_quality_panel(model_data, "perplexity", "perplexity (no unit)", windows,
+                                   2 * index + 1),
+                    _quality_panel(model_data, "kl_divergence", "KL divergence (nats/token)",
+                                   windows, 2 * index + 2))
+        for index, (_, model_data) in enumerate(data.group_by("model", maintain_order=True))
     ]).properties(title="Quality vs size (lower left is better)")
 
 

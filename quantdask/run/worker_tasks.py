@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 
 from quantdask.records import WorkerTaskRow
 from quantdask.run import LOG_CHANNEL
@@ -14,6 +15,7 @@ from quantdask.store.run_store import RunStore
 from quantdask.words import Status
 
 log = logging.getLogger(LOG_CHANNEL)
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")  # a Dask key as a file name
 
 
 class WorkerTaskLog:
@@ -30,7 +32,9 @@ class WorkerTaskLog:
         if self.run_id not in key:
             return  # another session's (two sweeps on one cluster), or no task's
         try:
-            self.store.write_worker_task(row_of(self.run_id, message))
+            # One file per task, named by its key (a rerun of it writes a file of its own).
+            self.store.write_rows("worker_tasks", _SAFE.sub("_", key), [row_of(self.run_id,
+                                                                             message)])
         except Exception:  # a record lost must not stop the client's event loop
             log.exception("the time account of task %s was not recorded", key)
 

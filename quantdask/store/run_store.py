@@ -42,7 +42,7 @@ from typing import Any
 import polars as pl
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.records import AttemptRow, FrameRow, SessionRow, WorkerTaskRow
+from quantdask.records import AttemptRow, FrameRow, SessionRow
 from quantdask.store.schema import FRAME, FRAMES, PER_DONE_JOB, Frame
 from quantdask.store.validation import (
     empty_frame,
@@ -155,11 +155,6 @@ class RunStore:
         path = self.frame_dir("attempts") / name
         write_parquet(path, frame)
         return path
-
-    def write_worker_task(self, row: WorkerTaskRow) -> Path:
-        """Persist one task other than a job's attempt that a worker ran (the worker_tasks
-        schema), atomically."""
-        return self.write_rows("worker_tasks", _SAFE_NAME.sub("_", row.key), [row])
 
     def write_session(self, row: SessionRow) -> Path:
         """Persist (or update) one driver session's row (the sessions schema), atomically."""
@@ -361,8 +356,7 @@ def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
 
 
 def read_frame(run_dir: str | os.PathLike, name: str) -> pl.DataFrame:
-    """The frame ``name`` of ``run_dir`` (``store.schema.FRAMES`` lists them: results, layers,
-    windows, tasks, speed, phases, attempts, sessions, samples), in its schema.
+    """The frame ``name`` of ``run_dir`` (``store.schema.FRAMES`` lists them), in its schema.
 
     >>> read_frame("runs/demo", "phases").group_by("phase").agg(pl.sum("seconds"))  # doctest: +SKIP
     """
@@ -395,15 +389,14 @@ def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
 
 
 def read_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Task scores of every done job of ``run_dir``: one row per (job, task, metric, filter),
-    with the baseline's value and the recovery (empty for a sweep without tasks)."""
+    """Task scores of every done job: one row per (job, task, metric, filter), with the
+    baseline's value and the recovery (empty for a sweep without tasks)."""
     return read_frame(run_dir, "tasks")
 
 
 def read_speed(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Generation speed of every done job of ``run_dir``: one row per (job, batch size), with
-    the baseline's decode tokens/s for the same model and batch and the speed-ups (null where
-    the baseline has no row). Empty for a sweep without a speed block."""
+    """Generation speed of every done job: one row per (job, batch size), with the baseline's
+    decode tokens/s and the speed-ups (null where it has no row; empty without a speed block)."""
     return read_frame(run_dir, "speed")
 
 
@@ -413,8 +406,7 @@ def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
 
 
 def read_worker_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Every task other than a job's attempt that ``run_dir``'s sessions ran on a worker (a
-    model's reference, a search's probes...): one row per task, with its kind."""
+    """Every other task than a job's attempt run on a worker (references, a search's probes)."""
     return read_frame(run_dir, "worker_tasks")
 
 

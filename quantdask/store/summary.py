@@ -153,6 +153,17 @@ def _seconds_between(end: pl.Expr, start: pl.Expr) -> pl.Expr:
     return (end - start).dt.total_microseconds() / 1e6
 
 
+def _with_sessions(per_run: pl.DataFrame, sessions: pl.DataFrame | None) -> pl.DataFrame:
+    """``per_run`` with each session's workers, slots, start and end (null where unrecorded)."""
+    if sessions is not None and not sessions.is_empty():
+        return per_run.join(
+            sessions.select("run_id", "workers", "slots", "started_at", "finished_at"),
+            on="run_id", how="left")
+    return per_run.with_columns(
+        pl.lit(None, pl.Int64).alias(c) for c in ("workers", "slots")).with_columns(
+        pl.lit(None, pl.Datetime("us", "UTC")).alias(c) for c in ("started_at", "finished_at"))
+
+
 def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None,
                   worker_tasks: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per driver session that ran tasks: how well the cluster was used. Every task
@@ -191,14 +202,7 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None,
     searching = pl.col("kind").is_in([kind.value for kind in SEARCH_KINDS])
     for name, picked in (("search", searching), ("jobs", ~searching)):
         per_run = per_run.join(_phase(spans, name, picked), on="run_id", how="left")
-    if sessions is not None and not sessions.is_empty():
-        per_run = per_run.join(
-            sessions.select("run_id", "workers", "slots", "started_at", "finished_at"),
-            on="run_id", how="left")
-    else:
-        per_run = per_run.with_columns(
-            pl.lit(None, pl.Int64).alias(c) for c in ("workers", "slots")).with_columns(
-            pl.lit(None, pl.Datetime("us", "UTC")).alias(c) for c in ("started_at", "finished_at"))
+    per_run = _with_sessions(per_run, sessions)
     makespan = _seconds("last_finish", "first_start")
     wall = pl.when(pl.col("finished_at").is_not_null()).then(
         _seconds("finished_at", "started_at")).otherwise(makespan)
