@@ -178,9 +178,8 @@ def sweep_summary(attempts: pl.DataFrame, sessions: pl.DataFrame | None = None,
     - ``speedup`` = work / makespan; ``efficiency`` = speedup / slots;
     - ``lower_bound_s`` = max(longest task, work / slots): no schedule can beat it, so
       ``makespan_vs_lower_bound`` (>= 1) says how far from perfect packing the sweep ran;
-    - ``search_*``: the same for a search's probing phase alone (its units, reference and
-      probes; null without one), ``jobs_*`` for the rest (attempts, references), so each
-      phase's own speedup reads beside the other's.
+    - ``search_*``: the same for a search's probing alone (null without one), ``jobs_*`` for
+      the rest (attempts, references): each phase's own speedup beside the other's.
     """
     spans = worker_spans(attempts, worker_tasks).with_columns(
         _seconds("finished_at", "started_at").alias("run_s"))
