@@ -589,6 +589,24 @@ def test_text_that_looks_like_html_cannot_break_a_chart_out_of_its_script(tmp_pa
     assert "</script><script>window.broken = 1</script>" in page.text
 
 
+def test_log_scaled_quality_and_a_deep_heatmap_draw_in_chromium(tmp_path, chromium, mixed_run):
+    """The exploded config's log scales (a zero KL has no place on them) and the 80-block
+    heatmap draw in the report's browser without an error or a warning."""
+    import vl_convert
+
+    from quantdask.report.html import _chart_html
+
+    results = read_results(mixed_run)
+    charts = [_chart_html(report.quality_chart(_exploded(results)).to_dict())["text/html"]]
+    page_path = tmp_path / "charts.html"
+    page_path.write_text(f"<html><body><script>{vl_convert.javascript_bundle()}</script>"
+                         f"{''.join(charts)}</body></html>")
+    page = inspect_page(page_path, chromium=chromium)
+    assert [c["state"] for c in page.charts] == ["rendered"]
+    assert page.console_errors == [] and page.console_warnings == []
+    assert page.charts[0]["marks"] > 0
+
+
 NOTEBOOK_PARAMETERS = {
     "report": lambda run: {"run_dir": str(run)},
     "memory": lambda run: {"run_dir": str(run)},
