@@ -33,7 +33,6 @@ from quantdask.measure.usage import PeakMemory
 from quantdask.process.attempt import AttemptScope, attempt_scope, captured_log
 from quantdask.process.live_log import live_sender
 from quantdask.process.runtime import held_resources, torch_device
-from quantdask.process.slot_memory import release_memory
 from quantdask.randomness import job_random
 from quantdask.records import (
     Ended,
@@ -67,9 +66,6 @@ def run_phases(run: JobContext) -> tuple[list[PhaseRecord], list[PhaseRow]]:
             began = time.perf_counter()
             with PeakMemory(run.cuda) as peak:
                 made, produced = phase(run, made)
-            # What the phase freed goes back to the OS before the next begins: the worker's
-            # RSS (what its nanny counts) then follows what the job holds, not its past peak.
-            release_memory()
             if produced is None:
                 continue
             made = dataclasses.replace(made, records=(*made.records, produced))

@@ -93,7 +93,7 @@ def release_memory() -> None:
     them. The collection runs only in a process whose startup objects are frozen
     (``freeze_startup_objects``: a worker started with quantdask's preload), where it costs a
     few milliseconds; elsewhere (a job run in a notebook's or a test's process) it walked the
-    whole heap at every phase's end and doubled the test suite's time, and no nanny counts
+    whole heap and doubled the test suite's time, and no nanny counts
     that process's RSS."""
     import gc
 
