@@ -396,3 +396,46 @@ def test_a_device_failing_different_jobs_is_taken_out_of_rotation(fault_cluster,
     assert re.search(r"failed \d+ different jobs in a row, 2 of which then ran fine elsewhere",
                      excluded[0]["reason"])
     assert remaining == {"0"}
+
+
+def _part_fails() -> None:
+    raise ValueError("a reference part failed")
+
+
+def _part_runs_on(seconds: float) -> int:
+    time.sleep(seconds)
+    return 1
+
+
+def _joined(*parts) -> int:
+    return sum(parts)
+
+
+def _attempt_on(reference) -> object:
+    return reference
+
+
+@pytest.mark.timeout(60)
+def test_letting_go_of_a_failed_references_parts_leaves_its_attempts_failing_with_its_error(
+        cluster):
+    """A failed reference's unfinished parts are let go of (``ModelReferences._settle``)
+    while attempts already wait on it: those fail with the reference's error. (Cancelled,
+    the parts took the reference and its attempts with them: each attempt came back
+    cancelled, was requeued on a cancelled dependency and ended as worker_lost.)"""
+    from quantdask.plan.references import ModelReferences
+
+    client = cluster.client
+    failing = client.submit(_part_fails, pure=False)
+    running = client.submit(_part_runs_on, 3.0, pure=False)
+    whole = client.submit(_joined, failing, running, pure=False)
+    while not whole.done():
+        time.sleep(0.05)
+    attempt = client.submit(_attempt_on, whole, pure=False)
+    references = ModelReferences(client, "run", lambda job: {})
+    references.futures["model"] = whole
+    references._parts[str(whole.key)] = [failing, running]
+    references._settle()
+    while not attempt.done():
+        time.sleep(0.05)
+    assert (whole.status, attempt.status) == ("error", "error")
+    assert "a reference part failed" in str(attempt.exception())

@@ -200,12 +200,16 @@ class ModelReferences:
     def _settle(self) -> None:
         """Let go of the parts of every reference that is done: a finished one holds what they
         computed (so their results need not stay on the workers), and a failed one's
-        unfinished parts would only keep workers busy."""
+        unfinished parts would only keep workers busy. Released, not cancelled: Dask cancels
+        a cancelled key's dependents too, so cancelling a part cancelled the failed reference
+        and every attempt already submitted on it (each then requeued on a cancelled
+        dependency until it counted as worker_lost, instead of failing with the reference's
+        error); a released part no one wants is dropped by the scheduler all the same."""
         for whole in self.futures.values():
             if whole.done():
                 for part in self._parts.pop(str(whole.key), []):
                     if not part.done():
-                        part.cancel()
+                        part.release()
 
     def was_cut(self, dask_key: str) -> bool:
         return dask_key in self._cut
