@@ -395,16 +395,23 @@ def test_one_exploded_config_leaves_every_other_readable(mixed_run):
     assert base["size_bits"] == base["bits_per_weight"]
 
 
-def test_the_layer_heatmap_fits_one_screen_at_80_blocks(mixed_run):
-    results = read_results(mixed_run)
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def _deep_layers(results: pl.DataFrame) -> list[dict]:
+    """Layer rows of an 80-block model (7 linears a block, and a head) for nf4's job."""
     job = results.filter(pl.col("config_label") == "nf4")["job_id"][0]
-    linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     rows = [{"job_id": job, "position": 7 * block + i, "layer": f"model.layers.{block}.{name}",
              "in_features": 64, "out_features": 64, "weight_rel_error": 0.01 * (i + 1),
              "weight_sqnr_db": 30.0, "output_rel_error": None}
-            for block in range(80) for i, name in enumerate(linears)]
-    rows.append({**rows[0], "position": 560, "layer": "lm_head", "weight_rel_error": 0.5})
+            for block in range(80) for i, name in enumerate(LINEARS)]
+    return [*rows, {**rows[0], "position": 560, "layer": "lm_head", "weight_rel_error": 0.5}]
+
+
+def test_the_layer_heatmap_fits_one_screen_at_80_blocks(mixed_run):
+    results = read_results(mixed_run)
+    rows, linears = _deep_layers(results), LINEARS
     spec = report.layer_error_heatmap(results, pl.DataFrame(rows)).to_dict()
     heatmap = spec["vconcat"][0]
     assert heatmap["height"]["step"] * (80 + 1) <= 800  # 80 blocks and the head: one screen
@@ -597,14 +604,17 @@ def test_log_scaled_quality_and_a_deep_heatmap_draw_in_chromium(tmp_path, chromi
     from quantdask.report.html import _chart_html
 
     results = read_results(mixed_run)
-    charts = [_chart_html(report.quality_chart(_exploded(results)).to_dict())["text/html"]]
+    charts = [_chart_html(chart.to_dict())["text/html"] for chart in (
+        report.quality_chart(_exploded(results)),
+        report.layer_error_heatmap(results, pl.DataFrame(_deep_layers(results))))]
     page_path = tmp_path / "charts.html"
     page_path.write_text(f"<html><body><script>{vl_convert.javascript_bundle()}</script>"
                          f"{''.join(charts)}</body></html>")
     page = inspect_page(page_path, chromium=chromium)
-    assert [c["state"] for c in page.charts] == ["rendered"]
+    assert [c["state"] for c in page.charts] == ["rendered", "rendered"]
     assert page.console_errors == [] and page.console_warnings == []
-    assert page.charts[0]["marks"] > 0
+    assert all(chart["marks"] > 0 for chart in page.charts)
+    assert page.charts[1]["height"] < 1100  # 81 rows, the pickers and the axis: one screen
 
 
 NOTEBOOK_PARAMETERS = {

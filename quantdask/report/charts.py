@@ -104,10 +104,10 @@ def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.Data
         .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
         .otherwise(pl.lit("dominated")).alias("kind"))
     scale = metric_scale(data[metric])
-    if scale.type == "log":  # error bars down to 0 have no place on it
-        data = data.with_columns(pl.max_horizontal(
-            f"{metric}_lo", pl.col(metric).filter(pl.col(metric) > 0).min() / 2)
-            .alias(f"{metric}_lo"))
+    if scale.type == "log":  # a zero (the baseline's KL), or a bar down to it, has no place
+        data = data.filter(pl.col(metric) > 0).with_columns(pl.max_horizontal(
+            f"{metric}_lo", pl.col(metric).min() / 2).alias(f"{metric}_lo"))
+        title += " (log scale; zero not drawn)"
     base = alt.Chart(data).encode(
         x=alt.X(f"{SIZE_BITS}:Q", scale=alt.Scale(zero=False, padding=12),
                 title="bits per quantized weight (the baseline: as stored)"))
@@ -115,8 +115,7 @@ def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.Data
         y=alt.Y(f"{metric}_lo:Q", scale=scale), y2=f"{metric}_hi:Q",
         color=alt.Color("backend:N"), tooltip=tooltip)
     points = base.mark_point(size=90, filled=True).encode(
-        y=alt.Y(f"{metric}:Q", title=title + (" (log scale)" if scale.type == "log" else ""),
-                scale=scale),
+        y=alt.Y(f"{metric}:Q", title=title, scale=scale),
         color=alt.Color("backend:N"),
         shape=alt.Shape("kind:N", scale=alt.Scale(
             domain=["baseline", "Pareto frontier", "dominated"],
@@ -126,11 +125,12 @@ def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.Data
     frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
         color="black", strokeDash=[4, 2], opacity=0.5).encode(
         y=f"{metric}:Q", detail="model:N", order=f"{SIZE_BITS}:Q")
-    baseline = alt.Chart(data.filter(pl.col("backend") == BASELINE)).mark_rule(
-        color="gray", strokeDash=[6, 3]).encode(y=f"{metric}:Q", tooltip=tooltip)
+    baseline = data.filter(pl.col("backend") == BASELINE)  # none on a log scale of KL
+    rule = [alt.Chart(baseline).mark_rule(color="gray", strokeDash=[6, 3]).encode(
+        y=f"{metric}:Q", tooltip=tooltip)] if baseline.height else []
     zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{number}")
     model = data["model"][0]
-    return alt.layer(frontier, baseline, error_bars, points.add_params(zoom)).properties(
+    return alt.layer(frontier, *rule, error_bars, points.add_params(zoom)).properties(
         width=360, height=260, title=f"{model}: {title} vs bits per quantized weight")
 
 
