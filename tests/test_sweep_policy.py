@@ -57,7 +57,8 @@ class FakeClock:
 
 
 class FakeFuture:
-    """What ModelReferences reads of a Dask future: its key, status, done() and cancel()."""
+    """What ModelReferences reads of a Dask future: its key, status, done(), cancel() and
+    release()."""
 
     def __init__(self, key: str):
         self.key, self.status = key, "pending"
@@ -67,6 +68,9 @@ class FakeFuture:
 
     def cancel(self) -> None:
         self.status = "cancelled"
+
+    def release(self) -> None:
+        self.status = "released"
 
 
 class FakeClient:
@@ -213,7 +217,8 @@ def test_a_done_reference_lets_go_of_its_parts_and_a_failed_ones_running_parts_s
     again = references.future_for(job)
     third, fourth = client.parts(again)
     third.status = again.status = "error"  # one part failed, so did the whole
-    assert references.overdue() == [] and fourth.status == "cancelled"
+    # Released, not cancelled: a cancel would take the reference's dependents with it.
+    assert references.overdue() == [] and fourth.status == "released"
     assert references.all_futures() == [again]
 
 
