@@ -46,7 +46,7 @@ def main() -> None:
                 results = run_sweep(sweep, run_dir, cluster.client)
             assert (results["status"] == "done").all(), results
             row = sweep_summary(read_attempts(run_dir), read_sessions(run_dir)).row(0, named=True)
-        print(f"| {n} | {row['work_s']:.2f} | {row['longest_job_s']:.2f} | "
+        print(f"| {n} | {row['work_s']:.2f} | {row['longest_task_s']:.2f} | "
               f"{row['lower_bound_s']:.2f} | {row['makespan_s']:.2f} | "
               f"{row['makespan_vs_lower_bound']:.3f} |", flush=True)
 

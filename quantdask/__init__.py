@@ -51,6 +51,7 @@ from quantdask.store.run_store import (
     read_speed,
     read_tasks,
     read_windows,
+    read_worker_tasks,
 )
 from quantdask.store.summary import device_summary, job_status, sweep_summary
 from quantdask.sweepfile.gates import Gate
@@ -82,7 +83,7 @@ __all__ = [
     "read_frames",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",
-    "read_windows",
+    "read_windows", "read_worker_tasks",
     "register_backend", "run_sweep", "submit_sweep", "SweepHandle", "scale_sweep",
     "start_cluster", "sweep_from_dict",
     "sweep_summary", "SpeedSettings", "TaskSettings", "tls_security", "write_report",

@@ -40,6 +40,18 @@ class AttemptEnd(StrEnum):
     CANCELLED = "cancelled"
 
 
+class WorkerTaskKind(StrEnum):
+    """What a task the run schedules on a worker does (the time account: the attempts frame
+    holds the jobs' tries, the worker_tasks frame every other kind)."""
+
+    JOB = "job"  # an attempt of a job
+    REFERENCE = "reference"  # a part of a model's reference, or the task joining them
+    BASELINE_TASKS = "baseline tasks"  # the unquantized model's lm-eval tasks
+    SEARCH_UNITS = "search units"  # a search's units, read from its model
+    SEARCH_REFERENCE = "search reference"  # a search's calibration reference
+    PROBE = "probe"  # a chunk of a search's (unit, format) cells
+
+
 class FailureClass(StrEnum):
     """Why a job failed or was skipped, and so what the driver does about it (``retry``)."""
 

@@ -164,10 +164,10 @@ def test_device_summary_busy_idle_and_utilization():
     })
     summary = device_summary(results).to_dicts()
     assert summary == [
-        {"worker": "0", "device": "cuda:0", "jobs": 2, "attempts": 2, "busy_s": 10.0,
-         "idle_s": 0.0, "utilization": 1.0, "peak_device_mem_bytes": 300},
-        {"worker": "1", "device": "cuda:1", "jobs": 1, "attempts": 1, "busy_s": 5.0,
-         "idle_s": 5.0, "utilization": 0.5, "peak_device_mem_bytes": 200},
+        {"worker": "0", "device": "cuda:0", "jobs": 2, "attempts": 2, "tasks": 0,
+         "busy_s": 10.0, "idle_s": 0.0, "utilization": 1.0, "peak_device_mem_bytes": 300},
+        {"worker": "1", "device": "cuda:1", "jobs": 1, "attempts": 1, "tasks": 0,
+         "busy_s": 5.0, "idle_s": 5.0, "utilization": 0.5, "peak_device_mem_bytes": 200},
     ]
 
     # From the attempts: two sessions a day apart (a resumed run), a failed try that counts as
@@ -180,6 +180,7 @@ def test_device_summary_busy_idle_and_utilization():
                                                       "cuda:1", "cuda:0"],
         "started_at": [at(0), at(2), at(0), at(day), at(day)],
         "finished_at": [at(4), at(6), at(3), at(day + 4), at(day + 2)],
+        "status": ["done", "done", "failed", "done", "done"],
     })
     by_worker = {r["worker"]: r for r in device_summary(results, attempts=attempts).to_dicts()}
     # Windows: 6 s (session 1) + 4 s (session 2) = 10 s, not a day.
@@ -187,6 +188,15 @@ def test_device_summary_busy_idle_and_utilization():
     assert by_worker["0"]["jobs"] == 3 and by_worker["0"]["attempts"] == 3
     assert by_worker["1"]["busy_s"] == 3.0 + 4.0 and by_worker["1"]["utilization"] == 0.7
     assert by_worker["1"]["attempts"] == 2 and by_worker["1"]["jobs"] == 1
+    # A search's probe on worker 1 after its job's try, inside session 1's window: busy too.
+    probe = pl.DataFrame({"run_id": ["r1"], "kind": ["probe"], "worker": ["1"],
+                          "device": ["cuda:1"], "started_at": [at(3)], "finished_at": [at(6)],
+                          "status": ["done"]})
+    by_worker = {r["worker"]: r for r in device_summary(results, attempts=attempts,
+                                                        worker_tasks=probe).to_dicts()}
+    assert by_worker["1"]["busy_s"] == 3.0 + 3.0 + 4.0 and by_worker["1"]["utilization"] == 1.0
+    assert (by_worker["1"]["tasks"], by_worker["1"]["attempts"]) == (1, 2)
+    assert by_worker["0"]["busy_s"] == 8.0 and by_worker["0"]["tasks"] == 0
 
 
 def test_a_failed_dask_cuda_import_names_what_is_missing_and_the_extra():

@@ -19,6 +19,7 @@ import pytest
 from quantdask import report
 from quantdask.cli.main import main
 from quantdask.errors import RunDirError, SpecError
+from quantdask.report.charts import LARGEST
 from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
 from quantdask.run.scaling import read_scaling, scale_sweep
 from quantdask.run.sweep import run_sweep
@@ -134,6 +135,58 @@ def test_sweep_summary_on_a_known_schedule():
     # One slot doing the same work takes 7 s at best; 4 s is then impossible.
     one_slot = attempts.with_columns(pl.lit("0").alias("worker"))
     assert sweep_summary(one_slot).row(0, named=True)["lower_bound_s"] == 7.0
+
+
+def _task(kind, worker, start, end, status="done"):
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    return {"run_id": "r", "key": f"{kind}-{start}-r", "kind": kind, "label": "demo",
+            "worker": worker, "device": "cpu", "started_at": t0 + dt.timedelta(seconds=start),
+            "finished_at": t0 + dt.timedelta(seconds=end), "status": status,
+            "error_class": None if status == "done" else "RuntimeError"}
+
+
+def test_the_time_account_on_a_known_schedule_counts_every_task_and_each_phase():
+    # Two slots. A search probes first: units 1 s on slot 0, its reference 2 s on slot 1,
+    # then probes of 3 s (slot 0, 1-4 s) and 4 s (slot 1, 2-6 s; failed, counted too). Then
+    # the model's reference 1 s (slot 0, 6-7) and jobs of 2 s and 3 s (7-9 on 0, 7-10 on 1).
+    from quantdask.store.schema import ATTEMPT_SCHEMA, WORKER_TASK_SCHEMA
+
+    attempts = pl.DataFrame([_attempt("a", "0", 7, 9), _attempt("b", "1", 7, 10)],
+                            schema=ATTEMPT_SCHEMA)
+    tasks = pl.DataFrame([_task("search units", "0", 0, 1), _task("search reference", "1", 0, 2),
+                          _task("probe", "0", 1, 4), _task("probe", "1", 2, 6, "failed"),
+                          _task("reference", "0", 6, 7)], schema=WORKER_TASK_SCHEMA)
+    row = sweep_summary(attempts, None, tasks).row(0, named=True)
+    assert row["work_s"] == 1 + 2 + 3 + 4 + 1 + 2 + 3  # every task's time, 16 s
+    assert (row["makespan_s"], row["attempts"], row["tasks"], row["jobs"]) == (10.0, 2, 5, 2)
+    assert row["longest_task_s"] == 4.0 and row["lower_bound_s"] == 8.0  # max(4, 16 / 2)
+    assert row["speedup"] == 1.6 and row["efficiency"] == 0.8
+    # The probing phase: 10 s of work over 0-6 s; the jobs' phase: 6 s over 6-10 s.
+    assert (row["search_work_s"], row["search_makespan_s"]) == (10.0, 6.0)
+    assert row["search_speedup"] == pytest.approx(10 / 6)
+    assert (row["jobs_work_s"], row["jobs_makespan_s"], row["jobs_speedup"]) == (6.0, 4.0, 1.5)
+    # Without the worker tasks: the jobs alone, and no search phase.
+    alone = sweep_summary(attempts).row(0, named=True)
+    assert (alone["work_s"], alone["makespan_s"], alone["tasks"]) == (5.0, 3.0, 0)
+    assert alone["search_work_s"] is None
+    # Per device: slot 0 busy 1 + 3 + 1 + 2 = 7 s of the 10 s window; slot 1 2 + 4 + 3 = 9 s.
+    from quantdask.store.summary import device_summary
+
+    results = pl.DataFrame({"job_id": ["a", "b"], "model": ["demo"] * 2,
+                            "config_label": ["nf4", "int8"], "backend": ["bitsandbytes"] * 2,
+                            "config": ["{}"] * 2, "worker": ["0", "1"], "device": ["cpu"] * 2,
+                            "peak_device_mem_bytes": [1, 2]})
+    devices = {r["worker"]: r for r in device_summary(results, attempts=attempts,
+                                                      worker_tasks=tasks).to_dicts()}
+    assert (devices["0"]["busy_s"], devices["0"]["idle_s"], devices["0"]["tasks"]) == (7, 3, 3)
+    assert (devices["1"]["busy_s"], devices["1"]["utilization"]) == (9.0, 0.9)
+    # The timeline draws every task, coloured by its kind, the failed probe outlined.
+    bars = chart_rows(report.timeline_chart(attempts, results, tasks))
+    assert sorted(b["kind"] for b in bars) == sorted(
+        ["job", "job", "search units", "search reference", "probe", "probe", "reference"])
+    assert [b["unfinished"] for b in bars if b["kind"] == "probe"] == [False, True]
+    assert {b["config_label"] for b in bars if b["kind"] != "job"} == {
+        "search units", "search reference", "probe", "reference"}
 
 
 def test_slots_never_fewer_than_the_workers_that_ran_jobs():
@@ -256,7 +309,8 @@ def test_every_chart_carries_every_job(mixed_run):
     breakdown = chart_rows(report.time_breakdown_chart(results))
     assert len(breakdown) == 7 * len(done)  # load, calibrate, quantize, eval, tasks, speed, other
     heat = chart_rows(report.layer_error_heatmap(results, layers))
-    assert {r["job_id"] for r in heat} == set(layers["job_id"]) and len(heat) == 2 * layers.height
+    assert {r["job_id"] for r in heat} == set(layers["job_id"])
+    assert sum(r["linear"] != LARGEST for r in heat) == 2 * layers.height
     memory = chart_rows(report.memory_chart(results, samples))
     assert {r["job_id"] for r in memory if r.get("memory") == "device MiB"} == done
     assert sum(1 for r in memory if "time" in r) == samples.height
@@ -300,7 +354,73 @@ def test_a_big_model_with_thousands_of_layer_rows_still_charts(mixed_run):
     many = pl.concat([layers.with_columns(pl.col("layer") + f".copy{i}",
                                           pl.col("position") + i * 1000) for i in range(120)])
     assert many.height > 3000  # 2 metrics each: past Altair's default 5000-row limit
-    assert len(chart_rows(report.layer_error_heatmap(results, many))) == 2 * many.height
+    heat = chart_rows(report.layer_error_heatmap(results, many))
+    assert sum(r["linear"] != LARGEST for r in heat) == 2 * many.height
+
+
+def _exploded(results: pl.DataFrame) -> pl.DataFrame:
+    """``results`` with a 2-bit config whose perplexity exploded (a real model's: 828,605)."""
+    nf4 = results.filter(pl.col("config_label") == "nf4")
+    return pl.concat([results, nf4.with_columns(
+        pl.lit("2-bit").alias("config_label"), (pl.col("job_id") + "-2bit").alias("job_id"),
+        pl.lit(828_605.0).alias("perplexity"), pl.lit(9.5).alias("kl_divergence"),
+        pl.col("bits_per_quantized_weight") / 2)])
+
+
+def _y_scales(spec: dict) -> dict[str, dict]:
+    """Each quality panel's points: their field -> the y scale they are drawn on."""
+    return {layer["encoding"]["y"]["field"]: layer["encoding"]["y"].get("scale", {})
+            for row in spec["vconcat"] for panel in row["hconcat"] for layer in panel["layer"]
+            if layer.get("mark", {}).get("type") == "point"}
+
+
+def test_one_exploded_config_leaves_every_other_readable(mixed_run):
+    results = read_results(mixed_run)
+    calm = _y_scales(report.quality_chart(results).to_dict())
+    assert calm["perplexity"].get("type") != "log" and calm["kl_divergence"].get("type") != "log"
+    spec = report.quality_chart(_exploded(results)).to_dict()
+    scales = _y_scales(spec)
+    # Values over decades: log scales, so the baseline and nf4 stay apart from each other.
+    assert scales["perplexity"]["type"] == "log" and scales["kl_divergence"]["type"] == "log"
+    rows = [r for r in chart_rows(report.quality_chart(_exploded(results)))
+            if "kl_divergence_lo" in r]
+    assert all(r["kl_divergence_lo"] > 0 for r in rows if r["kl_divergence"] > 0)
+    # The size axis is bits per quantized weight, the whole-model figure in the tooltip.
+    panel = spec["vconcat"][0]["hconcat"][0]["layer"][-1]["encoding"]
+    assert panel["x"]["field"] == "size_bits" and "bits per quantized weight" in panel["x"]["title"]
+    assert "bits_per_weight" in {t["field"] for t in panel["tooltip"]}
+    nf4 = next(r for r in rows if r["config_label"] == "nf4")
+    assert nf4["size_bits"] == nf4["bits_per_quantized_weight"] < nf4["bits_per_weight"]
+    base = next(r for r in rows if r["config_label"] == "baseline")
+    assert base["size_bits"] == base["bits_per_weight"]
+
+
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def _deep_layers(results: pl.DataFrame) -> list[dict]:
+    """Layer rows of an 80-block model (7 linears a block, and a head) for nf4's job."""
+    job = results.filter(pl.col("config_label") == "nf4")["job_id"][0]
+    rows = [{"job_id": job, "position": 7 * block + i, "layer": f"model.layers.{block}.{name}",
+             "in_features": 64, "out_features": 64, "weight_rel_error": 0.01 * (i + 1),
+             "weight_sqnr_db": 30.0, "output_rel_error": None}
+            for block in range(80) for i, name in enumerate(LINEARS)]
+    return [*rows, {**rows[0], "position": 560, "layer": "lm_head", "weight_rel_error": 0.5}]
+
+
+def test_the_layer_heatmap_fits_one_screen_at_80_blocks(mixed_run):
+    results = read_results(mixed_run)
+    rows, linears = _deep_layers(results), LINEARS
+    spec = report.layer_error_heatmap(results, pl.DataFrame(rows)).to_dict()
+    heatmap = spec["vconcat"][0]
+    assert heatmap["height"]["step"] * (80 + 1) <= 800  # 80 blocks and the head: one screen
+    picker = next(p for p in spec["params"] if p["name"] == "block_linear")
+    assert picker["bind"]["options"] == [LARGEST, *linears] and picker["value"] == LARGEST
+    drawn = chart_rows(report.layer_error_heatmap(results, pl.DataFrame(rows)))
+    largest = [r for r in drawn if r["linear"] == LARGEST]
+    assert len(largest) == 80 and all(r["error"] == pytest.approx(0.07) for r in largest)
+    assert {r["row"] for r in drawn} == {f"block {b}" for b in range(80)} | {"lm_head"}
 
 
 def test_empty_frames_draw_a_message_not_an_error(mixed_run):
@@ -333,6 +453,15 @@ def test_scaling_run_records_every_count(mixed_run):
         assert read_sessions(row["run_dir"])["workers"].to_list() == [row["workers"]]
     chart = chart_rows(report.scaling_chart(scaling))
     assert {r["workers"] for r in chart if "workers" in r} == {1, 2}
+    # Each phase's own speedup: the jobs' (their attempts and the model's reference); no
+    # search ran, so no probing phase.
+    base = scaling.row(0, named=True)
+    for row in scaling.to_dicts():
+        assert row["jobs_scaling_speedup"] == pytest.approx(
+            base["jobs_makespan_s"] / row["jobs_makespan_s"], rel=1e-9)
+        assert row["search_scaling_speedup"] is None and row["tasks"] >= 2  # the reference
+    assert {r["phase"] for r in chart if "phase" in r} == {"jobs (attempts, references)",
+                                                          "ideal"}
 
 
 def test_scaling_refuses_bad_counts_and_a_used_directory_before_running(mixed_run, tmp_path):
@@ -465,6 +594,27 @@ def test_text_that_looks_like_html_cannot_break_a_chart_out_of_its_script(tmp_pa
     assert [c["state"] for c in page.charts] == ["rendered"]
     assert page.console_errors == []
     assert "</script><script>window.broken = 1</script>" in page.text
+
+
+def test_log_scaled_quality_and_a_deep_heatmap_draw_in_chromium(tmp_path, chromium, mixed_run):
+    """The exploded config's log scales (a zero KL has no place on them) and the 80-block
+    heatmap draw in the report's browser without an error or a warning."""
+    import vl_convert
+
+    from quantdask.report.html import _chart_html
+
+    results = read_results(mixed_run)
+    charts = [_chart_html(chart.to_dict())["text/html"] for chart in (
+        report.quality_chart(_exploded(results)),
+        report.layer_error_heatmap(results, pl.DataFrame(_deep_layers(results))))]
+    page_path = tmp_path / "charts.html"
+    page_path.write_text(f"<html><body><script>{vl_convert.javascript_bundle()}</script>"
+                         f"{''.join(charts)}</body></html>")
+    page = inspect_page(page_path, chromium=chromium)
+    assert [c["state"] for c in page.charts] == ["rendered", "rendered"]
+    assert page.console_errors == [] and page.console_warnings == []
+    assert all(chart["marks"] > 0 for chart in page.charts)
+    assert page.charts[1]["height"] < 1100  # 81 rows, the pickers and the axis: one screen
 
 
 NOTEBOOK_PARAMETERS = {

@@ -87,6 +87,42 @@ def test_every_cell_is_probed_once_on_the_workers(searched, cluster):
     assert (wide["bytes_b4"] < wide["bytes_keep"]).all()
 
 
+def test_the_time_account_holds_the_probes_beside_the_jobs(searched, cluster):
+    """Every task the search ran on a worker is recorded (worker_tasks frame) and counted in
+    the sweep's and each device's time; the probes' spans hold the seconds each cell's probe
+    measured inside them (the sensitivity frame's, timed apart on the worker)."""
+    from quantdask.store.run_store import read_attempts, read_sessions, read_worker_tasks
+    from quantdask.store.summary import device_summary, sweep_summary
+
+    run_dir, results = searched
+    tasks, attempts = read_worker_tasks(run_dir), read_attempts(run_dir)
+    kinds = tasks.group_by("kind").len().sort("kind")
+    # The units, the search's reference, 12 chunks of at most 10 of the 115 cells, and the
+    # model's reference for its jobs (its windows part and the task joining the parts).
+    counts = dict(kinds.iter_rows())
+    assert (counts["search units"], counts["search reference"], counts["probe"]) == (1, 1, 12)
+    assert counts["reference"] >= 2 and set(tasks["status"]) == {"done"}
+    names = {str(w["name"]) for w in cluster.client.scheduler_info()["workers"].values()}
+    assert set(tasks["worker"]) <= names
+    assert (tasks["finished_at"] >= tasks["started_at"]).all()
+    seconds = (tasks["finished_at"] - tasks["started_at"]).dt.total_microseconds() / 1e6
+    probes = seconds.filter(tasks["kind"] == "probe").sum()
+    cells = read_frame(run_dir, "sensitivity")["seconds"].sum()
+    assert 0 < cells <= probes
+    row = sweep_summary(attempts, read_sessions(run_dir), tasks).row(-1, named=True)
+    tried = (attempts["finished_at"] - attempts["started_at"]).dt.total_microseconds() / 1e6
+    assert row["work_s"] == pytest.approx(tried.sum() + seconds.sum(), rel=1e-9)
+    assert row["tasks"] == tasks.height and row["attempts"] == attempts.height
+    searching = tasks["kind"].is_in(["search units", "search reference", "probe"])
+    assert row["search_work_s"] == pytest.approx(seconds.filter(searching).sum(), rel=1e-9)
+    assert row["search_speedup"] > 0 and row["jobs_speedup"] > 0
+    # The probing ends before the jobs start: the makespan spans both phases, one after the other.
+    assert row["makespan_s"] >= row["search_makespan_s"] + row["jobs_makespan_s"] - 1e-6
+    devices = device_summary(results, None, attempts, tasks)
+    assert devices["tasks"].sum() == tasks.height
+    assert devices["busy_s"].sum() >= row["search_work_s"] / 2  # probes share no worker
+
+
 def test_the_verifying_jobs_keep_their_budget_and_their_prediction(searched):
     run_dir, results = searched
     ours = results.filter(pl.col("search") == "mix")

@@ -296,6 +296,7 @@ def test_every_frames_schema_and_nullable_columns_come_from_its_row_type():
     from quantdask.store.schema import FRAME, schema_of
 
     typed = {"layers": records.LayerRow, "windows": records.WindowRow, "tasks": records.TaskRow,
+             "worker_tasks": records.WorkerTaskRow,
              "speed": records.SpeedAsRead, "phases": records.PhaseRow,
              "attempts": records.AttemptRow, "sessions": records.SessionRow,
              "samples": records.SampleRow, "sensitivity": records.SensitivityRow,

@@ -314,9 +314,13 @@ def _scale(sweep, counts: list[int], out: str, host: str) -> int:
         print(f"scaling: {n} worker{'s' if n > 1 else ''} -> {run_dir}", flush=True)
 
     frame = scale_sweep(sweep, out, counts, host=host, on_count=announce)
+    searched = frame["search_makespan_s"].is_not_null().any()
+    phases = ["search_makespan_s", "search_scaling_speedup"] if searched else []
+    # Both phases when the sweep searched: its probing scales apart from its jobs.
     print(table(frame.with_columns(pl.col("scaling_efficiency") * 100).to_dicts(),
                  ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
-                  "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound"]))
+                  "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound",
+                  "jobs_makespan_s", "jobs_scaling_speedup", *phases]))
     print(f"scaling: {os.path.join(out, SCALING_FILE)} "
           f"(python: quantdask.read_scaling({out!r}); notebook: {_notebook('scaling')})")
     failed = sum(read_results(run_dir).filter(pl.col("status") == Status.FAILED).height

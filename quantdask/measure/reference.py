@@ -34,8 +34,9 @@ from quantdask.measure.usage import PeakMemory
 from quantdask.process import cpu_share
 from quantdask.process.attempt import attempt_scope
 from quantdask.process.model_source import cached_model_source
+from quantdask.process.runtime import worker_task
 from quantdask.records import Peaks, Quality, TaskRow, WindowRow
-from quantdask.words import KLKind
+from quantdask.words import KLKind, WorkerTaskKind
 
 if TYPE_CHECKING:
     import torch
@@ -198,7 +199,9 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
 
     rows: list[TaskRow] = []
     error = None
-    with attempt_scope(f"tasks-{model.label}", take_samples=False) as scope, cpu_share.busy():
+    with attempt_scope(f"tasks-{model.label}", take_samples=False,
+                       task=(WorkerTaskKind.BASELINE_TASKS, model.label)) as scope, \
+            cpu_share.busy():
         source, _ = cached_model_source(model)
         device, _, cuda = torch_device()
         with PeakMemory(cuda) as peak:
@@ -236,7 +239,8 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
     then fail as ``timeout``, as they do when the driver cuts a hung one)."""
     # Its device samples stay on the worker: the next job's record (or the sweep's end)
     # takes them.
-    with attempt_scope(reference_key(model, settings), take_samples=False) as scope, \
+    with attempt_scope(reference_key(model, settings), take_samples=False,
+                       task=(WorkerTaskKind.REFERENCE, model.label)) as scope, \
             cpu_share.busy():  # borrows idle slots' cores (CPU slots)
         shard = _compute_shard(model, settings, text, rows, streamed)
     elapsed = scope.elapsed()
@@ -293,7 +297,15 @@ def combine_reference(model: ModelSpec, settings: EvalSettings, *shards: Referen
     with the baseline's figures: the unquantized model's scores over all of them, and the
     largest peak any shard needed; with ``calibration``, the calibration windows cut from
     ``calibration_text`` with the model's tokenizer; with ``tasks``, the baseline's task scores
-    ``baseline_tasks`` (:func:`compute_baseline_tasks`)."""
+    ``baseline_tasks`` (:func:`compute_baseline_tasks`). A task of the run's time account."""
+    with worker_task(WorkerTaskKind.REFERENCE, model.label):
+        return _combined(model, settings, shards, calibration, calibration_text, tasks,
+                         baseline_tasks)
+
+
+def _combined(model: ModelSpec, settings: EvalSettings, shards: tuple[ReferenceShard, ...],
+              calibration: CalibrationSettings | None, calibration_text: str | None,
+              tasks: TaskSettings | None, baseline_tasks: BaselineTasks | None) -> Reference:
     import torch
 
     from quantdask.measure.calibration import calibration_windows

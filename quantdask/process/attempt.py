@@ -18,7 +18,7 @@ from typing import Any
 
 from quantdask.process.devices import this_workers_sampler
 from quantdask.process.live_log import LiveLog
-from quantdask.process.runtime import announce_start, quiet_libraries
+from quantdask.process.runtime import announce_start, quiet_libraries, worker_task
 from quantdask.process.slot_memory import release_memory
 from quantdask.records import Row
 from quantdask.util import heap_trimmed, utcnow
@@ -41,30 +41,35 @@ class AttemptScope:
 
 
 @contextlib.contextmanager
-def attempt_scope(key: str, take_samples: bool = True) -> Iterator[AttemptScope]:
+def attempt_scope(key: str, take_samples: bool = True,
+                  task: tuple[str, str] | None = None) -> Iterator[AttemptScope]:
     """Run a task under ``key``: announced, timed from now, libraries quieted, the device's
     samples tagged with ``key``. With ``take_samples`` False they stay on the worker (a
-    reference's: the next job's record, or the sweep's end, takes them)."""
+    reference's: the next job's record, or the sweep's end, takes them). A task other than a
+    job's attempt names its (kind, label) in ``task``: its span goes into the run's time
+    account (``runtime.worker_task``)."""
     import torch
 
-    worker, host = announce_start()
-    scope = AttemptScope(key, worker, host, time.monotonic(), utcnow())
-    sampler = this_workers_sampler()
-    if sampler is not None:  # mark the task's samples, and take one even if it is short
-        sampler.job_started(key)
-    try:
-        quiet_libraries()
-        # On a CPU slot the device is the host: its freed heap goes back while the task runs,
-        # so the RSS the nanny counts follows what the task holds.
-        with heap_trimmed if not torch.cuda.is_available() else contextlib.nullcontext():
-            yield scope
-    finally:
-        release_memory()  # the task's garbage and freed heap are not the next task's
-        if torch.cuda.is_available():
-            with contextlib.suppress(Exception):  # a sticky CUDA error must not lose the record
-                torch.cuda.empty_cache()
-        if sampler is not None:
-            scope.samples = sampler.job_finished(key, take=take_samples)
+    announced = (worker_task(*task) if task is not None
+                 else contextlib.nullcontext(announce_start()))
+    with announced as (worker, host):
+        scope = AttemptScope(key, worker, host, time.monotonic(), utcnow())
+        sampler = this_workers_sampler()
+        if sampler is not None:  # mark the task's samples, and take one even if it is short
+            sampler.job_started(key)
+        try:
+            quiet_libraries()
+            # On a CPU slot the device is the host: its freed heap goes back while the task
+            # runs, so the RSS the nanny counts follows what the task holds.
+            with heap_trimmed if not torch.cuda.is_available() else contextlib.nullcontext():
+                yield scope
+        finally:
+            release_memory()  # the task's garbage and freed heap are not the next task's
+            if torch.cuda.is_available():
+                with contextlib.suppress(Exception):  # a sticky CUDA error must not lose it
+                    torch.cuda.empty_cache()
+            if sampler is not None:
+                scope.samples = sampler.job_finished(key, take=take_samples)
 
 
 class ThisThread(logging.Filter):

@@ -1,11 +1,16 @@
 """A worker process's side of the cluster: the plugins a cluster registers on each worker (torch
-threads, warm imports), the start announcement that starts a task's deadline, the device a task
-runs on, and the library notices that are noise in a job's log."""
+threads, warm imports), the start announcement that starts a task's deadline, the span of a
+task told to the driver for the run's time account, the device a task runs on, and the library
+notices that are noise in a job's log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
+import time
+from collections.abc import Iterator
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -28,6 +33,62 @@ def announce_start() -> tuple[str, str]:
     worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
                                        "address": worker.address, "name": str(worker.name)})
     return str(worker.name), socket.gethostname()
+
+
+TASK_END_TOPIC = "quantdask-task-end"
+"""Dask event topic on which a worker tells the driver that a task other than a job's attempt
+ended: its key, kind, label, worker, device, start, end and error (``worker_task``)."""
+
+
+@contextlib.contextmanager
+def worker_task(kind: str, label: str) -> Iterator[tuple[str, str]]:
+    """Run a task other than a job's attempt (a reference's part, a search's probe: ``kind``,
+    a ``words.WorkerTaskKind``; ``label``, its model): announced as it starts (its deadline
+    starts), and as it ends, done or failed, its span told to the driver on
+    ``TASK_END_TOPIC``, which records it in the run's time account (the worker_tasks frame; a
+    job's attempt has its own record). Yields (worker name, host). Inside another (a
+    search's reference computes a model's reference) it is that task's: nothing more is
+    announced or told, so no second counts the same time twice."""
+    if getattr(_running, "task", False):
+        yield _worker_identity()
+        return
+    name, host = announce_start()
+    started, error = time.time(), None
+    _running.task = True
+    try:
+        yield name, host
+    except BaseException as raised:
+        error = type(raised).__name__
+        raise
+    finally:
+        _running.task = False
+        _tell_end(kind, label, started, error)
+
+
+_running = threading.local()  # whether this thread runs a worker_task now
+
+
+def _worker_identity() -> tuple[str, str]:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().name), socket.gethostname()
+    except ValueError:
+        return "local", socket.gethostname()
+
+
+def _tell_end(kind: str, label: str, started: float, error: str | None) -> None:
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:  # not inside a Dask worker: nothing to account for
+        return
+    # Plain values only (the event travels as msgpack: a StrEnum does not).
+    worker.log_event(TASK_END_TOPIC, {
+        "key": str(worker.get_current_task()), "kind": str(kind), "label": str(label),
+        "name": str(worker.name), "device": torch_device()[1], "started": float(started),
+        "finished": time.time(), "error": error})
 
 
 def held_resources() -> dict[str, float]:

@@ -48,6 +48,7 @@ from quantdask.records.rows import (
     SpeedRow,
     TaskRow,
     WindowRow,
+    WorkerTaskRow,
 )
 
 __all__ = [
@@ -55,5 +56,6 @@ __all__ = [
     "GateVerdict", "LayerRow", "LayerWeights", "Loaded", "NotDone", "Peaks", "PhaseRecord",
     "PhaseRow", "Quality", "Quantized", "Record", "Recorded", "ResultRow", "Row", "SampleRow",
     "Scored", "SearchedFor", "SensitivityRow", "SessionRow", "Span", "Speed", "SpeedAsRead",
-    "SpeedRow", "Streamed", "TaskRow", "TaskScores", "WindowRow", "Where", "frame_rows",
+    "SpeedRow", "Streamed", "TaskRow", "TaskScores", "WindowRow", "WorkerTaskRow", "Where",
+    "frame_rows",
 ]

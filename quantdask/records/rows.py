@@ -134,6 +134,23 @@ class AttemptRow(FrameRow):
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerTaskRow(FrameRow):
+    """One row per task other than a job's attempt that a session ran on a worker: the run's
+    time account beside the attempts frame."""
+
+    run_id: str  # the driver session that scheduled it
+    key: str  # its Dask key
+    kind: str  # words.WorkerTaskKind: reference, baseline tasks, search units, probe...
+    label: str  # its model
+    worker: str
+    device: str
+    started_at: dt.datetime  # the worker's clock, as it began (after any lock it waits for)
+    finished_at: dt.datetime
+    status: str  # done or failed
+    error_class: str | None  # the exception's type, for a failed one
+
+
+@dataclasses.dataclass(frozen=True)
 class SessionRow(FrameRow):
     """One row per driver session on the run directory."""
 

@@ -1,4 +1,5 @@
-"""Reports: interactive Altair charts over the run's frames (``charts``; task accuracy and gates:
+"""Reports: interactive Altair charts over the run's frames (``charts``; the time account:
+``time_charts``; task accuracy and gates:
 ``tasks``; generation speed: ``speed``; mixed-precision searches: ``search``; charts that
 follow a running sweep: ``live_charts``),
 tables for people (``tables``), and the notebooks run and exported to one self-contained HTML
@@ -14,7 +15,8 @@ _MODULES = {
     "quantdask.report.charts": (
         "artifacts_table", "device_memory_chart", "job_memory_chart",
         "jobs_table", "layer_error_heatmap", "memory_chart", "memory_timeline_chart",
-        "quality_chart", "scaling_chart", "time_breakdown_chart", "timeline_chart"),
+        "quality_chart"),
+    "quantdask.report.time_charts": ("scaling_chart", "time_breakdown_chart", "timeline_chart"),
     "quantdask.report.tasks": ("gates_banner", "recovery_table", "task_chart"),
     "quantdask.report.speed": ("speed_chart", "speedup_table"),
     "quantdask.report.search": ("prediction_chart", "search_frontier_chart", "search_table",

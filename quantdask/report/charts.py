@@ -16,7 +16,7 @@ import altair as alt
 import polars as pl
 
 from quantdask.store.figures import with_job_label, with_quality_text
-from quantdask.store.frontier import pareto_frontier
+from quantdask.store.frontier import SIZE_BITS, pareto_frontier, with_size_bits
 from quantdask.store.summary import device_summary
 from quantdask.words import BASELINE, Status
 
@@ -27,9 +27,6 @@ UTC_TIME = alt.Scale(type="utc")  # the frames hold UTC: show UTC whatever the r
 alt.data_transformers.disable_max_rows()
 STATUS_COLORS = alt.Scale(domain=[status.value for status in Status],
                           range=["#4c78a8", "#e45756", "#bab0ac"])
-PHASE_COLORS = alt.Scale(
-    domain=["load", "calibrate", "quantize", "eval", "tasks", "speed", "other"],
-    range=["#72b7b2", "#e45756", "#f58518", "#4c78a8", "#b279a2", "#54a24b", "#d3d3d3"])
 JOB_TOOLTIP = [alt.Tooltip("model:N"), alt.Tooltip("config_label:N", title="config"),
                alt.Tooltip("backend:N"), alt.Tooltip("config:N", title="options"),
                alt.Tooltip("job_id:N")]
@@ -64,11 +61,12 @@ QUALITY_TOOLTIP = [*JOB_TOOLTIP, alt.Tooltip("bits_per_weight:Q", format=".3f"),
 
 
 def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
-    """``done`` with the quality text columns, the size in MiB, and each metric's error bar
-    ends (``<metric>_lo``, ``<metric>_hi``): one standard error either side, ln PPL's on
-    perplexity (so asymmetric there)."""
+    """``done`` with the quality text columns, the size in MiB and in bits per quantized weight
+    (``size_bits``: the baseline's, which quantizes nothing, as stored), and each metric's
+    error bar ends (``<metric>_lo``, ``<metric>_hi``): one standard error either side, ln
+    PPL's on perplexity (so asymmetric there)."""
     ln_ppl_se, kl_se = pl.col("ln_ppl_se").fill_null(0), pl.col("kl_se").fill_null(0)
-    return with_quality_text(done).with_columns(
+    return with_size_bits(with_quality_text(done)).with_columns(
         (pl.col("size_bytes") / MIB).alias("size_mib"),
         (pl.col("perplexity") * (-ln_ppl_se).exp()).alias("perplexity_lo"),
         (pl.col("perplexity") * ln_ppl_se.exp()).alias("perplexity_hi"),
@@ -76,10 +74,72 @@ def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
         (pl.col("kl_divergence") + kl_se).alias("kl_divergence_hi"))
 
 
+DECADES = 10.0
+"""A metric whose finished values span more than this factor is drawn on a log scale: one
+exploded config (a 2-bit perplexity of 828,605) must not flatten every other point."""
+
+
+def metric_scale(values: pl.Series) -> alt.Scale:
+    """A log scale where the positive ``values`` span more than ``DECADES``, else linear (no
+    zero forced in). A log scale has no place for a zero (the baseline's KL: its rule is not
+    drawn there)."""
+    positive = values.drop_nulls().filter(values.drop_nulls() > 0)
+    if positive.len() > 1 and positive.max() > DECADES * positive.min():  # type: ignore[operator]
+        return alt.Scale(type="log", padding=12)
+    return alt.Scale(zero=False, padding=12)
+
+
+def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.DataFrame | None,
+                   number: int) -> alt.LayerChart | alt.FacetChart:
+    """One model's ``metric`` against its size (see ``quality_chart``); ``number`` names its
+    zoom."""
+    tooltip = QUALITY_TOOLTIP
+    # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
+    # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
+    # error over the windows (ties).
+    ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
+    data = pareto_frontier(data, loss=ranked_by, windows=windows)
+    data = data.with_columns(
+        pl.when(pl.col("backend") == BASELINE).then(pl.lit("baseline"))
+        .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
+        .otherwise(pl.lit("dominated")).alias("kind"))
+    scale = metric_scale(data[metric])
+    if scale.type == "log":  # a zero (the baseline's KL), or a bar down to it, has no place
+        data = data.filter(pl.col(metric) > 0).with_columns(pl.max_horizontal(
+            f"{metric}_lo", pl.col(metric).min() / 2).alias(f"{metric}_lo"))
+        title += " (log scale; zero not drawn)"
+    base = alt.Chart(data).encode(
+        x=alt.X(f"{SIZE_BITS}:Q", scale=alt.Scale(zero=False, padding=12),
+                title="bits per quantized weight (the baseline: as stored)"))
+    error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
+        y=alt.Y(f"{metric}_lo:Q", scale=scale), y2=f"{metric}_hi:Q",
+        color=alt.Color("backend:N"), tooltip=tooltip)
+    points = base.mark_point(size=90, filled=True).encode(
+        y=alt.Y(f"{metric}:Q", title=title, scale=scale),
+        color=alt.Color("backend:N"),
+        shape=alt.Shape("kind:N", scale=alt.Scale(
+            domain=["baseline", "Pareto frontier", "dominated"],
+            range=["diamond", "circle", "triangle-up"])),
+        tooltip=tooltip,
+    )
+    frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
+        color="black", strokeDash=[4, 2], opacity=0.5).encode(
+        y=f"{metric}:Q", detail="model:N", order=f"{SIZE_BITS}:Q")
+    baseline = data.filter(pl.col("backend") == BASELINE)  # none on a log scale of KL
+    rule = [alt.Chart(baseline).mark_rule(color="gray", strokeDash=[6, 3]).encode(
+        y=f"{metric}:Q", tooltip=tooltip)] if baseline.height else []
+    zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{number}")
+    model = data["model"][0]
+    return alt.layer(frontier, *rule, error_bars, points.add_params(zoom)).properties(
+        width=360, height=260, title=f"{model}: {title} vs bits per quantized weight")
+
+
 def quality_chart(results: pl.DataFrame,
                   windows: pl.DataFrame | None = None) -> alt.Chart | alt.VConcatChart:
-    """Quality against size: bits per weight (the whole model as stored) against perplexity and
-    against KL divergence, each point with its error bar (one standard error).
+    """Quality against size: bits per quantized weight (the quantized layers' weights with their
+    scales and zero points; the whole model as stored in the tooltip and the file's MiB)
+    against perplexity and against KL divergence, each point with its error bar (one standard
+    error). A metric whose values span decades is drawn on a log scale (``metric_scale``).
 
     The Pareto frontier (smallest size for its KL, tied configs not ranked, paired over the
     per-window rows ``windows`` when given: see ``pareto_frontier``) is drawn as a line through
@@ -88,76 +148,76 @@ def quality_chart(results: pl.DataFrame,
     data = _with_error_bars(results.filter(pl.col("status") == Status.DONE))
     if data.is_empty():
         return _empty("no finished jobs: nothing to compare")
-    tooltip = QUALITY_TOOLTIP
-
-    panels: list[str] = []
-
-    def panel(data: pl.DataFrame, metric: str, title: str) -> alt.LayerChart | alt.FacetChart:
-        # Each panel's frontier is its own: smallest size for its perplexity, or for its KL.
-        # Perplexity is ranked by ln(PPL ratio): the same order within a model, with a paired
-        # error over the windows (ties).
-        ranked_by = "ln_ppl_ratio" if metric == "perplexity" else metric
-        data = pareto_frontier(data, loss=ranked_by, windows=windows).with_columns(
-            pl.when(pl.col("backend") == BASELINE).then(pl.lit("baseline"))
-            .when(pl.col("pareto")).then(pl.lit("Pareto frontier"))
-            .otherwise(pl.lit("dominated")).alias("kind"))
-        base = alt.Chart(data).encode(
-            x=alt.X("bits_per_weight:Q", title="bits per weight (whole model, as stored)",
-                    scale=alt.Scale(zero=False, padding=12)))
-        error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
-            y=f"{metric}_lo:Q", y2=f"{metric}_hi:Q", color=alt.Color("backend:N"),
-            tooltip=tooltip)
-        points = base.mark_point(size=90, filled=True).encode(
-            y=alt.Y(f"{metric}:Q", title=title, scale=alt.Scale(zero=False, padding=12)),
-            color=alt.Color("backend:N"),
-            shape=alt.Shape("kind:N", scale=alt.Scale(
-                domain=["baseline", "Pareto frontier", "dominated"],
-                range=["diamond", "circle", "triangle-up"])),
-            tooltip=tooltip,
-        )
-        frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
-            color="black", strokeDash=[4, 2], opacity=0.5).encode(
-            y=f"{metric}:Q", detail="model:N", order="bits_per_weight:Q")
-        baseline = alt.Chart(data.filter(pl.col("backend") == BASELINE)).mark_rule(
-            color="gray", strokeDash=[6, 3]).encode(y=f"{metric}:Q", tooltip=tooltip)
-        panels.append(metric)  # each panel zooms on its own: its selection has its own name
-        zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{len(panels)}")
-        model = data["model"][0]
-        return alt.layer(frontier, baseline, error_bars, points.add_params(zoom)).properties(
-            width=360, height=260, title=f"{model}: {title} vs bits per weight")
-
     # One row of panels per model: perplexities of different models do not share a scale.
+    # Each panel zooms on its own: its selection has its own name (its number).
     return alt.vconcat(*[
-        alt.hconcat(panel(model_data, "perplexity", "perplexity (no unit)"),
-                    panel(model_data, "kl_divergence", "KL divergence (nats/token)"))
-        for _, model_data in data.group_by("model", maintain_order=True)
+        alt.hconcat(_quality_panel(model_data, "perplexity", "perplexity (no unit)", windows,
+                                   2 * index + 1),
+                    _quality_panel(model_data, "kl_divergence", "KL divergence (nats/token)",
+                                   windows, 2 * index + 2))
+        for index, (_, model_data) in enumerate(data.group_by("model", maintain_order=True))
     ]).properties(title="Quality vs size (lower left is better)")
+
+
+LARGEST = "(largest in the block)"
+"""The heatmap's default pick: each block's largest error over its linears."""
+
+SCREEN_PX = 720
+"""The most a heatmap's rows take, whatever the depth (its rows shrink to fit, 4 to 16 px)."""
+
+
+def _by_block(layers: pl.DataFrame) -> pl.DataFrame:
+    """``layers`` with each module's decoder block (``block``: the first number in its name,
+    null outside the blocks: the head, embeddings) and its name inside the block
+    (``linear``: ``self_attn.q_proj``); and per (job, block, metric) the largest error as a
+    linear of its own (``LARGEST``)."""
+    parts = pl.col("layer").str.extract_groups(r"^(?:.*?\.)?(\d+)\.(.+)$")
+    named = layers.with_columns(
+        parts.struct.field("1").cast(pl.Int64, strict=False).alias("block"),
+        pl.coalesce(parts.struct.field("2"), pl.col("layer")).alias("linear"))
+    largest = (named.filter(pl.col("block").is_not_null())
+               .sort("error", descending=True)
+               .group_by("job_id", "block", "metric", maintain_order=True).first()
+               .with_columns(pl.lit(LARGEST).alias("linear")))
+    return pl.concat([named, largest.select(named.columns)]).with_columns(
+        pl.when(pl.col("block").is_null()).then(pl.col("layer"))
+        .otherwise(pl.format("block {}", pl.col("block"))).alias("row"))
 
 
 def layer_error_heatmap(results: pl.DataFrame,
                         layers: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
-    """Per-layer error, layer x config: pick the weight or output relative error."""
+    """Per-layer error, one row per decoder block (and one per module outside the blocks: the
+    head) x config: pick the weight or output relative error, and the linear of the block
+    shown (by default each block's largest), so an 80-block model fits one screen."""
     data = layers.join(results.select("job_id", "model", "config_label", "backend", "config"),
                        on="job_id", how="inner")
     if data.is_empty():
         return _empty("no per-layer errors recorded")
     metrics = ["weight_rel_error", "output_rel_error"]
-    long = data.unpivot(index=[c for c in data.columns if c not in metrics],
-                        on=metrics, variable_name="metric", value_name="error").filter(
-        pl.col("error").is_not_null())
+    long = _by_block(data.unpivot(index=[c for c in data.columns if c not in metrics],
+                                  on=metrics, variable_name="metric", value_name="error")
+                     .filter(pl.col("error").is_not_null()))
     metric = alt.param(name="layer_metric", value="weight_rel_error", bind=alt.binding_select(
         options=metrics, labels=["weight rel. error", "output rel. error"], name="error: "))
-    layer_order = (data.group_by("layer").agg(pl.col("position").min())
-                   .sort("position")["layer"].to_list())
+    in_blocks = long.filter(pl.col("block").is_not_null())
+    linears = [LARGEST] + (in_blocks.filter(pl.col("linear") != LARGEST)
+                           .group_by("linear").agg(pl.col("position").min())
+                           .sort("position")["linear"].to_list())
+    linear = alt.param(name="block_linear", value=LARGEST, bind=alt.binding_select(
+        options=linears, name="linear: "))
 
     def heatmap(model_long: pl.DataFrame) -> alt.Chart:
+        rows = (model_long.group_by("row").agg(pl.col("position").min())
+                .sort("position")["row"].to_list())
+        step = max(4, min(16, SCREEN_PX // max(1, len(rows))))
         # Every column named by its config's label, none dropped for lack of room.
         return alt.Chart(model_long).mark_rect().encode(
             x=alt.X("config_label:N", title="config",
                     sort=_job_order(results.filter(pl.col("model") == model_long["model"][0])),
                     axis=alt.Axis(labelAngle=-35, labelOverlap=False, labelLimit=240,
                                   orient="bottom")),
-            y=alt.Y("layer:N", sort=layer_order, title="layer (in network order)"),
+            y=alt.Y("row:N", sort=rows, title="decoder block (in network order)",
+                    axis=alt.Axis(labelOverlap=True)),
             color=alt.Color("error:Q", title="relative error (‖Δ‖ / ‖·‖, no unit)",
                             scale=alt.Scale(scheme="orangered")),
             tooltip=[alt.Tooltip("layer:N"), alt.Tooltip("in_features:Q"),
@@ -165,43 +225,16 @@ def layer_error_heatmap(results: pl.DataFrame,
                      alt.Tooltip("error:Q", format=".4g"),
                      alt.Tooltip("weight_sqnr_db:Q", title="weight SQNR dB", format=".1f"),
                      *JOB_TOOLTIP],
-        ).transform_filter(alt.datum.metric == metric).properties(
-            title=f"{model_long['model'][0]}: per-layer error (pick the metric below)")
+        ).transform_filter(alt.datum.metric == metric).transform_filter(
+            (alt.datum.linear == linear) | (alt.datum.block == None)  # noqa: E711 (Vega)
+        ).properties(height=alt.Step(step), title=(
+            f"{model_long['model'][0]}: per-layer error by decoder block "
+            "(pick the metric and the linear below)"))
 
-    # One heatmap per model (their layers differ); the metric picker is shared.
+    # One heatmap per model (their layers differ); the pickers are shared.
     return alt.vconcat(*[heatmap(model_long) for _, model_long
-                         in long.group_by("model", maintain_order=True)]).add_params(metric)
-
-
-def _attempt_lanes(attempts: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame:
-    labels = results.select("job_id", "model", "config_label", "backend", "config")
-    return (attempts.filter(pl.col("started_at").is_not_null())
-            .join(labels, on="job_id", how="left")
-            .with_columns(
-                pl.concat_str(pl.col("worker").fill_null("?"), pl.lit(" · "),
-                              pl.col("device").fill_null("?")).alias("lane"),
-                ((pl.col("finished_at") - pl.col("started_at")).dt.total_microseconds() / 1e6)
-                .alias("seconds")))
-
-
-def timeline_chart(attempts: pl.DataFrame, results: pl.DataFrame) -> alt.Chart:
-    """The sweep's task stream: one lane per worker and device, a bar per attempt coloured by
-    how it ended. Drag to zoom in time."""
-    data = _attempt_lanes(attempts, results)
-    if data.is_empty():
-        return _empty("no attempt has started")
-    zoom = alt.selection_interval(bind="scales", encodings=["x"])
-    return alt.Chart(data).mark_bar(height={"band": 0.7}, stroke="white", strokeWidth=0.5).encode(
-        x=alt.X("started_at:T", title="time (UTC)", scale=UTC_TIME,
-                axis=alt.Axis(format="%H:%M:%S")),
-        x2="finished_at:T",
-        y=alt.Y("lane:N", title="worker · device"),
-        color=alt.Color("status:N", scale=STATUS_COLORS),
-        tooltip=[*JOB_TOOLTIP, alt.Tooltip("attempt:Q"), alt.Tooltip("status:N"),
-                 alt.Tooltip("failure_class:N"), alt.Tooltip("seconds:Q", format=".2f"),
-                 alt.Tooltip("started_at:T", format="%H:%M:%S.%L UTC", formatType="utc"),
-                 alt.Tooltip("finished_at:T", format="%H:%M:%S.%L UTC", formatType="utc")],
-    ).add_params(zoom).properties(width=760, title="Timeline: every attempt on every worker")
+                         in long.group_by("model", maintain_order=True)]).add_params(metric,
+                                                                                     linear)
 
 
 def job_memory_chart(results: pl.DataFrame) -> alt.Chart:
@@ -286,74 +319,6 @@ def memory_chart(results: pl.DataFrame, samples: pl.DataFrame) -> alt.VConcatCha
     return alt.vconcat(alt.hconcat(job_memory_chart(results),
                                    device_memory_chart(results, samples)),
                        memory_timeline_chart(samples)).resolve_scale(color="independent")
-
-
-def time_breakdown_chart(results: pl.DataFrame) -> alt.Chart:
-    """Where each finished job's time went: load, calibrate (a calibrated backend's tuning on
-    data), the rest of quantizing, eval, task accuracy, generation speed (and the rest). The
-    baseline's eval and tasks ran with its model's reference: their time is shown there."""
-    calibrate = pl.col("calibrate_s").fill_null(0.0)
-    tasks = pl.col("tasks_s").fill_null(0.0) * (pl.col("backend") != BASELINE)
-    speed = pl.col("speed_s").fill_null(0.0)
-    data = with_job_label(results).filter(pl.col("status") == Status.DONE).with_columns(
-        pl.col("load_s").alias("load"), calibrate.alias("calibrate"),
-        (pl.col("quantize_s") - calibrate).clip(lower_bound=0).alias("quantize"),
-        pl.col("eval_s").alias("eval"), tasks.alias("tasks"), speed.alias("speed"),
-        (pl.col("wall_s") - pl.col("load_s") - pl.col("quantize_s") - pl.col("eval_s") - tasks
-         - speed).clip(lower_bound=0).alias("other"))
-    if data.is_empty():
-        return _empty("no finished jobs: no time breakdown")
-    long = data.unpivot(index=["job_id", "job", "model", "config_label", "backend", "config",
-                               "wall_s", "source_cached"], on=PHASE_COLORS.domain,
-                        variable_name="phase", value_name="seconds")
-    return alt.Chart(long).mark_bar().encode(
-        y=alt.Y("job:N", sort=_job_order(results), title="job"),
-        x=alt.X("seconds:Q", title="time (s)", stack="zero"),
-        color=alt.Color("phase:N", scale=PHASE_COLORS, sort=PHASE_COLORS.domain),
-        order=alt.Order("phase_order:Q"),
-        tooltip=[*JOB_TOOLTIP, alt.Tooltip("phase:N"), alt.Tooltip("seconds:Q", format=".3f"),
-                 alt.Tooltip("wall_s:Q", title="job wall s", format=".2f"),
-                 alt.Tooltip("source_cached:N", title="model source cached")],
-    ).transform_calculate(
-        phase_order=f"indexof({PHASE_COLORS.domain!r}, datum.phase)"
-    ).properties(width=560, title="Time per job")
-
-
-def scaling_chart(scaling: pl.DataFrame) -> alt.Chart | alt.HConcatChart:
-    """Throughput and efficiency against the number of workers, with the ideal (linear) line."""
-    if scaling.is_empty():
-        return _empty("no scaling runs recorded")
-    data = scaling.sort("workers")
-    base_workers, base_throughput = data["workers"][0], data["throughput_jobs_per_min"][0]
-    data = data.with_columns((pl.lit(base_throughput) * pl.col("workers") / base_workers)
-                             .alias("ideal_jobs_per_min"))
-    tooltip = [alt.Tooltip("workers:Q"), alt.Tooltip("jobs:Q"),
-               alt.Tooltip("wall_s:Q", title="wall s", format=".1f"),
-               alt.Tooltip("makespan_s:Q", title="makespan s", format=".1f"),
-               alt.Tooltip("throughput_jobs_per_min:Q", title="jobs/min", format=".2f"),
-               alt.Tooltip("scaling_speedup:Q", title="speedup", format=".2f"),
-               alt.Tooltip("scaling_efficiency:Q", title="efficiency", format=".0%")]
-    x = alt.X("workers:Q", title="workers",
-              axis=alt.Axis(values=data["workers"].to_list(), format="d"),
-              scale=alt.Scale(zero=False, padding=20))
-    base = alt.Chart(data).encode(x=x)
-    measured = base.mark_line(point=True).encode(
-        y=alt.Y("throughput_jobs_per_min:Q", title="throughput (jobs per minute)"),
-        tooltip=tooltip)
-    ideal = base.mark_line(strokeDash=[5, 3], color="gray").encode(
-        y="ideal_jobs_per_min:Q", tooltip=[alt.Tooltip("ideal_jobs_per_min:Q", format=".2f")])
-    efficiency = base.mark_line(point=True, color="#f58518").encode(
-        y=alt.Y("scaling_efficiency:Q", title="scaling efficiency (%)",
-                axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1.1])), tooltip=tooltip)
-    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(color="gray", strokeDash=[5, 3]) \
-        .encode(y="y:Q")
-    return alt.hconcat(
-        alt.layer(ideal, measured).properties(width=320, height=240,
-                                              title="Throughput (dashed: ideal)"),
-        alt.layer(one, efficiency).properties(width=320, height=240,
-                                              title="Scaling efficiency"),
-    ).properties(title="Scaling")
 
 
 def artifacts_table(results: pl.DataFrame) -> pl.DataFrame:

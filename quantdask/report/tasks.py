@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 import polars as pl
 
 from quantdask.store.figures import with_job_label
+from quantdask.store.frontier import SIZE_BITS, with_size_bits
 from quantdask.words import BASELINE, NO_FILTER, Status
 
 if TYPE_CHECKING:
@@ -45,8 +46,10 @@ def gates_banner(results: pl.DataFrame) -> str:
 
 def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
     """The tasks frame joined with each job's label, size and config, error bar ends added."""
-    jobs = with_job_label(results.filter(pl.col("status") == Status.DONE)).select(
-        "job_id", "job", "model", "config_label", "backend", "config", "bits_per_weight")
+    done = results.filter(pl.col("status") == Status.DONE)
+    jobs = with_size_bits(with_job_label(done)).select(
+        "job_id", "job", "model", "config_label", "backend", "config", "bits_per_weight",
+        SIZE_BITS)
     stderr = pl.col("stderr").fill_null(0.0)
     return tasks.join(jobs, on="job_id").with_columns(
         (pl.col("value") - stderr).alias("value_lo"), (pl.col("value") + stderr).alias("value_hi"),
@@ -77,6 +80,8 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
                alt.Tooltip("value:Q", format=".4f"), alt.Tooltip("stderr:Q", format=".4f"),
                alt.Tooltip("baseline_value:Q", title="baseline", format=".4f"),
                alt.Tooltip("recovery:Q", format=".1%"), alt.Tooltip("samples:Q"),
+               alt.Tooltip("bits_per_weight:Q", title="bits per weight (whole model)",
+                           format=".3f"),
                alt.Tooltip("truncation:N", title="prompts cut")]
     panels = []
     for (model, panel), part in data.group_by("model", "panel", maintain_order=True):
@@ -86,9 +91,9 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
             f"{model}: {panel}" + (f"  (TRUNCATED PROMPTS: up to {truncated} samples cut; not "
                                    "the task's score)" if truncated else ""),
             color="#e45756" if truncated else "black")
-        base = alt.Chart(part).encode(x=alt.X("bits_per_weight:Q",
-                                              title="bits per weight (whole model, as stored)",
-                                              scale=alt.Scale(zero=False, padding=12)))
+        base = alt.Chart(part).encode(x=alt.X(
+            "size_bits:Q", title="bits per quantized weight (the baseline: as stored)",
+            scale=alt.Scale(zero=False, padding=12)))
         bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
             y="value_lo:Q", y2="value_hi:Q", color="backend:N", tooltip=tooltip)
         points = base.mark_point(size=90, filled=True).encode(

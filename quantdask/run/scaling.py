@@ -18,7 +18,12 @@ from quantdask.cluster.local import start_cluster
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import RunDirError, SpecError
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_attempts, read_sessions, write_parquet
+from quantdask.store.run_store import (
+    read_attempts,
+    read_sessions,
+    read_worker_tasks,
+    write_parquet,
+)
 from quantdask.store.summary import sweep_summary
 from quantdask.sweepfile.sweep import Sweep
 
@@ -52,13 +57,16 @@ def _check_out_dir(out_dir: Path) -> None:
 
 def scaling_frame(summaries: list[dict[str, Any]]) -> pl.DataFrame:
     """Rows of :func:`~quantdask.store.summary.sweep_summary` (plus ``workers`` and ``run_dir``),
-    one
-    per worker count, with the speedup and efficiency against the smallest count."""
+    one per worker count, with the speedup and efficiency against the smallest count; and each
+    phase's own speedup, its makespan at the smallest count over its makespan at this one
+    (``jobs_scaling_speedup``; ``search_scaling_speedup`` where the sweep searched)."""
     frame = pl.DataFrame(summaries).sort("workers")
     base = frame.row(0, named=True)
+    phases = [(pl.lit(base[f"{phase}_makespan_s"]) / pl.col(f"{phase}_makespan_s"))
+              .alias(f"{phase}_scaling_speedup") for phase in ("jobs", "search")]
     return frame.with_columns(
         (pl.col("throughput_jobs_per_min") / base["throughput_jobs_per_min"])
-        .alias("scaling_speedup"),
+        .alias("scaling_speedup"), *phases,
     ).with_columns(
         (pl.col("scaling_speedup") / (pl.col("workers") / base["workers"]))
         .alias("scaling_efficiency"))
@@ -84,8 +92,8 @@ def scale_sweep(
     on_count: Callable[[int, Path], None] | None = None,
     use_gpus: bool | None = None,
 ) -> pl.DataFrame:
-    """Run every job of ``sweep`` fresh on a new cluster of each size in ``workers``; return the
-    scaling frame.
+    """Run every job of ``sweep`` fresh on a new cluster of each size in ``workers`` (a
+    search's probing too: each phase's speedup is in the frame); return the scaling frame.
 
     Workers are GPUs when this machine has them (``use_gpus=False`` forces CPU slots). CPU slots
     each get the same torch threads at every count (the cores split over the largest count), so
@@ -111,7 +119,8 @@ def scale_sweep(
                                  torch_threads=threads))
         with cluster:
             run_sweep(sweep, run_dir, cluster.client, on_result=on_result)
-        summary = sweep_summary(read_attempts(run_dir), read_sessions(run_dir))
+        summary = sweep_summary(read_attempts(run_dir), read_sessions(run_dir),
+                                read_worker_tasks(run_dir))
         if summary.is_empty():
             raise RunDirError(f"the run at {n} workers recorded no attempts ({run_dir})")
         # A resumed run dir has several sessions; this one is fresh, so it has one.

@@ -27,11 +27,14 @@ if TYPE_CHECKING:
 @dataclass
 class StageWatch:
     """Who follows a stage while it runs: ``stop`` ends it early (a cancelled sweep),
-    ``progress`` counts its work and ``tick()`` shows it (the sweep's driver)."""
+    ``progress`` counts its work and ``tick()`` shows it (the sweep's driver). Its Dask keys
+    carry ``run_id``, the session's: its tasks are that session's in the time account
+    (``run.worker_tasks``)."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     progress: SweepProgress | None = None
     tick: Callable[[], None] = lambda: None
+    run_id: str = ""
 
 
 StageRun = Callable[["Sweep", "RunStore", "Client", "list[Job]", StageWatch], "list[Job] | None"]

@@ -27,14 +27,16 @@ from distributed import Client
 from quantdask.cluster.operations import cluster_capacity, live_workers, workers_elsewhere
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.placement import place_jobs
+from quantdask.process.runtime import TASK_END_TOPIC
 from quantdask.records import SessionRow
-from quantdask.run import LOG_CHANNEL
+from quantdask.run import LOG_CHANNEL, topics
 from quantdask.run.artifacts import prune_to_pareto
 from quantdask.run.handle import Listeners, SweepHandle
 from quantdask.run.loop import SweepDriver
 from quantdask.run.progress import SweepProgress
 from quantdask.run.stages import PreJobStage, StageWatch, stages_for
 from quantdask.run.widget import progress_view
+from quantdask.run.worker_tasks import WorkerTaskLog
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.sweep import Job, Sweep, expand_grid, plan_rows
 from quantdask.util import utcnow
@@ -64,6 +66,8 @@ class SweepSession:
 
     def run(self) -> None:
         driver, artifacts = self.driver, self.sweep.artifacts
+        account = WorkerTaskLog(self.store, self.row.run_id)  # tasks beside the jobs' tries
+        topics.subscribe(driver.client, TASK_END_TOPIC, account.on_event)
         try:
             for stage in stages_for(self.sweep):
                 if not driver.stop.is_set():
@@ -75,6 +79,7 @@ class SweepSession:
                     and artifacts.keep == ArtifactKeep.PARETO):
                 prune_to_pareto(self.store, artifacts)
         finally:
+            topics.unsubscribe(driver.client, TASK_END_TOPIC, account.on_event)
             try:
                 self.store.write_session(dataclasses.replace(self.row, finished_at=utcnow()))
                 driver.progress.finish(completed=self.row.completed)
@@ -87,7 +92,7 @@ class SweepSession:
         watched and cancelled through the driver), then place its jobs beside the others and
         write the plan again: the driver then runs them all."""
         driver = self.driver
-        watch = StageWatch(driver.stop, driver.progress, driver.show_progress)
+        watch = StageWatch(driver.stop, driver.progress, driver.show_progress, self.row.run_id)
         added = stage.run(self.sweep, self.store, driver.client, self.jobs, watch)
         if added is None:  # cancelled while it ran
             return

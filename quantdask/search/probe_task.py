@@ -13,10 +13,11 @@ from quantdask.backends import get_backend
 from quantdask.errors import UnsupportedHere
 from quantdask.job.faults import inject_fault
 from quantdask.process.model_source import cached_model_source
-from quantdask.process.runtime import announce_start
+from quantdask.process.runtime import worker_task
 from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
 from quantdask.search.probes import Prober, layer_index
 from quantdask.sweepfile.search import ALL_UNITS
+from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
     from quantdask.backends.options import BackendOptions
@@ -52,8 +53,8 @@ def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Ref
     deadline the driver keeps."""
     from quantdask.measure.reference import compute_reference
 
-    announce_start()
-    return compute_reference(model, settings, text)
+    with worker_task(WorkerTaskKind.SEARCH_REFERENCE, model.label):
+        return compute_reference(model, settings, text)
 
 
 def search_units(model: ModelSpec, granularity: str) -> SearchUnits:
@@ -62,10 +63,10 @@ def search_units(model: ModelSpec, granularity: str) -> SearchUnits:
     from quantdask.process.model_source import count_parameters
     from quantdask.search.probes import linear_units
 
-    announce_start()
-    source, _ = cached_model_source(model)
-    built = source.build("cpu")
-    return SearchUnits(linear_units(built, granularity), count_parameters(built))
+    with worker_task(WorkerTaskKind.SEARCH_UNITS, model.label):
+        source, _ = cached_model_source(model)
+        built = source.build("cpu")
+        return SearchUnits(linear_units(built, granularity), count_parameters(built))
 
 
 def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
@@ -81,8 +82,9 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
     from distributed import get_worker
 
     chosen = get_backend(backend)
-    with _lock:  # one probe at a time per worker: they swap weights of one shared model
-        announce_start()  # its deadline starts once it holds the worker's model
+    # One probe at a time per worker (they swap weights of one shared model): its deadline
+    # and its time start once it holds the worker's model.
+    with _lock, worker_task(WorkerTaskKind.PROBE, model.label):
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)

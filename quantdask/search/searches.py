@@ -125,7 +125,8 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
     watch = watch or StageWatch()
     model = _model(sweep, search)
     settings, key = probe_settings(sweep, search), search_key(sweep, search)
-    tag = f"search-{search.name}-{uuid.uuid4().hex[:8]}"  # this driver's own Dask keys
+    # This driver's own Dask keys, carrying its session's id (the time account's).
+    tag = f"search-{search.name}-{watch.run_id or 'direct'}-{uuid.uuid4().hex[:8]}"
     room = Room(resources or {"GPU": 1.0 / sweep.jobs_per_gpu}, settings.batch_size)
     rules = ProbeRules(sweep.retries, sweep.timeout_s, sweep.retry_backoff_s)
 

@@ -67,24 +67,42 @@ class TieMargins:
         return mean_and_window_se(differences)[1]
 
 
-def pareto_frontier(results: pl.DataFrame, cost: str = "bits_per_weight",
+SIZE_BITS = "size_bits"
+"""The size configs are compared on: bits per quantized weight (the quantized layers' weights
+with their scales and zero points), and for a config that quantizes nothing (the baseline) its
+weights as stored. The whole model's bits per weight counts the rest too (float32 embeddings
+dominate a small model's: every 4-bit config there read 9-14 bits), so it stays beside it."""
+
+
+def with_size_bits(results: pl.DataFrame) -> pl.DataFrame:
+    """``results`` with the ``SIZE_BITS`` column (frames from before that split: the whole
+    model's figure)."""
+    sizes = [c for c in ("bits_per_quantized_weight", "bits_per_weight") if c in results.columns]
+    return results.with_columns(pl.coalesce(sizes).alias(SIZE_BITS))
+
+
+def pareto_frontier(results: pl.DataFrame, cost: str = SIZE_BITS,
                     loss: str = "kl_divergence", loss_se: str | None = None,
                     windows: pl.DataFrame | None = None) -> pl.DataFrame:
     """``results`` (done jobs) with a ``pareto`` column and ``tied_with`` (the configs of the
     same model tied with each on ``loss``, comma-separated, or null).
 
     A job is on the frontier unless another job of the same model is at most as large
-    (``cost``) and significantly better (``loss`` lower by more than their tie margin, see
-    :class:`TieMargins`: paired over ``windows`` when given), or smaller and not significantly
-    worse: tied configs are not ranked, so a larger config is on the frontier only when it
-    beats every smaller one by more than the noise.
+    (``cost``: by default bits per quantized weight, ``SIZE_BITS``) and significantly better
+    (``loss`` lower by more than their tie margin, see :class:`TieMargins`: paired over
+    ``windows`` when given), or smaller and not significantly worse: tied configs are not
+    ranked, so a larger config is on the frontier only when it beats every smaller one by
+    more than the noise.
 
     >>> frame = pl.DataFrame({"model": ["m"] * 3, "status": ["done"] * 3,
-    ...     "config_label": ["a", "b", "c"], "bits_per_weight": [4.0, 4.5, 8.0],
+    ...     "config_label": ["a", "b", "c"], "bits_per_quantized_weight": [4.0, 4.5, 8.0],
+    ...     "bits_per_weight": [9.0, 9.5, 12.0],
     ...     "kl_divergence": [0.010, 0.009, 0.001], "kl_se": [0.001] * 3})
     >>> pareto_frontier(frame)["pareto"].to_list()  # b ties a and is larger: not on it
     [True, False, True]
     """
+    if cost == SIZE_BITS and SIZE_BITS not in results.columns:
+        results = with_size_bits(results)
     done = results.filter((pl.col("status") == Status.DONE) & pl.col(cost).is_not_null()
                           & pl.col(loss).is_not_null())
     margin = TieMargins(done, loss, loss_se, windows)

@@ -356,8 +356,7 @@ def _read_dir(directory: Path, schema: dict) -> pl.DataFrame:
 
 
 def read_frame(run_dir: str | os.PathLike, name: str) -> pl.DataFrame:
-    """The frame ``name`` of ``run_dir`` (``store.schema.FRAMES`` lists them: results, layers,
-    windows, tasks, speed, phases, attempts, sessions, samples), in its schema.
+    """The frame ``name`` of ``run_dir`` (``store.schema.FRAMES`` lists them), in its schema.
 
     >>> read_frame("runs/demo", "phases").group_by("phase").agg(pl.sum("seconds"))  # doctest: +SKIP
     """
@@ -390,21 +389,25 @@ def read_windows(run_dir: str | os.PathLike) -> pl.DataFrame:
 
 
 def read_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Task scores of every done job of ``run_dir``: one row per (job, task, metric, filter),
-    with the baseline's value and the recovery (empty for a sweep without tasks)."""
+    """Task scores of every done job: one row per (job, task, metric, filter), with the
+    baseline's value and the recovery (empty for a sweep without tasks)."""
     return read_frame(run_dir, "tasks")
 
 
 def read_speed(run_dir: str | os.PathLike) -> pl.DataFrame:
-    """Generation speed of every done job of ``run_dir``: one row per (job, batch size), with
-    the baseline's decode tokens/s for the same model and batch and the speed-ups (null where
-    the baseline has no row). Empty for a sweep without a speed block."""
+    """Generation speed of every done job: one row per (job, batch size), with the baseline's
+    decode tokens/s and the speed-ups (null where it has no row; empty without a speed block)."""
     return read_frame(run_dir, "speed")
 
 
 def read_attempts(run_dir: str | os.PathLike) -> pl.DataFrame:
     """Every try of every job of ``run_dir``: one row per attempt."""
     return read_frame(run_dir, "attempts")
+
+
+def read_worker_tasks(run_dir: str | os.PathLike) -> pl.DataFrame:
+    """Every other task than a job's attempt run on a worker (references, a search's probes)."""
+    return read_frame(run_dir, "worker_tasks")
 
 
 def read_sessions(run_dir: str | os.PathLike) -> pl.DataFrame:

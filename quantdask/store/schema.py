@@ -49,6 +49,7 @@ from quantdask.records import (
     TaskScores,
     Where,
     WindowRow,
+    WorkerTaskRow,
 )
 from quantdask.store.speed import DERIVED, with_baseline_speed
 from quantdask.words import FailureClass, Status
@@ -102,6 +103,7 @@ SESSION_SCHEMA = schema_of((SessionRow,))
 SENSITIVITY_SCHEMA = schema_of((SensitivityRow,))
 ALLOCATION_SCHEMA = schema_of((AllocationRow,))
 SAMPLE_SCHEMA = schema_of((SampleRow,))
+WORKER_TASK_SCHEMA = schema_of((WorkerTaskRow,))
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ FRAMES: tuple[Frame, ...] = (
           PhaseRow.optional_columns(), per_done_job=True, required=False),
     Frame("attempts", ATTEMPT_SCHEMA, "Attempts frame", ("finished_at",),
           AttemptRow.optional_columns()),
+    Frame("worker_tasks", WORKER_TASK_SCHEMA, "Worker tasks frame", ("started_at", "key"),
+          WorkerTaskRow.optional_columns()),
     Frame("sessions", SESSION_SCHEMA, "Sessions frame", ("started_at",),
           SessionRow.optional_columns()),
     Frame("samples", SAMPLE_SCHEMA, "Device samples frame", ("worker", "time"),
