@@ -124,8 +124,10 @@ def device_summary(results: pl.DataFrame, samples: pl.DataFrame | None = None,
     return summary
 
 
-def _seconds(end: str, start: str) -> pl.Expr:
-    return (pl.col(end) - pl.col(start)).dt.total_microseconds() / 1e6
+def _seconds(end: str | pl.Expr, start: str | pl.Expr) -> pl.Expr:
+    """Seconds from ``start`` to ``end`` (columns, by name or expression)."""
+    end, start = (pl.col(c) if isinstance(c, str) else c for c in (end, start))
+    return (end - start).dt.total_microseconds() / 1e6
 
 
 SWEEP_SUMMARY_SCHEMA = {
@@ -143,14 +145,10 @@ def _phase(spans: pl.DataFrame, name: str, searching: pl.Expr) -> pl.DataFrame:
     """Per session: the work, makespan and speedup of the spans ``searching`` picks."""
     return (spans.filter(searching).group_by("run_id").agg(
         pl.col("run_s").sum().alias(f"{name}_work_s"),
-        _seconds_between(pl.col("finished_at").max(), pl.col("started_at").min())
+        _seconds(pl.col("finished_at").max(), pl.col("started_at").min())
         .alias(f"{name}_makespan_s"))
         .with_columns((pl.col(f"{name}_work_s") / pl.col(f"{name}_makespan_s"))
                       .alias(f"{name}_speedup")))
-
-
-def _seconds_between(end: pl.Expr, start: pl.Expr) -> pl.Expr:
-    return (end - start).dt.total_microseconds() / 1e6
 
 
 def _with_sessions(per_run: pl.DataFrame, sessions: pl.DataFrame | None) -> pl.DataFrame:
