@@ -40,11 +40,10 @@ from quantdask.run.sweep import run_sweep
 from quantdask.run.sweep import submit_sweep as _submit_sweep
 from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.mlflow_export import ExportSummary, export_mlflow
-from quantdask.store.run_store import (
+from quantdask.store.readers import (
     read_attempts,
     read_device_samples,
-    read_frame,
-    read_frames,
+    read_environment,
     read_layers,
     read_results,
     read_sessions,
@@ -53,6 +52,7 @@ from quantdask.store.run_store import (
     read_windows,
     read_worker_tasks,
 )
+from quantdask.store.run_store import read_frame, read_frames
 from quantdask.store.summary import device_summary, job_status, sweep_summary
 from quantdask.sweepfile.gates import Gate
 from quantdask.sweepfile.model import ModelSpec
@@ -79,8 +79,8 @@ __all__ = [
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
     "execute_notebook", "expand_grid", "export_mlflow", "ExportSummary", "get_backend",
     "job_generator", "job_status", "kl_ties", "load_sweep",
-    "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples", "read_frame",
-    "read_frames",
+    "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
+    "read_environment", "read_frame", "read_frames",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",
     "read_windows", "read_worker_tasks",

@@ -15,7 +15,7 @@ from quantdask.errors import SpecError
 from quantdask.job.job import run_job
 from quantdask.measure.reference import compute_reference
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_layers
+from quantdask.store.readers import read_layers
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.settings import EvalSettings
 from quantdask.sweepfile.sweep import BackendBlock, Sweep, expand_grid

@@ -19,7 +19,7 @@ from quantdask.job.job import run_job
 from quantdask.measure.calibration import calibration_windows
 from quantdask.measure.reference import REFERENCE_TOPIC, compute_reference, reference_key
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_layers
+from quantdask.store.readers import read_layers
 from quantdask.sweepfile.sweep import expand_grid
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict

@@ -11,7 +11,7 @@ import pytest
 
 from quantdask.cli.main import main
 from quantdask.demo_model import DEMO_SWEEP
-from quantdask.store.run_store import read_results
+from quantdask.store.readers import read_results
 from quantdask.sweepfile.sweep import expand_grid
 from quantdask.sweepfile.sweep_file import load_sweep
 from tests.conftest import REPO, sweep_dict

@@ -17,7 +17,7 @@ import pytest
 
 from quantdask.plan.planning import plan_sweep
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_layers
+from quantdask.store.readers import read_layers
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
 from tests.tiny_families import FAMILIES, build_tiny

@@ -24,7 +24,8 @@ from quantdask.backends.base import UNQUANTIZED
 from quantdask.cli.main import main
 from quantdask.cluster.local import start_cluster
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import RunStore, read_attempts, read_results
+from quantdask.store.readers import read_attempts, read_results
+from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import REPO, sweep_dict
 

@@ -24,7 +24,7 @@ from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.errors import SpecError
 from quantdask.plan.model_facts import model_facts
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_layers
+from quantdask.store.readers import read_layers
 from quantdask.sweepfile.sweep import expand_grid
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import calibration_file, sweep_dict

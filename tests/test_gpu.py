@@ -28,7 +28,7 @@ def test_sweep_on_local_cuda_cluster_records_cuda_metrics(tmp_path):
         assert row["device"] == "cuda:0"
         assert row["peak_device_mem_bytes"] > 0
         assert row["peak_device_reserved_bytes"] >= row["peak_device_mem_bytes"]
-    from quantdask.store.run_store import read_device_samples
+    from quantdask.store.readers import read_device_samples
 
     samples = read_device_samples(tmp_path / "run")  # real NVML readings
     assert set(samples["device"]) == {"cuda:0"} and samples["memory_used_bytes"].max() > 0

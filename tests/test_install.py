@@ -122,7 +122,7 @@ print(json.dumps({
 @pytest.mark.timeout(900)
 def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_path):
     from quantdask.demo_model import DEMO_SWEEP
-    from quantdask.store.run_store import read_results
+    from quantdask.store.readers import read_results
     from quantdask.sweepfile.sweep import expand_grid
     from quantdask.sweepfile.sweep_file import load_sweep
 

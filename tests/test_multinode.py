@@ -26,7 +26,7 @@ from quantdask.cluster.local import Adapt, start_cluster, tls_security
 from quantdask.errors import PlacementError, SpecError
 from quantdask.plan.placement import slot_memories
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_attempts, read_results
+from quantdask.store.readers import read_attempts, read_results
 from quantdask.sweepfile.sweep import DEVICE_MEMORY
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 

@@ -22,7 +22,7 @@ from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.plan.planning import plan_sweep
 from quantdask.run.progress import PROGRESS_FILE, FailureLine, SweepProgress, read_progress
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_attempts, read_results
+from quantdask.store.readers import read_attempts, read_results
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict, with_slow_jobs
 

@@ -23,7 +23,7 @@ from quantdask.report.charts import LARGEST
 from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
 from quantdask.run.scaling import read_scaling, scale_sweep
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import (
+from quantdask.store.readers import (
     read_attempts,
     read_device_samples,
     read_layers,

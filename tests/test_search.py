@@ -13,7 +13,8 @@ from quantdask.demo_model import DEMO_MODEL_DIR
 from quantdask.errors import SpecError
 from quantdask.run.progress import SweepProgress
 from quantdask.run.sweep import run_sweep, submit_sweep
-from quantdask.store.run_store import read_frame, read_results
+from quantdask.store.readers import read_results
+from quantdask.store.run_store import read_frame
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import calibration_file, sweep_dict
 
@@ -91,7 +92,7 @@ def test_the_time_account_holds_the_probes_beside_the_jobs(searched, cluster):
     """Every task the search ran on a worker is recorded (worker_tasks frame) and counted in
     the sweep's and each device's time; the probes' spans hold the seconds each cell's probe
     measured inside them (the sensitivity frame's, timed apart on the worker)."""
-    from quantdask.store.run_store import read_attempts, read_sessions, read_worker_tasks
+    from quantdask.store.readers import read_attempts, read_sessions, read_worker_tasks
     from quantdask.store.summary import device_summary, sweep_summary
 
     run_dir, results = searched

@@ -24,7 +24,7 @@ from quantdask.plan.placement import slot_memories
 from quantdask.plan.retry import with_more_room
 from quantdask.process.slot_memory import FIRST_JOB_BYTES
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_attempts
+from quantdask.store.readers import read_attempts
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, expand_grid
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict

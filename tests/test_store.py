@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 from quantdask.errors import RunDirError, SchemaError
-from quantdask.store.run_store import RunStore, read_results, read_windows
+from quantdask.store.readers import read_results, read_windows
+from quantdask.store.run_store import RunStore
 from quantdask.store.schema import RESULT_SCHEMA
 from quantdask.store.summary import job_status
 from quantdask.store.validation import records_to_frame, validate_record
@@ -194,7 +195,8 @@ def test_job_status_marks_unrecorded_jobs_pending(tmp_path):
 def test_a_done_jobs_windows_round_trip_and_are_part_of_it(tmp_path):
     store = RunStore(tmp_path / "run").create()
     rows = [{"window": w, "tokens": 127, "ln_ppl": 0.5 + w, "kl": 0.01 * w,
-             "top1_agreement": 0.9, "delta_p": -0.001} for w in range(3)]
+             "top1_agreement": 0.9, "delta_p": -0.001, "token_hash": f"{w:016x}"}
+            for w in range(3)]
     store.write_job_rows("layers", "a", [])
     store.write_job_rows("windows", "a", rows)
     store.write_result(done_record("a"))
@@ -300,7 +302,8 @@ def test_every_frames_schema_and_nullable_columns_come_from_its_row_type():
              "speed": records.SpeedAsRead, "phases": records.PhaseRow,
              "attempts": records.AttemptRow, "sessions": records.SessionRow,
              "samples": records.SampleRow, "sensitivity": records.SensitivityRow,
-             "allocation": records.AllocationRow}
+             "allocation": records.AllocationRow, "task_items": records.TaskItemRow,
+             "environment": records.EnvironmentRow}
     assert set(typed) | {"results"} == set(FRAME)
     for name, row_type in typed.items():
         frame = FRAME[name]

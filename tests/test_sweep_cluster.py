@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,14 @@ from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR, DEMO_SWEEP, DEM
 from quantdask.measure.reference import REFERENCE_TOPIC, reference_key
 from quantdask.process.devices import drain_this_worker
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import read_device_samples, read_frame, read_layers, read_results
+from quantdask.store.readers import (
+    read_device_samples,
+    read_environment,
+    read_layers,
+    read_results,
+    read_sessions,
+)
+from quantdask.store.run_store import read_frame
 from quantdask.store.summary import device_summary
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict
@@ -109,7 +117,7 @@ def test_the_demo_times_generation_for_its_reports_speed_section(demo_run):
     # Issue 39 item 4: the demo sweep's small speed block, so the showcase report's speed
     # section has figures: one row per job at batch size 1, each with its baseline speed-up.
     from quantdask import report
-    from quantdask.store.run_store import read_speed
+    from quantdask.store.readers import read_speed
 
     run_dir, results, _ = demo_run
     speed = read_speed(run_dir)
@@ -365,3 +373,31 @@ def test_every_frame_reads_back_and_each_done_job_has_its_phases(demo_run):
     assert set(table["peak_phase"]) <= set(phases["phase"])
     with pytest.raises(qd.SchemaError, match="the frames are results, layers"):
         qd.read_frame(run_dir, "phase")
+
+
+def test_each_session_records_the_environment_of_the_driver_and_every_worker(demo_run, cluster,
+                                                                            capsys):
+    from importlib.metadata import version
+
+    from quantdask.cli.main import main
+    from quantdask.store.environment import latest_environment
+
+    run_dir, _, _ = demo_run
+    env = read_environment(run_dir)
+    workers = set(cluster.client.scheduler_info()["workers"])
+    sessions = read_sessions(run_dir)
+    assert set(env["run_id"]) == set(sessions["run_id"])  # every session (the rerun's too)
+    first = env.filter(pl.col("run_id") == sessions["run_id"][0])
+    assert set(first["process"]) == {"driver", *workers}
+    by_process = {p: dict(first.filter(pl.col("process") == p)
+                          .select("component", "value").iter_rows()) for p in workers}
+    for values in by_process.values():  # each worker's, as its own process reads it
+        assert values["torch"] == version("torch")
+        assert values["bitsandbytes"] == version("bitsandbytes")
+        assert values["transformers"] == version("transformers")
+        assert values["cuda"].startswith("none") and values["gpu"] == "no GPU visible"
+    latest = latest_environment(env)
+    assert latest["python"] == ".".join(map(str, sys.version_info[:3]))
+    main(["status", str(run_dir)])
+    shown = capsys.readouterr().out
+    assert f"torch {version('torch')}" in shown and "environment: " in shown

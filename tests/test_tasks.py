@@ -262,22 +262,6 @@ def realistic_task(folder: Path, n: int = 40) -> Path:
     return folder
 
 
-def _logging_samples(monkeypatch) -> dict:
-    """lm-eval's per-sample log of the next ``evaluate_tasks`` (which asks for none): its
-    ``simple_evaluate`` called with ``log_samples=True``, the result kept here."""
-    import lm_eval
-
-    kept: dict = {}
-    real = lm_eval.simple_evaluate
-
-    def logging(*args, **kwargs):
-        kept.update(real(*args, **{**kwargs, "log_samples": True}))
-        return kept
-
-    monkeypatch.setattr(lm_eval, "simple_evaluate", logging)
-    return kept
-
-
 def _docs(settings: TaskSettings) -> list[dict]:
     [config] = settings.specs()
     path = config["dataset_kwargs"]["data_files"]["test"]
@@ -321,11 +305,14 @@ def test_task_accuracy_equals_an_independent_argmax(regime, bits, tmp_path, monk
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         model, tokenizer = _quantized(model_dir, bits)
-    per_sample = _logging_samples(monkeypatch)
-    rows = {row.metric: row for row in evaluate_tasks(model, tokenizer, settings)}
+    scored, items = evaluate_tasks(model, tokenizer, settings)
+    rows = {row.metric: row for row in scored}
     acc, acc_norm, closest, right = hand_scores(model, tokenizer, _docs(settings))
-    [(task, samples)] = per_sample["samples"].items()
-    assert [bool(s["acc"]) for s in sorted(samples, key=lambda s: s["doc_id"])] == right
+    # the task items frame: each question's correctness, as the hand computation has it
+    accs = sorted((i.doc_id, i.value) for i in items if i.metric == "acc")
+    assert [d for d, _ in accs] == list(range(len(right)))
+    assert [bool(v) for _, v in accs] == right
+    assert {i.metric for i in items} == {"acc", "acc_norm"}
     # lm-eval batches its requests its own way and sums in float32; the hand computation
     # batches one question's choices and sums in float64: a choice within float32's rounding
     # of the best would make the two disagree.
@@ -372,12 +359,12 @@ def test_truncated_prompts_are_counted_as_lm_eval_cuts_them(monkeypatch):
 
     warned = _Warnings()
     monkeypatch.setattr(hf, "eval_logger", warned)
-    rows = evaluate_tasks(model, tokenizer, dataclasses.replace(settings, max_length=window))
+    rows, _ = evaluate_tasks(model, tokenizer, dataclasses.replace(settings, max_length=window))
     lm_eval_cuts = [line for line in warned.lines if line.startswith("Combined length")]
     assert len(lm_eval_cuts) == sum(map(sum, cut))  # requests lm-eval cut
     assert {row.truncated_samples for row in rows} == {sum(map(any, cut))}
     assert truncated_total(rows) == sum(map(any, cut))  # one task: counted once, not per metric
-    assert {row.truncated_samples for row in evaluate_tasks(model, tokenizer, settings)} \
+    assert {row.truncated_samples for row in evaluate_tasks(model, tokenizer, settings)[0]} \
         == {0}
 
 
@@ -419,7 +406,8 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, mon
     window = sorted(lengths)[len(lengths) // 2] + 4  # prompts longer than window - 4 are cut
     settings = TaskSettings(names=["demo_generate"], include_path=str(tmp_path),
                             max_length=window)
-    [row] = evaluate_tasks(model, tokenizer, settings)
+    [row], items = evaluate_tasks(model, tokenizer, settings)
+    assert len(items) == 12 and {i.value for i in items} <= {0.0, 1.0}
     assert row.metric == "exact_match" and row.samples == 12
     assert row.truncated_samples == sum(n > window - 4 for n in lengths) > 0
     assert commands == []
@@ -475,7 +463,7 @@ def test_the_task_phase_counts_against_the_job_deadline(nf4_job_and_reference, m
 
     def slow(*args, **kwargs):
         time.sleep(2.5)
-        return []
+        return [], []
 
     monkeypatch.setattr(quantdask.measure.tasks, "evaluate_tasks", slow)
     late = _run(job, reference)
@@ -610,8 +598,8 @@ def test_each_template_of_a_task_is_compiled_once_per_process(monkeypatch):
                         lambda source, *args, **kwargs: compiled.append(source)
                         or real(source, *args, **kwargs))
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
-    rows = tasks.evaluate_tasks(model, AutoTokenizer.from_pretrained(DEMO_MODEL_DIR),
-                                TaskSettings(**DEMO_TASK, limit=16))
+    rows, _ = tasks.evaluate_tasks(model, AutoTokenizer.from_pretrained(DEMO_MODEL_DIR),
+                                   TaskSettings(**DEMO_TASK, limit=16))
     assert {row.samples for row in rows} == {16}
     # Before: 99 compiles of 3 templates for 16 questions.
     assert compiled and len(compiled) == len(set(compiled)), compiled
@@ -631,6 +619,6 @@ def test_each_string_of_a_loglikelihood_task_is_tokenized_once():
     real = tokenizer.encode
     tokenizer.encode = lambda text, *args, **kwargs: encoded.append(
         (text, *args, *sorted(kwargs.items()))) or real(text, *args, **kwargs)
-    rows = evaluate_tasks(model, tokenizer, TaskSettings(**DEMO_TASK, limit=16))
+    rows, _ = evaluate_tasks(model, tokenizer, TaskSettings(**DEMO_TASK, limit=16))
     assert {row.samples for row in rows} == {16} and rows[0].truncated_samples == 0
     assert encoded and len(encoded) == len(set(encoded)), len(encoded)

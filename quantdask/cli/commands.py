@@ -180,7 +180,7 @@ def _print_summary(run_dir, results) -> int:
     import polars as pl
 
     from quantdask.store.figures import with_quality_text
-    from quantdask.store.run_store import read_attempts
+    from quantdask.store.readers import read_attempts
 
     rows = with_quality_text(results).sort(
         pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
@@ -226,7 +226,7 @@ def _print_tasks(run_dir: str, results) -> None:
     import polars as pl
 
     from quantdask.cli.summary import task_lines
-    from quantdask.store.run_store import read_tasks
+    from quantdask.store.readers import read_tasks
 
     tasks = read_tasks(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
     for line in task_lines(results, tasks):
@@ -308,7 +308,7 @@ def _scale(sweep, counts: list[int], out: str, host: str) -> int:
     import polars as pl
 
     from quantdask.run.scaling import SCALING_FILE, scale_sweep
-    from quantdask.store.run_store import read_results
+    from quantdask.store.readers import read_results
 
     def announce(n, run_dir):
         print(f"scaling: {n} worker{'s' if n > 1 else ''} -> {run_dir}", flush=True)
@@ -364,9 +364,22 @@ def cmd_status(args) -> int:
     counts = frame.group_by("status").len().sort("status").rows()
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
     _print_protocol(RunStore(args.run_dir).read_results())
+    _print_environment(args.run_dir)
     for excluded in RunStore(args.run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
     return _gate_failures(RunStore(args.run_dir).read_results())
+
+
+def _print_environment(run_dir: str) -> None:
+    """The latest session's environment, on one line (libraries not installed left out)."""
+    from quantdask.process.environment import NOT_INSTALLED
+    from quantdask.store.environment import latest_environment
+    from quantdask.store.readers import read_environment
+
+    env = latest_environment(read_environment(run_dir))
+    shown = [f"{c} {v}" for c, v in env.items() if v != NOT_INSTALLED]
+    print("environment: " + ("; ".join(shown) if shown else "not recorded (a run from before "
+                                                             "quantdask recorded it)"))
 
 
 def cmd_logs(args) -> int:

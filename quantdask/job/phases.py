@@ -261,15 +261,17 @@ def score_tasks(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
                                  if baseline else (0, 0))
         scored = with_baseline(rows, rows, error)
         return made, TaskScores(seconds, device_peak, rss_peak, truncated_total(scored),
-                                tasks_error=error, tasks=scored)
+                                tasks_error=error, tasks=scored,
+                                task_items=baseline.items if baseline else [])
     from quantdask.measure.tasks import evaluate_tasks
 
     with run.watch("tasks"), PeakMemory(run.cuda) as peak:
-        rows = evaluate_tasks(need(made.model, "model"), need(made.source, "source").tokenizer,
-                              tasks)
+        rows, items = evaluate_tasks(need(made.model, "model"),
+                                     need(made.source, "source").tokenizer, tasks)
     scored = with_baseline(rows, run.reference.baseline_tasks, error)
     return made, TaskScores(run.watch.seconds["tasks"], peak.peak_device_bytes,
-                            peak.peak_rss_bytes, truncated_total(scored), tasks=scored)
+                            peak.peak_rss_bytes, truncated_total(scored), tasks=scored,
+                            task_items=items)
 
 
 def time_generation(run: JobContext, made: Made) -> tuple[Made, Speed | None]:

@@ -20,7 +20,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from quantdask.measure.statistics import QUALITY_COLUMNS, quality_figures, window_rows
+from quantdask.measure.statistics import (
+    QUALITY_COLUMNS,
+    quality_figures,
+    token_hash,
+    window_rows,
+)
 from quantdask.records import Quality, WindowRow
 
 if TYPE_CHECKING:
@@ -218,7 +223,8 @@ class QualityMeter:
     def window_rows(self) -> list[WindowRow]:
         """The windows frame's rows (see ``statistics.window_rows``)."""
         return window_rows(self.nll.numpy(), self.kl.numpy(), self.agree.numpy(),
-                           self.delta_p.numpy())
+                           self.delta_p.numpy(),
+                           [token_hash(window.numpy()) for window in self.windows.cpu()])
 
     def scores(self) -> Quality:
         """The record's quality figures (see ``statistics.quality_figures``)."""

@@ -35,7 +35,7 @@ from quantdask.process import cpu_share
 from quantdask.process.attempt import attempt_scope
 from quantdask.process.model_source import cached_model_source
 from quantdask.process.runtime import worker_task
-from quantdask.records import Peaks, Quality, TaskRow, WindowRow
+from quantdask.records import Peaks, Quality, TaskItemRow, TaskRow, WindowRow
 from quantdask.words import KLKind, WorkerTaskKind
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class BaselineTasks:
     peak_device_mem_bytes: int
     peak_host_rss_bytes: int
     error: str | None = None
+    items: list[TaskItemRow] = field(default_factory=list)  # each question's scores
 
 
 def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
@@ -198,6 +199,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     from quantdask.process.runtime import torch_device
 
     rows: list[TaskRow] = []
+    items: list[TaskItemRow] = []
     error = None
     with attempt_scope(f"tasks-{model.label}", take_samples=False,
                        task=(WorkerTaskKind.BASELINE_TASKS, model.label)) as scope, \
@@ -206,7 +208,7 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
         device, _, cuda = torch_device()
         with PeakMemory(cuda) as peak:
             try:
-                rows = _score_unquantized(source, device, tasks)
+                rows, items = _score_unquantized(source, device, tasks)
             except Exception as failure:  # noqa: BLE001 - the baseline's task rows fail alone
                 error = f"{type(failure).__name__}: {failure}"
                 log.exception("%s: the baseline's task scoring failed; the quantized jobs "
@@ -214,14 +216,18 @@ def compute_baseline_tasks(model: ModelSpec, tasks: TaskSettings,
     _announce(model.label, BASELINE_TASKS_TOPIC)
     elapsed = scope.elapsed()
     if error is None and elapsed > timeout_s:
-        rows, late = [], JobTimeout("its model's baseline task scores", elapsed, timeout_s)
+        late = JobTimeout("its model's baseline task scores", elapsed, timeout_s)
+        rows, items = [], []
         error = f"{type(late).__name__}: {late}"
         log.error("%s: %s", model.label, error)
-    return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes, error)
+    return BaselineTasks(rows, elapsed, peak.peak_device_bytes, peak.peak_rss_bytes, error,
+                         items)
 
 
-def _score_unquantized(source, device, tasks: TaskSettings) -> list[TaskRow]:
-    """The tasks frame's rows of the unquantized model (built here, let go on return)."""
+def _score_unquantized(source, device, tasks: TaskSettings
+                       ) -> tuple[list[TaskRow], list[TaskItemRow]]:
+    """The tasks and task items frames' rows of the unquantized model (built here, let go on
+    return)."""
     from quantdask.measure.tasks import evaluate_tasks
 
     fp_model = source.build(device)

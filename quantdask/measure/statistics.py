@@ -48,15 +48,27 @@ def mean_and_window_se(values: np.ndarray) -> tuple[float, float | None]:
 
 
 def window_rows(nll: np.ndarray, kl: np.ndarray, agree: np.ndarray,
-                delta_p: np.ndarray) -> list[WindowRow]:
+                delta_p: np.ndarray, token_hashes: list[str] | None = None) -> list[WindowRow]:
     """One row per window (windows x positions in): its tokens, mean negative log-likelihood,
-    KL, top-1 agreement and change in the correct token's probability."""
+    KL, top-1 agreement and change in the correct token's probability, and the hash of its
+    token ids (``token_hashes``, one per window) when given."""
     return [WindowRow(window=w, tokens=int(nll.shape[1]),
                       ln_ppl=math.fsum(nll[w].tolist()) / nll.shape[1],
                       kl=math.fsum(kl[w].tolist()) / nll.shape[1],
                       top1_agreement=float(agree[w].sum()) / nll.shape[1],
-                      delta_p=math.fsum(delta_p[w].tolist()) / nll.shape[1])
+                      delta_p=math.fsum(delta_p[w].tolist()) / nll.shape[1],
+                      token_hash=token_hashes[w] if token_hashes is not None else None)
             for w in range(nll.shape[0])]
+
+
+def token_hash(ids: np.ndarray) -> str:
+    """A window's token ids as the windows frame's ``token_hash``: sha256 of them as
+    little-endian int64, its first 16 hex digits."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
 def binomial_se(share: float, trials: int) -> float:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from quantdask.randomness import global_generators
-from quantdask.records import TaskRow
+from quantdask.records import TaskItemRow, TaskRow
 from quantdask.util import import_datasets_offline
 
 if TYPE_CHECKING:
@@ -117,9 +117,11 @@ def _truncation_aware_lm():
     return TruncationAwareLM
 
 
-def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[TaskRow]:
-    """The tasks frame's rows for ``model`` (a transformers causal LM, on its device):
-    ``simple_evaluate`` over ``settings``' tasks, batched, seeded, offline."""
+def evaluate_tasks(model, tokenizer, settings: TaskSettings
+                   ) -> tuple[list[TaskRow], list[TaskItemRow]]:
+    """The tasks frame's rows for ``model`` (a transformers causal LM, on its device), and
+    the task items frame's (each question's score): ``simple_evaluate`` over ``settings``'
+    tasks, batched, seeded, offline."""
     import lm_eval
     import lm_eval.utils
 
@@ -136,7 +138,7 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[TaskRow]:
         results = lm_eval.simple_evaluate(
             model=lm, tasks=settings.specs(), task_manager=settings.manager(),
             num_fewshot=settings.num_fewshot, limit=settings.limit,
-            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False, random_seed=seed,
+            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True, random_seed=seed,
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     rows = task_rows(results, {task: len(docs) for task, docs in lm.truncated.items()})
     for row in rows:
@@ -144,7 +146,7 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings) -> list[TaskRow]:
             log.warning("task %s: %d of %s samples had their prompt cut to the model's %d "
                         "tokens: its %s is not the task's", row.task, row.truncated_samples,
                         row.samples, lm.max_length, row.metric)
-    return rows
+    return rows, item_rows(results.get("samples", {}))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -224,6 +226,21 @@ def task_rows(results: dict[str, Any], truncated: dict[str, int]) -> list[TaskRo
                 num_fewshot=results.get("n-shot", {}).get(task),
                 higher_is_better=better.get(task, {}).get(metric),
             ))
+    return rows
+
+
+def item_rows(samples: dict[str, list[dict[str, Any]]]) -> list[TaskItemRow]:
+    """One row per (task, question, metric, filter) of lm-eval's logged samples: each
+    question's numeric scores (a metric scored per corpus, e.g. BLEU's tuples, has none)."""
+    rows = []
+    for task, examples in samples.items():
+        for example in examples:
+            for metric in example.get("metrics", ()):
+                value = example.get(metric)
+                if isinstance(value, (bool, int, float)):
+                    rows.append(TaskItemRow(task=task, doc_id=int(example["doc_id"]),
+                                            metric=metric, filter=example["filter"],
+                                            value=float(value)))
     return rows
 
 

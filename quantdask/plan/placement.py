@@ -161,7 +161,7 @@ def stored_options(row: dict) -> BackendOptions | None:
 
 def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
     """The done results already in ``run_dir`` (empty without any)."""
-    from quantdask.store.run_store import read_results
+    from quantdask.store.readers import read_results
 
     if run_dir is None or not os.path.isdir(run_dir):
         return pl.DataFrame()

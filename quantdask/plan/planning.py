@@ -57,7 +57,7 @@ def _nothing_quantized(backend: str, facts: ModelFacts) -> str:
 
 
 def _history(run_dir: str | os.PathLike | None) -> pl.DataFrame:
-    from quantdask.store.run_store import read_results
+    from quantdask.store.readers import read_results
 
     if run_dir is None or not Path(run_dir).is_dir():
         return pl.DataFrame()

@@ -39,6 +39,7 @@ from quantdask.records.phases import (
 from quantdask.records.rows import (
     AllocationRow,
     AttemptRow,
+    EnvironmentRow,
     LayerRow,
     PhaseRow,
     SampleRow,
@@ -46,6 +47,7 @@ from quantdask.records.rows import (
     SessionRow,
     SpeedAsRead,
     SpeedRow,
+    TaskItemRow,
     TaskRow,
     WindowRow,
     WorkerTaskRow,
@@ -53,9 +55,9 @@ from quantdask.records.rows import (
 
 __all__ = [
     "AllocationRow", "Artifact", "AttemptRow", "Calibrated", "Covered", "Ended", "FrameRow",
-    "GateVerdict", "LayerRow", "LayerWeights", "Loaded", "NotDone", "Peaks", "PhaseRecord",
-    "PhaseRow", "Quality", "Quantized", "Record", "Recorded", "ResultRow", "Row", "SampleRow",
-    "Scored", "SearchedFor", "SensitivityRow", "SessionRow", "Span", "Speed", "SpeedAsRead",
-    "SpeedRow", "Streamed", "TaskRow", "TaskScores", "WindowRow", "WorkerTaskRow", "Where",
-    "frame_rows",
+    "EnvironmentRow", "GateVerdict", "LayerRow", "LayerWeights", "Loaded", "NotDone", "Peaks",
+    "PhaseRecord", "PhaseRow", "Quality", "Quantized", "Record", "Recorded", "ResultRow",
+    "Row", "SampleRow", "Scored", "SearchedFor", "SensitivityRow", "SessionRow", "Span",
+    "Speed", "SpeedAsRead", "SpeedRow", "Streamed", "TaskItemRow", "TaskRow", "TaskScores",
+    "WindowRow", "WorkerTaskRow", "Where", "frame_rows",
 ]

@@ -21,7 +21,14 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 from quantdask.records.base import PhaseRecord, frame_rows
-from quantdask.records.rows import LayerRow, PhaseRow, SpeedRow, TaskRow, WindowRow
+from quantdask.records.rows import (
+    LayerRow,
+    PhaseRow,
+    SpeedRow,
+    TaskItemRow,
+    TaskRow,
+    WindowRow,
+)
 
 if TYPE_CHECKING:
     from quantdask.measure.usage import PeakMemory
@@ -258,6 +265,7 @@ class TaskScores(PhaseRecord):
     # its quality figures and the quantized jobs' task scores stand). Null otherwise.
     tasks_error: str | None = None
     tasks: list[TaskRow] = frame_rows("tasks")
+    task_items: list[TaskItemRow] = frame_rows("task_items")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,9 @@ class WindowRow(FrameRow):
     kl: float  # mean KL(baseline || quantized) over its positions
     top1_agreement: float
     delta_p: float  # mean change in the correct token's probability
+    # sha256 of the window's token ids (int64, little-endian), its first 16 hex digits: two
+    # runs measured the same windows when their hashes match (null: recorded before hashes)
+    token_hash: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,18 @@ class TaskRow(FrameRow):
     # Why recovery is null (the baseline's task scoring failed: its error; a figure missing on
     # either side; a divisor of 0); null when recovery is set.
     recovery_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskItemRow(FrameRow):
+    """One row per (done job, task, question, metric, filter): each question's score, so two
+    runs' task accuracies compare question by question (``quantdask compare``)."""
+
+    task: str  # the lm-eval task (never a group)
+    doc_id: int  # the question's index in the task's evaluated documents
+    metric: str  # e.g. acc, acc_norm, exact_match
+    filter: str  # lm-eval's filter of the answers
+    value: float  # the question's score: 1/0 for correctness, else the metric's value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +163,18 @@ class WorkerTaskRow(FrameRow):
     finished_at: dt.datetime
     status: str  # done or failed
     error_class: str | None  # the exception's type, for a failed one
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentRow(FrameRow):
+    """One row per (driver session, process, component): what the driver and each worker ran
+    on when the session started (``process.environment``)."""
+
+    run_id: str  # the driver session
+    process: str  # driver, or a worker's address
+    captured_at: dt.datetime
+    component: str  # quantdask, quantdask_commit, python, torch, ..., cuda, gpu_driver, gpu, os
+    value: str  # its version or model (process.environment.NOT_INSTALLED: absent)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ _MODULES = {
                                 "sweep_summary"),
     "quantdask.store.frontier": ("kl_ties", "pareto_frontier"),
     "quantdask.store.figures": ("window_protocol", "with_job_label"),
+    "quantdask.store.environment": ("environment_table",),
 }
 """Where each function of ``quantdask.report`` lives."""
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

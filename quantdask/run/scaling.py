@@ -18,12 +18,8 @@ from quantdask.cluster.local import start_cluster
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import RunDirError, SpecError
 from quantdask.run.sweep import run_sweep
-from quantdask.store.run_store import (
-    read_attempts,
-    read_sessions,
-    read_worker_tasks,
-    write_parquet,
-)
+from quantdask.store.readers import read_attempts, read_sessions, read_worker_tasks
+from quantdask.store.run_store import write_parquet
 from quantdask.store.summary import sweep_summary
 from quantdask.sweepfile.sweep import Sweep
 

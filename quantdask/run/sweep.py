@@ -31,6 +31,7 @@ from quantdask.process.runtime import TASK_END_TOPIC
 from quantdask.records import SessionRow
 from quantdask.run import LOG_CHANNEL, topics
 from quantdask.run.artifacts import prune_to_pareto
+from quantdask.run.environment import record_environment
 from quantdask.run.handle import Listeners, SweepHandle
 from quantdask.run.loop import SweepDriver
 from quantdask.run.progress import SweepProgress
@@ -156,6 +157,7 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
                          finished_at=None, completed=False, workers=workers, slots=slots,
                          jobs_planned=len(jobs), jobs_run=len(todo))
         store.write_session(row)
+        record_environment(store, run_id, client)
     except BaseException:
         lock.close()
         raise

@@ -40,7 +40,8 @@ from urllib.parse import urlparse
 import polars as pl
 
 from quantdask.errors import RunDirError, SpecError
-from quantdask.store.run_store import RunStore, read_speed
+from quantdask.store.readers import read_speed
+from quantdask.store.run_store import RunStore
 from quantdask.store.schema import FRAMES
 from quantdask.words import NO_FILTER, Status
 

@@ -25,6 +25,7 @@ from quantdask.records import (
     AttemptRow,
     Covered,
     Ended,
+    EnvironmentRow,
     FrameRow,
     GateVerdict,
     LayerRow,
@@ -45,6 +46,7 @@ from quantdask.records import (
     Speed,
     SpeedAsRead,
     Streamed,
+    TaskItemRow,
     TaskRow,
     TaskScores,
     Where,
@@ -95,11 +97,13 @@ def _per_job(row_type: type[FrameRow]) -> dict[str, pl.DataType]:
 LAYER_SCHEMA = _per_job(LayerRow)
 WINDOW_SCHEMA = _per_job(WindowRow)
 TASK_SCHEMA = _per_job(TaskRow)
+TASK_ITEM_SCHEMA = _per_job(TaskItemRow)
 SPEED_SCHEMA = _per_job(SpeedAsRead)
 SPEED_DERIVED = DERIVED
 PHASE_SCHEMA = _per_job(PhaseRow)
 ATTEMPT_SCHEMA = schema_of((AttemptRow,))
 SESSION_SCHEMA = schema_of((SessionRow,))
+ENVIRONMENT_SCHEMA = schema_of((EnvironmentRow,))
 SENSITIVITY_SCHEMA = schema_of((SensitivityRow,))
 ALLOCATION_SCHEMA = schema_of((AllocationRow,))
 SAMPLE_SCHEMA = schema_of((SampleRow,))
@@ -138,9 +142,13 @@ FRAMES: tuple[Frame, ...] = (
     Frame("results", RESULT_SCHEMA, "Results frame", ("finished_at",)),
     Frame("layers", LAYER_SCHEMA, "Per-layer frame", ("job_id", "position"),
           LayerRow.optional_columns(), per_done_job=True),
-    Frame("windows", WINDOW_SCHEMA, "Per-window frame", ("job_id", "window"), per_done_job=True),
+    Frame("windows", WINDOW_SCHEMA, "Per-window frame", ("job_id", "window"),
+          WindowRow.optional_columns(), per_done_job=True),
     Frame("tasks", TASK_SCHEMA, "Tasks frame", ("job_id", "task", "metric", "filter"),
           TaskRow.optional_columns(), per_done_job=True, present_with="tasks_s"),
+    Frame("task_items", TASK_ITEM_SCHEMA, "Task items frame",
+          ("job_id", "task", "metric", "filter", "doc_id"), per_done_job=True,
+          present_with="tasks_s", required=False, exported=False),
     Frame("speed", SPEED_SCHEMA, "Speed frame", ("job_id", "batch_size"),
           SpeedAsRead.optional_columns(), per_done_job=True, present_with="speed_s",
           derived=SPEED_DERIVED, complete=with_baseline_speed),
@@ -152,6 +160,8 @@ FRAMES: tuple[Frame, ...] = (
           WorkerTaskRow.optional_columns()),
     Frame("sessions", SESSION_SCHEMA, "Sessions frame", ("started_at",),
           SessionRow.optional_columns()),
+    Frame("environment", ENVIRONMENT_SCHEMA, "Environment frame",
+          ("captured_at", "process", "component")),
     Frame("samples", SAMPLE_SCHEMA, "Device samples frame", ("worker", "time"),
           SampleRow.optional_columns(), exported=False),
     Frame("sensitivity", SENSITIVITY_SCHEMA, "Sensitivity frame",
