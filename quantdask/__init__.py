@@ -23,6 +23,7 @@ from quantdask.backends import (
 )
 from quantdask.cluster.adapt import Adapt
 from quantdask.cluster.local import ClusterHandle, start_cluster, tls_security
+from quantdask.comparison.compare import Comparison, compare
 from quantdask.errors import (
     PlacementError,
     QuantdaskError,
@@ -73,7 +74,8 @@ def submit_sweep(sweep: Sweep, run_dir, client, on_result=None,
     return _submit_sweep(sweep, run_dir, client, on_result, on_progress, reporter=write_report)
 
 __all__ = [
-    "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "EvalSettings", "Gate",
+    "Adapt", "Backend", "BackendBlock", "BackendOptions", "ClusterHandle", "Comparison",
+    "EvalSettings", "Gate", "compare",
     "Job",
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",

@@ -64,6 +64,12 @@ class RunDirError(QuantdaskError):
     """The run directory cannot be used (not a directory, unreadable results, ...)."""
 
 
+class CompareError(QuantdaskError):
+    """Two runs cannot be compared (a missing or half-written run directory, no job in common,
+    a malformed gate, scipy missing): raised before anything is compared; nothing is written
+    into either run."""
+
+
 class PlacementError(QuantdaskError):
     """Some jobs fit on no worker's device: raised before any job runs.
 

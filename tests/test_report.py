@@ -622,6 +622,7 @@ NOTEBOOK_PARAMETERS = {
     "memory": lambda run: {"run_dir": str(run)},
     "quality": lambda run: {"run_dir": str(run)},
     "scaling": lambda run: {"scaling_dir": str(run / "scaling")},
+    "compare": lambda run: {"run_a": str(run), "run_b": str(run)},  # (tests/test_compare.py)
 }
 
 

@@ -28,7 +28,14 @@ from quantdask.cli.commands import (
     cmd_scale,
     cmd_status,
 )
-from quantdask.errors import PlacementError, QuantdaskError, RunDirError, SpecError
+from quantdask.cli.compare import cmd_compare
+from quantdask.errors import (
+    CompareError,
+    PlacementError,
+    QuantdaskError,
+    RunDirError,
+    SpecError,
+)
 from quantdask.process import library_noise
 from quantdask.report.kernel import leave_out_iri_checker
 
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_sweep_commands(commands)
     _add_run_dir_commands(commands)
+    _add_compare_command(commands)
     _add_export_commands(commands)
     return parser
 
@@ -186,6 +194,25 @@ def _add_run_dir_commands(commands) -> None:
     logs.set_defaults(func=cmd_logs)
 
 
+def _add_compare_command(commands) -> None:
+    compare = commands.add_parser(
+        "compare", help="compare two run directories: environment, references, quality, "
+                        "tasks, speed and memory, with paired tests and regression gates")
+    compare.add_argument("run_a", help="the run compared against (before)")
+    compare.add_argument("run_b", help="the run compared (after); differences are B - A")
+    compare.add_argument("--fail-on", action="append", default=[], metavar="GATE",
+                         help="exit 3 when METRIC is worse by N%% (relative to A) or by an "
+                              "absolute amount, and significantly: 'kl_divergence worse by "
+                              "5%%' (repeatable)")
+    compare.add_argument("--pair", action="append", default=[], metavar="A_LABEL=B_LABEL",
+                         help="compare A's config label with another of B's (repeatable)")
+    compare.add_argument("--tolerance", action="append", default=[], metavar="METRIC=N%%",
+                         help="the practical tolerance of a metric for its verdicts "
+                              "(repeatable; task: every task metric)")
+    compare.add_argument("--html", metavar="FILE", help="also write the compare report there")
+    compare.set_defaults(func=cmd_compare)
+
+
 def _add_export_commands(commands) -> None:
     """``export <tracker> RUN_DIR``: a run directory into an experiment tracker."""
     export = commands.add_parser("export", help="export a run directory to a tracker")
@@ -212,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (SpecError, RunDirError, PlacementError) as err:
+    except (SpecError, RunDirError, PlacementError, CompareError) as err:
         print(f"quantdask: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except QuantdaskError as err:
