@@ -129,6 +129,8 @@ NOT_WALKED = {
             "than the lent machine's; it also pins numpy==2.2.6 below the machine's 2.5.2",
     "slurm": "dask-jobqueue submits to SLURM, which the lent machine has none of",
     "mlflow": "an export, run here from the run directory that comes back",
+    "compare": "a comparison of run directories, run here on the ones that come back (its "
+               "scipy is the machine's own anyway)",
     "test": "the test tools the machine lacks are not needed by the smoke (pytest is there)",
 }
 """quantdask's other extras, each with why the bundle does not carry it: a GPU sweep there

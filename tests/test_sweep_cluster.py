@@ -401,3 +401,23 @@ def test_each_session_records_the_environment_of_the_driver_and_every_worker(dem
     main(["status", str(run_dir)])
     shown = capsys.readouterr().out
     assert f"torch {version('torch')}" in shown and "environment: " in shown
+
+
+def test_a_closing_cluster_drops_only_the_heartbeats_shutdown_race(caplog):
+    """Once quantdask closes its cluster, a worker's heartbeat that meets the closed scheduler
+    logs nothing (it once put a traceback on the demo's stderr); its other lines stay."""
+    import asyncio
+    import logging
+
+    from quantdask.cluster.local import _not_a_shutdown_race, quiet_shutdown_races
+
+    worker_log = logging.getLogger("distributed.worker")
+    try:
+        asyncio.run(quiet_shutdown_races())
+        with caplog.at_level(logging.INFO, logger="distributed.worker"):
+            worker_log.error("Failed to communicate with scheduler during heartbeat.")
+            worker_log.warning("Scheduler was unaware of this worker; shutting down.")
+            worker_log.warning("Worker is at 85% memory usage.")
+        assert [r.getMessage() for r in caplog.records] == ["Worker is at 85% memory usage."]
+    finally:
+        worker_log.removeFilter(_not_a_shutdown_race)

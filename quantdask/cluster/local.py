@@ -11,6 +11,7 @@ Everything quantdask starts binds to 127.0.0.1 (its dashboard too) unless told o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -55,6 +56,24 @@ def tls_security(ca_file: str, cert: str, key: str | None = None) -> Security:
                     tls_worker_key=key, require_encryption=True)
 
 
+SHUTDOWN_RACES = ("Failed to communicate with scheduler during heartbeat",
+                  "Scheduler was unaware of this worker")
+"""What a worker logs when its heartbeat meets the scheduler already closed (or already
+forgetting it) as its cluster closes: Dask's own shutdown race, with a traceback, news to
+nobody when quantdask is closing the cluster on purpose."""
+
+
+def _not_a_shutdown_race(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(SHUTDOWN_RACES)
+
+
+async def quiet_shutdown_races() -> None:
+    """(Run on each worker as quantdask closes its local cluster; a coroutine, so that
+    ``Client.run`` need not wait for it.) Drop the heartbeat's shutdown-race lines from here
+    on: mid-run, before this, they still show."""
+    logging.getLogger("distributed.worker").addFilter(_not_a_shutdown_race)
+
+
 @dataclass
 class ClusterHandle:
     """A Dask client and, for a cluster started here, the cluster (closed on exit)."""
@@ -73,6 +92,11 @@ class ClusterHandle:
         return len(self.client.scheduler_info(n_workers=-1)["workers"])
 
     def close(self) -> None:
+        if self.cluster is not None:
+            # Sent ahead of the close, not waited on (a busy worker must not hold it up); a
+            # cluster already broken closes all the same.
+            with contextlib.suppress(Exception):
+                self.client.run(quiet_shutdown_races, wait=False)
         self.client.close()
         if self.cluster is not None:
             try:
