@@ -15,7 +15,9 @@ import pytest
 import quantdask as qd
 from quantdask.cli import main
 from quantdask.comparison import paired
-from quantdask.comparison.verdicts import NO_DIFFERENCE, NOT_TESTABLE, Tolerance, parse_gate
+from quantdask.comparison.gates import failed_gates, parse_gate
+from quantdask.comparison.resources import memory_verdict, speed_verdict
+from quantdask.comparison.verdicts import NO_DIFFERENCE, NOT_TESTABLE, Tolerance
 from quantdask.demo_model import DEMO_TASKS_DIR
 from quantdask.errors import CompareError
 from quantdask.sweepfile.sweep_file import sweep_from_dict
@@ -175,8 +177,11 @@ def test_bad_input_is_refused_and_nothing_is_written(runs, tmp_path, capsys):
             ([str(half)], "not a whole run directory"),
             ([str(other)], "no job of"),
             ([str(runs["again"]), "--fail-on", "kl_divergence worse"], "METRIC worse by N%"),
-            ([str(runs["again"]), "--fail-on", "speed worse by 5%"], "no metric 'speed'"),
-            ([str(runs["again"]), "--pair", "nf4"], "A_LABEL=B_LABEL")):
+            ([str(runs["again"]), "--fail-on", "speed worse by 5%"], "figure of 'speed'"),
+            ([str(runs["again"]), "--pair", "nf4"], "A_LABEL=B_LABEL"),
+            ([str(runs["again"]), "--tolerance", "kl=2%"], "no such metric"),
+            ([str(runs["again"]), "--fail-on", "peak_device_mem_bytes worse by 5%"],
+             "no comparable figure of 'peak_device_mem_bytes'")):
         assert main(["compare", str(runs["a"]), *args]) == 2, args
         assert says in capsys.readouterr().err, args
     assert _tree(runs["a"]) == before
@@ -186,7 +191,6 @@ def test_the_compare_report_shows_differences_flips_and_the_environment(runs, tm
     """The HTML page in a real browser: its charts (quality and task differences with error
     bars) render with no error or warning and no network; the flipped questions and the
     environment are there."""
-    from quantdask.report.compare import write_compare_report
     from tests.browser import find_chromium, inspect_page
 
     chromium = find_chromium()
@@ -196,8 +200,10 @@ def test_the_compare_report_shows_differences_flips_and_the_environment(runs, tm
         pytest.skip("no chromium here: `make test` installs it (apt-get install chromium)")
     label_a, label_b = _hqq_label(runs["a"]), _hqq_label(runs["b"])
     before = {name: _tree(path) for name, path in runs.items()}
-    out = write_compare_report(runs["a"], runs["b"], tmp_path / "compare.html",
-                               pairs={label_a: label_b})
+    out = tmp_path / "compare.html"
+    # the command's report takes its --pair and --tolerance too
+    assert main(["compare", str(runs["a"]), str(runs["b"]), "--pair", f"{label_a}={label_b}",
+                 "--tolerance", "kl_divergence=2%", "--html", str(out)]) == 0
     assert {name: _tree(path) for name, path in runs.items()} == before
     page = inspect_page(out, chromium=chromium)
     assert len(page.charts) == 2 and {c["state"] for c in page.charts} == {"rendered"}
@@ -271,3 +277,88 @@ def test_gates_parse_their_grammar_and_refuse_anything_else():
                 "kl_divergence worse by five", "kl_divergence worse by 5%%"):
         with pytest.raises(CompareError, match="worse by"):
             parse_gate(bad)
+
+
+def test_a_config_recorded_again_counts_once_its_latest(runs, tmp_path):
+    """A sweep changed and run again in the same directory leaves the old result of a config
+    beside the new one: the comparison takes the latest, and says so."""
+    copy = _copy(runs["a"], tmp_path, "again-in-place")
+    results = qd.read_results(copy)
+    nf4 = results.filter(pl.col("config_label") == "nf4").row(0, named=True)
+    older = pl.read_parquet(copy / "results" / f"{nf4['job_id']}.parquet").with_columns(
+        pl.lit("bitsandbytes-older").alias("job_id"),
+        (pl.col("finished_at") - pl.duration(days=1)).alias("finished_at"))
+    older.write_parquet(copy / "results" / "bitsandbytes-older.parquet")
+    comparison = qd.compare(runs["a"], copy)
+    assert comparison.quality.height == 9 and set(comparison.quality["job_id_b"]) == set(
+        results["job_id"])
+    assert any("1 older results" in note for note in comparison.notes)
+
+
+def test_a_reference_moved_by_jitter_is_the_same_and_beyond_it_is_flagged(runs, tmp_path):
+    results = qd.read_results(runs["a"])
+    baseline = results.filter(pl.col("backend") == "none")["job_id"][0]
+    for name, shift, changed in (("jitter", 1e-6, False), ("moved", 0.01, True)):
+        copy = _copy(runs["a"], tmp_path, name)
+        _rewrite(copy / "windows" / f"{baseline}.parquet",
+                 lambda f, shift=shift: f.with_columns(pl.col("ln_ppl") + shift))
+        [row] = qd.compare(runs["a"], copy).reference.to_dicts()
+        assert row["changed"] is changed, row
+        assert row["max_window_ln_ppl_change"] == pytest.approx(shift, rel=1e-6)
+
+
+def _speed_row(a50, a90, b50, b90, testable=True) -> dict:
+    return {"decode_s_p50_a": a50, "decode_s_p90_a": a90, "decode_s_p50_b": b50,
+            "decode_s_p90_b": b90, "decode_tokens_per_s_a": 1 / a50,
+            "decode_tokens_per_s_b": 1 / b50, "testable": testable}
+
+
+def test_speed_and_memory_verdicts_take_the_tolerance_they_are_given():
+    slower = _speed_row(0.0100, 0.0101, 0.0108, 0.0109)  # 7.4% slower, beyond both spreads
+    assert speed_verdict(slower, Tolerance(0.10, True)) == NO_DIFFERENCE
+    assert speed_verdict(slower, Tolerance(0.05, True)) == "worse"
+    assert speed_verdict(slower, Tolerance(5.0, False)) == "worse"  # 100 -> 92.6 tokens/s
+    assert speed_verdict(slower, Tolerance(10.0, False)) == NO_DIFFERENCE
+    assert speed_verdict(_speed_row(0.0100, 0.0120, 0.0108, 0.0125), Tolerance(0.05, True)) \
+        == NO_DIFFERENCE  # within A's spread
+    assert speed_verdict({**slower, "testable": False}, Tolerance(0.05, True)) == NOT_TESTABLE
+    gpu = {"peak_device_mem_bytes_a": 10**9, "peak_device_mem_bytes_b": 12 * 10**8,
+           "testable": True}
+    assert memory_verdict(gpu, Tolerance(0.05, True)) == "worse"
+    assert memory_verdict(gpu, Tolerance(0.25, True)) == NO_DIFFERENCE
+    assert memory_verdict({**gpu, "testable": False}, Tolerance(0.05, True)) == NOT_TESTABLE
+
+
+def test_gates_on_speed_and_memory_fail_only_where_their_verdict_would(runs):
+    import dataclasses
+
+    comparison = qd.compare(runs["a"], runs["again"])
+    speed = comparison.speed.with_columns(
+        decode_s_p50_a=pl.lit(0.0100), decode_s_p90_a=pl.lit(0.0101),
+        decode_s_p50_b=pl.lit(0.0108), decode_s_p90_b=pl.lit(0.0109),
+        decode_tokens_per_s_a=pl.lit(100.0), decode_tokens_per_s_b=pl.lit(92.6),
+        testable=pl.col("config_label") == "nf4")
+    memory = comparison.memory.with_columns(  # CPU slots: RSS, never testable
+        peak_device_mem_bytes_b=pl.col("peak_device_mem_bytes_a") * 2)
+    moved = dataclasses.replace(comparison, speed=speed, memory=memory)
+    [line] = failed_gates(moved, [parse_gate("decode_tokens_per_s worse by 5%")])
+    assert "demo/nf4 batch 1" in line
+    assert failed_gates(moved, [parse_gate("decode_tokens_per_s worse by 10%")]) == []
+    with pytest.raises(CompareError, match="memory: peaks on GPUs"):  # CPU slots: no gate
+        failed_gates(moved, [parse_gate("peak_device_mem_bytes worse by 5%")])
+    on_gpus = dataclasses.replace(moved, memory=memory.with_columns(testable=pl.lit(True)))
+    assert len(failed_gates(on_gpus, [parse_gate("peak_device_mem_bytes worse by 5%")])) == 3
+
+
+def test_a_task_with_no_figure_is_not_testable_not_a_crash():
+    from quantdask.comparison.tasks import _compare_task
+
+    task = {"value": None, "stderr": None, "value_b": 0.5, "stderr_b": 0.1, "samples": 10,
+            "higher_is_better": True}
+    empty = pl.DataFrame(schema={"doc_id": pl.Int64, "value": pl.Float64})
+    row, flipped = _compare_task({"task": "t", "metric": "bleu", "filter": "none"}, empty,
+                                 empty, task)
+    assert row["diff"] is None and row["p"] is None and flipped is None
+    adjusted = paired.holm([0.04, float("nan"), 0.01, 0.03])  # a NaN is left out, not sorted
+    assert adjusted[1] is None
+    assert [adjusted[i] for i in (0, 2, 3)] == pytest.approx([0.06, 0.03, 0.06])

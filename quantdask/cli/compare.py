@@ -35,18 +35,19 @@ def _tolerances(texts: list[str]) -> dict[str, str]:
 
 
 def cmd_compare(args) -> int:
-    from quantdask.comparison.compare import compare, failed_gates
-    from quantdask.comparison.verdicts import parse_gate
+    from quantdask.comparison.compare import compare
+    from quantdask.comparison.gates import failed_gates, parse_gate
 
     gates = [parse_gate(text) for text in args.fail_on]  # a malformed gate: before anything
-    comparison = compare(args.run_a, args.run_b, _pairs(args.pair),
-                         _tolerances(args.tolerance))
+    pairs, tolerances = _pairs(args.pair), _tolerances(args.tolerance)
+    comparison = compare(args.run_a, args.run_b, pairs, tolerances)
     failures = failed_gates(comparison, gates)  # a gate naming no metric: before printing
     print("\n".join(comparison_lines(comparison)))
     if args.html:
         from quantdask.report.compare import write_compare_report
 
-        print(f"compare report: {write_compare_report(args.run_a, args.run_b, args.html)}")
+        written = write_compare_report(args.run_a, args.run_b, args.html, pairs, tolerances)
+        print(f"compare report: {written}")
     for line in failures:
         print(f"gate failed: {line}")
     if gates:
@@ -74,10 +75,11 @@ def comparison_lines(comparison) -> list[str]:
                       ["model", "config_label", "task", "metric", "a", "b", "change",
                        "flipped_to_wrong", "flipped_to_right", "p_adjusted", "verdict"],
                       "no task scored in both runs")
-    lines += _section("decode speed (B / A; steps: median and p90 seconds)", comparison.speed,
-                      ["model", "config_label", "batch_size", "decode_ratio",
-                       "decode_step_s_a", "decode_step_s_b", "prefill_ratio", "verdict"],
-                      "not timed in both runs")
+    lines += _section("decode speed (B / A; a decode step's median and p90 seconds)",
+                      comparison.speed,
+                      ["model", "config_label", "batch_size", "decode_ratio", "decode_s_p50_a",
+                       "decode_s_p90_a", "decode_s_p50_b", "decode_s_p90_b", "prefill_ratio",
+                       "verdict"], "not timed in both runs")
     lines += _section("memory (B / A)", comparison.memory,
                       ["model", "config_label", "peak_device_mem_bytes_ratio",
                        "peak_host_rss_bytes_ratio", "size_bytes_ratio", "wall_s_ratio",
@@ -98,6 +100,8 @@ def comparison_lines(comparison) -> list[str]:
 def _shown(tests: pl.DataFrame) -> pl.DataFrame:
     """B - A with its standard error, as one column."""
     def change(row: dict[str, Any]) -> str:
+        if row["diff"] is None:
+            return "-"
         se = f" ± {row['se']:.2g}" if row["se"] is not None else ""
         return f"{row['diff']:+.4g}{se}"
 

@@ -29,8 +29,6 @@ from quantdask.comparison.verdicts import (
     ALPHA,
     DEFAULT_TOLERANCES,
     HIGHER_IS_WORSE,
-    WORSE,
-    Gate,
     Tolerance,
     tolerance_for,
     verdict,
@@ -100,6 +98,7 @@ def compare(run_a: str | os.PathLike, run_b: str | os.PathLike,
     quality = quality_tests(a, b, done)
     task_rows, flips = task_tests(a, b, done)
     tests = pl.DataFrame(quality + task_rows, schema=TEST_SCHEMA)
+    _check_tolerance_names(tols, tests)
     tests = _with_verdicts(tests, tols)
     reference = reference_check(a, b, matched)
     return Comparison(
@@ -112,6 +111,16 @@ def compare(run_a: str | os.PathLike, run_b: str | os.PathLike,
         status=_status_changes(matched), config=_config_changes(matched),
         only_in_one=unmatched_jobs(a, b, matched), tolerances=tols,
         notes=_notes(a, b, reference, tests))
+
+
+def _check_tolerance_names(tols: dict[str, Tolerance], tests: pl.DataFrame) -> None:
+    tasks = tests.filter(pl.col("task").is_not_null())
+    known = set(DEFAULT_TOLERANCES) | set(tasks["metric"]) | {
+        f"{t}:{m}" for t, m in tasks.select("task", "metric").iter_rows()}
+    unknown = sorted(set(tols) - known)
+    if unknown:
+        raise CompareError(f"--tolerance {', '.join(unknown)}: no such metric in this "
+                           f"comparison; its metrics: {', '.join(sorted(known))}")
 
 
 def _with_verdicts(tests: pl.DataFrame, tols: dict[str, Tolerance]) -> pl.DataFrame:
@@ -157,55 +166,11 @@ def _notes(a, b, reference: pl.DataFrame, tests: pl.DataFrame) -> list[str]:
         notes.append(f"{count} figures compared {pairing} (two means with their standard "
                      "errors: weaker than a paired test)")
     for run in (a, b):
+        if run.superseded:
+            notes.append(f"{run.name}: {run.superseded} older results of a config recorded "
+                         "again since (its sweep changed and ran there again) are left out; "
+                         "the latest of each counts")
         if run.running:
             notes.append(f"{run.name} is being written by a running sweep: its figures may "
                          "still change")
     return notes
-
-
-def failed_gates(comparison: Comparison, gates: list[Gate]) -> list[str]:
-    """One line per (gate, job) that failed: the metric worse by more than the gate's
-    tolerance and the difference significant (speed: beyond both runs' spread). Raises
-    :class:`CompareError` for a gate naming a metric the comparison does not have."""
-    task_metrics = set(comparison.tasks["metric"]) | {
-        f"{t}:{m}" for t, m in comparison.tasks.select("task", "metric").iter_rows()}
-    known = set(HIGHER_IS_WORSE) | task_metrics
-    failures = []
-    for gate in gates:
-        if gate.metric not in known:
-            raise CompareError(f"--fail-on {gate.text!r}: no metric {gate.metric!r} in this "
-                               f"comparison; its metrics: {', '.join(sorted(known))}")
-        failures += [f"{gate.text}: {line}" for line in _gate_failures(comparison, gate)]
-    return failures
-
-
-def _gate_failures(comparison: Comparison, gate: Gate) -> list[str]:
-    tests = [(row, None, HIGHER_IS_WORSE[row["metric"]])
-             for row in comparison.quality.iter_rows(named=True)]
-    tests += [(row, row["task"], row["higher_is_better"] is False)
-              for row in comparison.tasks.iter_rows(named=True)]
-    lines = []
-    for row, task, worse_up in tests:
-        if not gate.applies_to(row["metric"], task) or verdict(
-                row["diff"], row["a"], row["p_adjusted"], gate.tolerance, worse_up) != WORSE:
-            continue
-        lines.append(f"{row['model']}/{row['config_label']}{f' {task}' if task else ''}: "
-                     f"{row['metric']} {row['a']:.6g} -> {row['b']:.6g} "
-                     f"({_change(row['diff'], row['a'])}, adjusted p {row['p_adjusted']:.2g})")
-    if gate.metric == "decode_tokens_per_s":
-        for row in comparison.speed.filter(pl.col("verdict") == WORSE).iter_rows(named=True):
-            if gate.tolerance.exceeds(row["decode_ratio"] - 1.0, 1.0):
-                lines.append(f"{row['model']}/{row['config_label']} batch {row['batch_size']}: "
-                             f"decode {row['decode_ratio']:.3f}x, steps "
-                             f"{row['decode_step_s_a']} -> {row['decode_step_s_b']}")
-    if gate.metric == "peak_device_mem_bytes":
-        for row in comparison.memory.iter_rows(named=True):
-            a, b = row["peak_device_mem_bytes_a"], row["peak_device_mem_bytes_b"]
-            if a is not None and b is not None and b > a and gate.tolerance.exceeds(b - a, a):
-                lines.append(f"{row['model']}/{row['config_label']}: peak device memory "
-                             f"{a} -> {b} bytes ({_change(b - a, a)})")
-    return lines
-
-
-def _change(diff: float, base: float) -> str:
-    return f"{diff:+.3g}" + (f", {diff / base:+.1%}" if base else "")

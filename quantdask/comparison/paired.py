@@ -104,9 +104,11 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float],
 
 
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjusted p-values (None stays None): rejecting where an adjusted p is
-    under alpha keeps the family-wise error rate at alpha over all of them."""
-    indexed = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    """Holm's step-down adjusted p-values (None, or a non-finite p, gives None): rejecting
+    where an adjusted p is under alpha keeps the family-wise error rate at alpha over all of
+    them."""
+    indexed = sorted((p, i) for i, p in enumerate(p_values)
+                     if p is not None and math.isfinite(p))
     m = len(indexed)
     adjusted: list[float | None] = [None] * len(p_values)
     running = 0.0

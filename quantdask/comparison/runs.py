@@ -32,6 +32,10 @@ def need_scipy():
     return scipy.stats
 
 
+MATCH_COLUMNS = ("model", "config_label")
+"""What makes a job of one run the same job in another (``pairs`` aside)."""
+
+
 @dataclass(frozen=True)
 class RunFrames:
     """One run's frames a comparison reads, and its latest environment."""
@@ -44,6 +48,7 @@ class RunFrames:
     speed: pl.DataFrame
     environment: dict[str, str]
     running: bool  # a driver holds it: its figures may still change
+    superseded: int = 0  # older results of a model and config label recorded again since
 
 
 def read_run(run_dir: str | os.PathLike) -> RunFrames:
@@ -60,14 +65,15 @@ def read_run(run_dir: str | os.PathLike) -> RunFrames:
     results = store.read_results()
     if results.is_empty():
         raise CompareError(f"{run_dir} has no recorded job yet: nothing to compare")
+    # A sweep changed and run again in the same directory (other eval or task settings make
+    # other job ids) leaves the old results beside the new: the latest of each config counts.
+    latest = results.sort("finished_at").unique(MATCH_COLUMNS, keep="last", maintain_order=True)
     frames = {name: read_frame(run_dir, name)
               for name in ("windows", "tasks", "task_items", "speed", "environment")}
-    return RunFrames(str(run_dir), results, frames["windows"], frames["tasks"],
+    return RunFrames(str(run_dir), latest, frames["windows"], frames["tasks"],
                      frames["task_items"], frames["speed"],
-                     latest_environment(frames["environment"]), store.is_locked())
-
-
-MATCH_COLUMNS = ("model", "config_label")
+                     latest_environment(frames["environment"]), store.is_locked(),
+                     results.height - latest.height)
 
 
 def matched_jobs(a: RunFrames, b: RunFrames, pairs: dict[str, str] | None = None

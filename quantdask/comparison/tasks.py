@@ -63,11 +63,14 @@ def _compare_task(key: dict[str, Any], items_a: pl.DataFrame, items_b: pl.DataFr
                       and set(items_a["doc_id"]) == set(items_b["doc_id"]))
     if not same_questions:
         pairing = NO_ITEMS if items_a.is_empty() or items_b.is_empty() else QUESTIONS_DIFFER
+        unpaired = {**row, "a": task["value"], "b": task["value_b"], "diff": None, "se": None,
+                    "p": None, "n": task["samples"] or 0, "pairing": pairing,
+                    "flipped_to_wrong": None, "flipped_to_right": None}
+        if task["value"] is None or task["value_b"] is None:  # lm-eval gave no figure
+            return unpaired, None
         diff = unpaired_difference(task["value"], task["stderr"], task["value_b"],
                                    task["stderr_b"], task["samples"] or 0)
-        return {**row, "a": task["value"], "b": task["value_b"], "diff": diff.diff,
-                "se": diff.se, "p": diff.p, "n": diff.n, "pairing": pairing,
-                "flipped_to_wrong": None, "flipped_to_right": None}, None
+        return {**unpaired, "diff": diff.diff, "se": diff.se, "p": diff.p}, None
     pairs = items_a.join(items_b, on="doc_id", suffix="_b").rename(
         {"value": "value_a"}).sort("doc_id")
     va, vb = pairs["value_a"], pairs["value_b"]

@@ -1,17 +1,12 @@
 """When a difference between two runs is a verdict: beyond a practical tolerance and
 significant after Holm's adjustment over every test of the comparison (so the error rate at
-``ALPHA`` is family-wise, not per verdict); and the gates of ``quantdask compare --fail-on``.
+``ALPHA`` is family-wise, not per verdict). The gates of ``quantdask compare --fail-on`` apply
+the same rule with their own tolerance (``gates``).
 
-Gate grammar: ``METRIC worse by N%`` (relative to run A's value) or ``METRIC worse by X`` (an
-absolute amount, in the metric's unit), METRIC one of ``kl_divergence``, ``perplexity``,
-``top1_agreement``, a task metric (``acc``, ``acc_norm``, ``exact_match``... any task's;
-``TASK:METRIC`` for one task's), ``decode_tokens_per_s`` or ``peak_device_mem_bytes``.
-
->>> gate = parse_gate("kl_divergence worse by 5%")
->>> gate.metric, gate.tolerance
-('kl_divergence', Tolerance(amount=0.05, relative=True))
 >>> Tolerance.parse("0.01").exceeds(0.02, base=0.5)
 True
+>>> Tolerance.parse("5%").exceeds(0.02, base=0.5)
+False
 """
 
 from __future__ import annotations
@@ -83,33 +78,3 @@ def verdict(diff: float, base: float, p_adjusted: float | None, tolerance: Toler
     if p_adjusted >= ALPHA or not tolerance.exceeds(diff, base):
         return NO_DIFFERENCE
     return WORSE if (diff > 0) == higher_is_worse else BETTER
-
-
-@dataclass(frozen=True)
-class Gate:
-    """One ``--fail-on`` gate: fails when ``metric`` is worse by more than ``tolerance`` and
-    the difference is significant."""
-
-    text: str
-    metric: str
-    tolerance: Tolerance
-
-    def applies_to(self, metric: str, task: str | None = None) -> bool:
-        """Whether a row of ``metric`` (of ``task``, for a task metric) is this gate's."""
-        return self.metric in (metric, f"{task}:{metric}")
-
-
-_GATE = re.compile(r"\s*([A-Za-z_][\w.:/-]*)\s+worse\s+by\s+(\S+)\s*")
-
-
-def parse_gate(text: str) -> Gate:
-    """A gate from its text (the module's grammar), or a :class:`CompareError` naming it."""
-    match = _GATE.fullmatch(text)
-    if match is None:
-        raise CompareError(f"--fail-on {text!r}: write METRIC worse by N% (relative to run A) "
-                           "or METRIC worse by X (absolute), e.g. 'kl_divergence worse by 5%'")
-    try:
-        tolerance = Tolerance.parse(match.group(2))
-    except CompareError as bad:
-        raise CompareError(f"--fail-on {text!r}: {bad}") from None
-    return Gate(text.strip(), match.group(1), tolerance)

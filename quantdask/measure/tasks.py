@@ -237,7 +237,7 @@ def item_rows(samples: dict[str, list[dict[str, Any]]]) -> list[TaskItemRow]:
         for example in examples:
             for metric in example.get("metrics", ()):
                 value = example.get(metric)
-                if isinstance(value, (bool, int, float)):
+                if isinstance(value, (bool, int, float)) and math.isfinite(value):
                     rows.append(TaskItemRow(task=task, doc_id=int(example["doc_id"]),
                                             metric=metric, filter=example["filter"],
                                             value=float(value)))
