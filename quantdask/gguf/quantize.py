@@ -1,0 +1,66 @@
+"""A full-precision GGUF quantized with llama.cpp's own quantizer, libllama's
+``llama_model_quantize`` (through llama-cpp-python's bindings, the same source as the runtime),
+and the types of the tensors it wrote, read back from the file: llama.cpp swaps a K-quant for
+a legacy type on a tensor whose rows are not a multiple of 256, silently."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+
+from quantdask.gguf.source import gguf_module
+from quantdask.gguf.types import canonical, ftype
+
+_LOG: list[str] = []
+_LOG_LOCK = threading.Lock()
+_CALLBACK = None  # one for the process: llama.cpp keeps the pointer after the call returns
+
+
+def _capture_log():
+    """llama.cpp's log, kept in ``_LOG`` (its quantizer says why it failed only there)."""
+    global _CALLBACK
+    import llama_cpp
+
+    if _CALLBACK is None:
+        _CALLBACK = llama_cpp.llama_log_callback(
+            lambda level, text, data: _LOG.append((text or b"").decode(errors="replace")))
+    llama_cpp.llama_log_set(_CALLBACK, None)
+
+
+def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: str,
+                  threads: int) -> Path:
+    """``source`` (an F32/F16/BF16 GGUF) quantized to ``type_name`` in ``out``."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype(type_name)
+    params.nthread = max(1, threads)
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    with _LOG_LOCK:
+        _LOG.clear()
+        _capture_log()
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(),
+                                                ctypes.byref(params))
+        said = "".join(_LOG)
+    if status != 0:
+        partial.unlink(missing_ok=True)
+        reason = [line for line in said.splitlines() if "failed to quantize" in line]
+        raise RuntimeError(f"llama.cpp could not quantize to {canonical(type_name)}: "
+                           + (reason[-1].strip() if reason else said.strip()[-500:]))
+    partial.replace(out)
+    return out
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, str]:
+    """Each tensor's type as written in the GGUF at ``path`` (``blk.0.attn_q.weight: Q4_K``)."""
+    gguf = gguf_module()
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def type_counts(types: dict[str, str]) -> str:
+    """``13 Q4_K, 3 Q6_K, 5 F32``: the types written, most tensors first."""
+    return ", ".join(f"{n} {t}" for t, n in Counter(types.values()).most_common())

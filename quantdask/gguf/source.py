@@ -1,0 +1,81 @@
+"""llama.cpp's converter and gguf-py, from the same source as the runtime: the sdist of the
+pinned llama-cpp-python vendors llama.cpp whole, but its wheel ships neither, so
+``install_converter`` (``quantdask gguf-setup``; ``make test`` runs it) extracts them from the
+sdist into a folder of their own, once. Nothing is downloaded at run time."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+"""The llama.cpp that llama-cpp-python 0.3.36 vendors (its CHANGELOG)."""
+
+ENV = "QUANTDASK_LLAMA_CPP"
+"""Where the converter's folder is (default: under the user's data folder)."""
+EXTRACTED = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+INSTALL = "quantdask gguf-setup (after pip install 'quantdask[gguf]')"
+
+
+def converter_dir() -> Path:
+    """The folder holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data / "quantdask" / f"llama.cpp-{LLAMA_CPP_COMMIT[:7]}"
+
+
+def missing_converter() -> str | None:
+    """Why the converter cannot run here, or None."""
+    folder = converter_dir()
+    if not (folder / "convert_hf_to_gguf.py").is_file():
+        return f"llama.cpp's converter is not at {folder}; run {INSTALL}"
+    return None
+
+
+def install_converter(sdist: str | os.PathLike | None = None) -> Path:
+    """Extract the converter from llama-cpp-python's sdist (``sdist``, else ``pip download``
+    of the pinned one, its sha256 checked) into :func:`converter_dir`; a no-op when there."""
+    folder = converter_dir()
+    if missing_converter() is None:
+        return folder
+    with tempfile.TemporaryDirectory(prefix="quantdask-llama-cpp-") as scratch:
+        if sdist is None:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                            "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                            "-d", scratch], check=True)
+            sdist = next(Path(scratch).glob("llama_cpp_python-*.tar.gz"))
+        digest = hashlib.sha256(Path(sdist).read_bytes()).hexdigest()
+        if digest != SDIST_SHA256:
+            raise RuntimeError(f"{sdist}: sha256 {digest}, not the pinned {SDIST_SHA256}")
+        root = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        staged = Path(scratch) / "staged"
+        with tarfile.open(sdist) as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(root)
+                       and m.name[len(root):].split("/")[0] in EXTRACTED]
+            archive.extractall(staged, members=members, filter="data")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.move(str(staged / root), folder)
+    (folder / "COMMIT").write_text(LLAMA_CPP_COMMIT + "\n")
+    return folder
+
+
+def gguf_module():
+    """The gguf-py of the pinned llama.cpp (PyPI's ``gguf`` lags its converter)."""
+    path = str(converter_dir() / "gguf-py")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import gguf
+
+    if not str(Path(gguf.__file__).resolve()).startswith(str(Path(path).resolve())):
+        raise ImportError(f"gguf was imported from {gguf.__file__}, not the pinned {path}")
+    return gguf

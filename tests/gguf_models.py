@@ -1,0 +1,45 @@
+"""Tiny Llamas llama.cpp's converter takes, built offline: a Llama-2-style tokenizer (BPE with
+byte fallback, the SentencePiece layout, which the converter reads without a pre-tokenizer
+hash) trained on the demo's language, random weights of widths given (multiples of 256 for
+real K-quants)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int = 2,
+                       vocab: int = 512, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from quantdask.demo_model import generate_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator(generate_text(400, seed=3).splitlines(), trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(out)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=ffn,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name
+                        else torch.randn_like(param) * 0.06)
+    model.save_pretrained(out)
+    (out / "eval.txt").write_text(generate_text(200, seed=11))
+    return out

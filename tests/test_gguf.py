@@ -1,0 +1,89 @@
+"""GGUF through llama.cpp's own converter, quantizer and runtime (issue 55, in progress): the
+pieces, on tiny Llamas built here (nothing downloaded)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from quantdask.errors import SpecError, UnsupportedHere
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="pip install 'quantdask[gguf]'")
+
+from quantdask.gguf.source import missing_converter  # noqa: E402
+
+if missing_converter():
+    pytest.skip(missing_converter(), allow_module_level=True)
+
+from quantdask.gguf.convert import convert  # noqa: E402
+from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts  # noqa: E402
+from quantdask.gguf.runtime import llama_cpp_meter  # noqa: E402
+from quantdask.gguf.types import canonical  # noqa: E402
+from tests.gguf_models import llama2_style_model  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny Llama whose widths are multiples of 256, converted to F32, and its reference
+    as quantdask computes it (BOS + 127 text tokens per window, exact KL)."""
+    from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.model import ModelSpec
+    from quantdask.sweepfile.settings import EvalSettings
+
+    folder = llama2_style_model(tmp_path_factory.mktemp("gguf") / "wide")
+    settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=12,
+                            batch_size=4, kl_top_k="all")
+    reference = compute_reference(ModelSpec(path=str(folder)), settings,
+                                  (folder / "eval.txt").read_text())
+    return folder, convert(folder, folder / "model-f32.gguf"), reference
+
+
+def test_the_unquantized_gguf_in_llama_cpp_matches_the_torch_reference(wide):
+    _, f32, reference = wide
+    assert int(reference.windows[0, 0]) == 1  # the BOS, fed as an id: llama.cpp adds none
+    scores = llama_cpp_meter(f32, reference.windows, reference.distribution, 2).scores()
+    assert scores.kl_divergence < 1e-5
+    assert scores.perplexity == pytest.approx(reference.baseline.perplexity, rel=1e-4)
+    assert scores.top1_agreement > 0.99
+
+
+def test_each_type_is_written_as_llama_cpp_writes_it_and_kl_follows_the_bits(wide, tmp_path):
+    _, f32, reference = wide
+    kls, sizes = [], []
+    for name in ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"):
+        out = quantize_gguf(f32, tmp_path / f"{name}.gguf", name, threads=2)
+        types = tensor_types(out)
+        main = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q4_K_M": "Q4_K",
+                "Q3_K_M": "Q3_K", "Q2_K": "Q2_K"}[name]
+        assert main in type_counts(types), (name, type_counts(types))
+        assert types["token_embd.weight"] != "F32"
+        kls.append(llama_cpp_meter(out, reference.windows, reference.distribution, 2)
+                   .scores().kl_divergence)
+        sizes.append(out.stat().st_size)
+    assert kls == sorted(kls) and all(math.isfinite(k) for k in kls), kls
+    assert sizes == sorted(sizes, reverse=True), sizes
+
+
+def test_a_type_llama_cpp_does_not_know_is_refused_naming_the_ones_it_does():
+    assert canonical("q4_k") == "Q4_K_M"
+    for bad in ("Q4_K_X", "q4"):
+        with pytest.raises(SpecError, match="Q4_K_M"):
+            canonical(bad)
+
+
+def test_an_imatrix_type_without_one_fails_with_llama_cpps_reason(wide, tmp_path):
+    _, f32, _ = wide
+    with pytest.raises(RuntimeError, match="imatrix"):
+        quantize_gguf(f32, tmp_path / "iq2.gguf", "IQ2_XS", threads=2)
+    assert not list(tmp_path.glob("iq2.gguf*"))
+
+
+def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tmp_path):
+    from quantdask.demo_model import DEMO_MODEL_DIR
+
+    with pytest.raises(UnsupportedHere, match="pre-tokenizer .*chkhsh [0-9a-f]{64}"):
+        convert(DEMO_MODEL_DIR, tmp_path / "demo.gguf")
+    assert not list(tmp_path.glob("demo.gguf*"))
