@@ -10,6 +10,7 @@
 # The capabilities register themselves with the core as they are imported (``run.stages``,
 # ``job.phases``, ``measure.logits``): importing quantdask, as every worker does before it
 # unpickles a task, makes them all available.
+import quantdask.gguf  # noqa: F401  (registers the gguf backend)
 import quantdask.search  # noqa: F401  (registers its stage)
 import quantdask.stream  # noqa: F401  (registers its phases)
 from quantdask.backends import (

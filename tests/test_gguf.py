@@ -87,3 +87,33 @@ def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tm
     with pytest.raises(UnsupportedHere, match="pre-tokenizer .*chkhsh [0-9a-f]{64}"):
         convert(DEMO_MODEL_DIR, tmp_path / "demo.gguf")
     assert not list(tmp_path.glob("demo.gguf*"))
+
+
+def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, cluster, tmp_path):
+    import polars as pl
+
+    import quantdask as qd
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+
+    folder, _, reference = wide
+    sweep = sweep_from_dict({
+        "name": "gguf", "models": [{"name": "wide", "path": str(folder)}],
+        "backends": [{"backend": "gguf", "grid": {"type": ["F32", "Q8_0", "Q4_K_M", "Q2_K"]}},
+                     {"backend": "bitsandbytes", "grid": {"bits": [4]}}],
+        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 12,
+                 "batch_size": 4, "kl_top_k": "all"}, "seed": 0, "retries": 0})
+    results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
+    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
+    assert {r["status"] for r in rows.values()} == {"done"}, {
+        k: (r["status"], r["error_message"]) for k, r in rows.items()}
+    kl = [rows[t]["kl_divergence"] for t in ("F32", "Q8_0", "Q4_K_M", "Q2_K")]
+    assert kl == sorted(kl) and kl[0] < 1e-5, kl
+    # each job's figures equal the same GGUF scored here, outside the cluster, to the bit
+    from quantdask.gguf.quantize import quantize_gguf
+    here = quantize_gguf(folder / "model-f32.gguf", tmp_path / "q4.gguf", "Q4_K_M", threads=1)
+    alone = llama_cpp_meter(here, reference.windows, reference.distribution, 1).scores()
+    assert rows["Q4_K_M"]["kl_divergence"] == pytest.approx(alone.kl_divergence, rel=0.02)
+    assert rows["F32"]["quantized_params"] == 0 and rows["Q4_K_M"]["quantized_share"] > 0.5
+    assert rows["Q2_K"]["bits_per_weight"] < rows["Q8_0"]["bits_per_weight"]
+    windows = qd.read_windows(tmp_path / "run")
+    assert windows.filter(pl.col("job_id") == rows["Q8_0"]["job_id"]).height == 12

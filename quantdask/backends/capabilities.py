@@ -8,10 +8,11 @@ has or lacks (``Backend.capabilities``), and each the one place its refusal is w
 - :class:`StreamedFit`: it fits block by block from the checkpoint (a streamed model).
 - :class:`Savable`: its model saves with ``save_pretrained`` and reloads with transformers.
 
+- :class:`OwnRuntime`: it quantizes and measures in a runtime of its own (llama.cpp's, for
+  GGUF), not a torch model: its jobs run its own phases.
+
 A backend without one may say why with :class:`Lacks` (``Lacks(Searchable, "...")``); the
-capability's refusal gives that reason, or its usual one. A backend's own runtime for
-measurement (llama.cpp's, for GGUF) will be one more capability here, with no new field on the
-core.
+capability's refusal gives that reason, or its usual one.
 
 >>> from quantdask.backends import get_backend
 >>> get_backend("hqq").refusal(Savable)
@@ -153,3 +154,19 @@ class Savable(Capability):
     usual_why: ClassVar[str] = "no save format quantdask can reload yet"
 
     refuses: ClassVar[str] = "{backend} models have {why}"
+
+
+@dataclass(frozen=True)
+class OwnRuntime(Capability):
+    """The backend's jobs quantize and measure in a runtime of its own (``runtime``, e.g.
+    llama.cpp), not in a torch model: an attempt of one runs ``phases`` (each a
+    ``job.phases.Phase``: the attempt's context and stage so far, to the next stage and its
+    record) instead of the resident job's. Its package registers the backend with them (the
+    core never imports it), and its score phase fills the same quality meter every job's
+    does, against the same torch reference."""
+
+    runtime: str
+    phases: tuple[Any, ...]
+    usual_why: ClassVar[str] = "it measures its models in torch"
+
+    refuses: ClassVar[str] = "{backend} has no runtime of its own: {why}"

@@ -1,1 +1,4 @@
-"""GGUF: llama.cpp's own converter, quantizer and runtime (issue 55, in progress)."""
+"""GGUF: llama.cpp's own converter, quantizer and runtime, as a backend (``gguf``)
+whose jobs run in llama.cpp (issue 55, in progress)."""
+
+import quantdask.gguf.backend  # noqa: F401  (registers the gguf backend)

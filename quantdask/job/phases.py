@@ -16,9 +16,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from quantdask.backends.capabilities import Dequantizes
+from quantdask.backends.capabilities import Dequantizes, OwnRuntime
 from quantdask.errors import UnsupportedHere
 from quantdask.job.artifacts import keep_artifact
 from quantdask.measure.calibration import Calibration
@@ -111,6 +111,9 @@ class Made:
     meter: QualityMeter | None = None  # a streamed job's, measured in its one pass
     layers: tuple[Row, ...] = ()  # weight errors of the measured layers
     unmeasured: Mapping[str, str] = field(default_factory=dict)  # layer -> why not measured
+    # A backend with a runtime of its own (OwnRuntime): what that runtime measures (a GGUF's
+    # path), made by its quantize phase.
+    runtime_model: Any = None
     records: tuple[PhaseRecord, ...] = ()
 
 
@@ -319,7 +322,11 @@ def register_streamed_phases(phases: tuple[Phase, ...]) -> None:
 
 
 def phases_for(run: JobContext) -> tuple[Phase, ...]:
-    """The phases ``run`` goes through: a streamed job's, or a resident one's."""
+    """The phases ``run`` goes through: those of a backend with a runtime of its own
+    (:class:`OwnRuntime`), a streamed job's, or a resident one's."""
+    own = run.backend.has(OwnRuntime)
+    if own is not None:
+        return cast("tuple[Phase, ...]", own.phases)
     if not run.job.streamed:
         return PHASES
     if not _STREAMED_PHASES:
