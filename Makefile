@@ -16,8 +16,16 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
 	touch $@
 
+# llama-cpp-python (the gguf extra, in the test extra) builds from source: portable flags (AVX2,
+# FMA, F16C; no AVX-512 or AMX, whose tile instructions this sandbox's kernel refuses: SIGILL),
+# ggml's own thread pool beside torch's OpenMP. Its converter comes from the same sdist.
+LLAMA_CPP_CMAKE := -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+	-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) install --quiet -e '.[test]'
+	$(VENV)/bin/quantdask gguf-setup
 	cuda=$$($(PY) -c "import torch; print((torch.version.cuda or '').split('.')[0] if torch.cuda.is_available() else '')"); \
 	if [ -n "$$cuda" ]; then $(PIP) install --quiet -e ".[gpu-cu$$cuda]"; fi
 	touch $@

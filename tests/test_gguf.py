@@ -114,6 +114,21 @@ def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, clus
     alone = llama_cpp_meter(here, reference.windows, reference.distribution, 1).scores()
     assert rows["Q4_K_M"]["kl_divergence"] == pytest.approx(alone.kl_divergence, rel=0.02)
     assert rows["F32"]["quantized_params"] == 0 and rows["Q4_K_M"]["quantized_share"] > 0.5
+    assert rows["Q4_K_M"]["runtime"].startswith("llama.cpp 0c1e570") and "cpu" in rows[
+        "Q4_K_M"]["runtime"]
+    assert "Q4_K" in rows["Q4_K_M"]["tensor_types"] and rows["Q4_K_M"]["fallback_share"] == 0
+    assert rows["nf4"]["runtime"] is None  # a torch backend's job
     assert rows["Q2_K"]["bits_per_weight"] < rows["Q8_0"]["bits_per_weight"]
     windows = qd.read_windows(tmp_path / "run")
     assert windows.filter(pl.col("job_id") == rows["Q8_0"]["job_id"]).height == 12
+
+
+def test_a_k_quant_on_rows_not_a_multiple_of_256_says_it_fell_back(tmp_path):
+    from quantdask.gguf.phases import fallback_share
+
+    narrow = llama2_style_model(tmp_path / "narrow", hidden=320, ffn=640)
+    f32 = convert(narrow, tmp_path / "narrow-f32.gguf")
+    out = quantize_gguf(f32, tmp_path / "q4.gguf", "Q4_K_M", threads=2)
+    types = tensor_types(out)
+    assert "Q4_K" not in types.values() and types["blk.0.attn_q.weight"] == "Q5_0"
+    assert fallback_share(out, types, "Q4_K_M") == 1.0  # every quantized tensor

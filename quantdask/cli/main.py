@@ -29,6 +29,7 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.cli.compare import cmd_compare
+from quantdask.cli.gguf_setup import cmd_gguf_setup
 from quantdask.errors import (
     CompareError,
     PlacementError,
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_commands(commands)
     _add_run_dir_commands(commands)
     _add_compare_command(commands)
+    _add_setup_commands(commands)
     _add_export_commands(commands)
     return parser
 
@@ -211,6 +213,14 @@ def _add_compare_command(commands) -> None:
                               "(repeatable; task: every task metric)")
     compare.add_argument("--html", metavar="FILE", help="also write the compare report there")
     compare.set_defaults(func=cmd_compare)
+
+
+def _add_setup_commands(commands) -> None:
+    setup = commands.add_parser(
+        "gguf-setup", help="extract llama.cpp's converter from the pinned llama-cpp-python "
+                           "sdist (the gguf backend needs it; pip download, once)")
+    setup.add_argument("--sdist", help="the sdist already downloaded (else pip downloads it)")
+    setup.set_defaults(func=cmd_gguf_setup)
 
 
 def _add_export_commands(commands) -> None:

@@ -3,8 +3,8 @@ the worker's machine, one conversion per model and converter however many config
 quantized by llama.cpp's quantizer, its tensors' types read back, and scored in llama.cpp's
 runtime into the same quality meter every job fills, against the same torch reference.
 
-Task accuracy, generation speed and artifacts run in llama.cpp too (not yet: a GGUF job says
-so, ``gguf_skipped``)."""
+Task accuracy, generation speed and artifacts are not measured in llama.cpp yet: a GGUF job
+says so (``runtime_skipped``, and its tasks' ``tasks_error``), never records them as done."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,14 +22,14 @@ from quantdask.gguf.source import LLAMA_CPP_COMMIT
 from quantdask.job.phases import JobContext, Made, Phase, need, score
 from quantdask.measure.coverage import Coverage
 from quantdask.process.model_source import cached_model_source
-from quantdask.records import Covered, Loaded, Quantized, TaskScores
+from quantdask.records import Covered, InRuntime, Loaded, Quantized, TaskScores
 
 log = logging.getLogger("quantdask.job")
 
 FULL_PRECISION = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 """The types a GGUF job takes as converted (the runtime's cost before any weight is
 quantized): the converter's outtype for each."""
-NOT_YET = "task accuracy, generation speed and artifacts of a GGUF run in llama.cpp (not yet)"
+NOT_YET = "a GGUF job's task accuracy is not measured in llama.cpp yet"
 
 
 def cache_dir() -> Path:
@@ -64,10 +65,11 @@ def load_gguf(run: JobContext, made: Made) -> tuple[Made, Loaded]:
                                                                source.param_count)
 
 
-def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, Quantized]:
+def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     """Convert (once per model), then quantize with llama.cpp's quantizer; the tensors'
-    types as written make the coverage."""
-    from quantdask.gguf.quantize import quantize_gguf, tensor_types
+    types as written make the coverage, and those that fell back to another type than the
+    config's are counted (and warned of when most did)."""
+    from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts
     from quantdask.gguf.types import canonical
 
     name = canonical(run.job.options.type)
@@ -80,9 +82,52 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, Quantized]:
             folder = run.holding.enter_context(_scratch())
             path = quantize_gguf(base, Path(folder) / f"model-{name}.gguf", name,
                                  threads=_threads())
-    covered = gguf_coverage(path, tensor_types(path))
-    return replace(made, covered=covered, runtime_model=str(path)), Quantized(
-        run.watch.seconds["quantize"])
+    types = tensor_types(path)
+    covered = gguf_coverage(path, types)
+    fell_back = fallback_share(path, types, name)
+    if fell_back > 0.5:
+        log.warning("%s: llama.cpp wrote %.0f%% of the quantized weights in another type than "
+                    "%s (rows not a multiple of 256): %s", run.job.config_label,
+                    100 * fell_back, name, type_counts(types))
+    return replace(made, covered=covered, runtime_model=str(path)), InRuntime(
+        Quantized(run.watch.seconds["quantize"]), runtime=runtime_name(run.cuda),
+        tensor_types=type_counts(types), fallback_share=fell_back,
+        runtime_skipped=_skipped(run))
+
+
+FALLBACK_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
+"""The legacy types llama.cpp puts a K-quant or 256-block IQ tensor in when its rows do not
+split into 256-weight blocks (``llama_tensor_get_type_impl``'s fallback)."""
+
+
+def fallback_share(path, types: dict[str, str], name: str) -> float:
+    """The share of the quantized weights in a fallback type, for a K-quant or IQ config
+    (0 for a legacy one, whose type is its own)."""
+    from quantdask.gguf.source import gguf_module
+
+    if not (name.startswith("IQ") or "_K" in name):
+        return 0.0
+    sizes = {t.name: int(t.n_elements) for t in gguf_module().GGUFReader(str(path)).tensors}
+    quantized = {n: k for n, k in types.items() if k not in FULL_PRECISION}
+    total = sum(sizes[n] for n in quantized)
+    fell = sum(sizes[n] for n, k in quantized.items() if k in FALLBACK_TYPES)
+    return fell / total if total else 0.0
+
+
+def runtime_name(cuda: bool) -> str:
+    """``llama.cpp 0c1e570 (llama-cpp-python 0.3.36), cpu``: what measured the job."""
+    from quantdask.gguf.source import LLAMA_CPP_PYTHON
+
+    return (f"llama.cpp {LLAMA_CPP_COMMIT[:7]} (llama-cpp-python {LLAMA_CPP_PYTHON}), "
+            f"{'cuda' if cuda else 'cpu'}")
+
+
+def _skipped(run: JobContext) -> str | None:
+    asked = [what for what, wanted in (("task accuracy", run.job.tasks is not None),
+                                       ("generation speed", run.job.speed is not None),
+                                       ("artifacts", run.job.artifacts is not None
+                                        and run.job.artifacts.enabled)) if wanted]
+    return f"{', '.join(asked)}: not measured in llama.cpp yet" if asked else None
 
 
 def gguf_coverage(path: str | os.PathLike, types: dict[str, str]) -> Coverage:
@@ -96,8 +141,8 @@ def gguf_coverage(path: str | os.PathLike, types: dict[str, str]) -> Coverage:
     for tensor in reader.tensors:
         kind = types[tensor.name]
         if kind in FULL_PRECISION:
-            full[tensor.name.split(".")[-2] if "." in tensor.name else tensor.name] = \
-                full.get(tensor.name, 0) + int(tensor.n_elements)
+            role = re.sub(r"^blk\.\d+\.", "", tensor.name).removesuffix(".weight")
+            full[role] = full.get(role, 0) + int(tensor.n_elements)
             by_type[kind.lower()] = by_type.get(kind.lower(), 0) + int(tensor.n_bytes)
         else:
             quantized += int(tensor.n_elements)
@@ -139,6 +184,7 @@ def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, object]:
 
 
 def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
+    """A GGUF job's task phase: skipped with the reason when the sweep has tasks."""
     if run.job.tasks is None:
         return made, None
     return made, TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {NOT_YET}")

@@ -21,6 +21,7 @@ from quantdask.records.phases import (
     Covered,
     Ended,
     GateVerdict,
+    InRuntime,
     LayerWeights,
     Loaded,
     NotDone,
@@ -55,9 +56,9 @@ from quantdask.records.rows import (
 
 __all__ = [
     "AllocationRow", "Artifact", "AttemptRow", "Calibrated", "Covered", "Ended", "FrameRow",
-    "EnvironmentRow", "GateVerdict", "LayerRow", "LayerWeights", "Loaded", "NotDone", "Peaks",
-    "PhaseRecord", "PhaseRow", "Quality", "Quantized", "Record", "Recorded", "ResultRow",
-    "Row", "SampleRow", "Scored", "SearchedFor", "SensitivityRow", "SessionRow", "Span",
-    "Speed", "SpeedAsRead", "SpeedRow", "Streamed", "TaskItemRow", "TaskRow", "TaskScores",
-    "WindowRow", "WorkerTaskRow", "Where", "frame_rows",
+    "EnvironmentRow", "GateVerdict", "InRuntime", "LayerRow", "LayerWeights", "Loaded",
+    "NotDone", "Peaks", "PhaseRecord", "PhaseRow", "Quality", "Quantized", "Record",
+    "Recorded", "ResultRow", "Row", "SampleRow", "Scored", "SearchedFor", "SensitivityRow",
+    "SessionRow", "Span", "Speed", "SpeedAsRead", "SpeedRow", "Streamed", "TaskItemRow",
+    "TaskRow", "TaskScores", "WindowRow", "WorkerTaskRow", "Where", "frame_rows",
 ]

@@ -171,6 +171,21 @@ class Streamed(PhaseRecord):
 
 
 @dataclasses.dataclass(frozen=True)
+class InRuntime(PhaseRecord):
+    """A job of a backend with a runtime of its own (``OwnRuntime``: llama.cpp for GGUF), null
+    otherwise: the runtime and its build, the tensors' types as the file holds them, the share
+    of the quantized weights the runtime's quantizer put in another type than the config's
+    (llama.cpp swaps K-quants for legacy types on rows that are not a multiple of 256), and
+    what the job did not measure in that runtime."""
+
+    quantized: Quantized  # its quantize_s: the conversion (once per model) and the quantizer
+    runtime: str  # e.g. llama.cpp 0c1e570 (llama-cpp-python 0.3.36), cpu
+    tensor_types: str  # e.g. 13 Q4_K, 3 Q6_K, 5 F32
+    fallback_share: float  # of the quantized weights: 0 when every tensor took the config's type
+    runtime_skipped: str | None  # what it did not measure there (null: nothing)
+
+
+@dataclasses.dataclass(frozen=True)
 class Covered(PhaseRecord):
     """The ``check_coverage`` phase: what was quantized, and the stored size split."""
 

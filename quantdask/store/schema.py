@@ -28,6 +28,7 @@ from quantdask.records import (
     EnvironmentRow,
     FrameRow,
     GateVerdict,
+    InRuntime,
     LayerRow,
     LayerWeights,
     Loaded,
@@ -61,8 +62,8 @@ STATUSES = tuple(Status)
 _UTC = pl.Datetime("us", "UTC")
 
 RESULT_RECORDS: tuple[type[PhaseRecord], ...] = (
-    Recorded, Ended, Where, Span, Loaded, Quantized, Streamed, Covered, LayerWeights, Scored,
-    TaskScores, Speed, Artifact, GateVerdict, SearchedFor, NotDone)
+    Recorded, Ended, Where, Span, Loaded, Quantized, Streamed, InRuntime, Covered, LayerWeights,
+    Scored, TaskScores, Speed, Artifact, GateVerdict, SearchedFor, NotDone)
 """The records whose columns make the results frame, one row per job (``records``: each
 column's meaning is a comment on its field there)."""
 
