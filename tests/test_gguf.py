@@ -132,3 +132,24 @@ def test_a_k_quant_on_rows_not_a_multiple_of_256_says_it_fell_back(tmp_path):
     types = tensor_types(out)
     assert "Q4_K" not in types.values() and types["blk.0.attn_q.weight"] == "Q5_0"
     assert fallback_share(out, types, "Q4_K_M") == 1.0  # every quantized tensor
+
+
+def test_a_gguf_sweep_without_the_extra_or_its_converter_is_refused_before_anything_runs(
+        tmp_path, monkeypatch):
+    import importlib.util
+
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+    from tests.conftest import sweep_dict
+
+    data = sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}])
+    monkeypatch.setenv("QUANTDASK_LLAMA_CPP", str(tmp_path / "nowhere"))
+    with pytest.raises(SpecError, match="quantdask gguf-setup"):
+        sweep_from_dict(data)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(SpecError, match=r"pip install 'quantdask\[gguf\]'"):
+        sweep_from_dict(data)
+    monkeypatch.undo()
+    with pytest.raises(SpecError, match="needs an importance matrix"):
+        sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["IQ2_XS"]}}]))
+    with pytest.raises(SpecError, match="Q4_K_M"):
+        sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["q4"]}}]))

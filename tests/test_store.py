@@ -268,6 +268,17 @@ def test_every_result_column_comes_from_exactly_one_place():
     for column in streamed_only:
         assert column not in seen, f"{column} comes from a resident phase too"
         seen[column] = "stream"
+    # A GGUF job's phases (a runtime of its own) likewise, and the runtime's own columns.
+    from quantdask.gguf.phases import GGUF_PHASES
+    from quantdask.records import InRuntime
+
+    runtime_only = set(InRuntime.column_names()) - set(Quantized.column_names())
+    runtime_columns = [c for phase in GGUF_PHASES for c in _returned(phase).column_names()]
+    assert len(runtime_columns) == len(set(runtime_columns)), runtime_columns
+    assert set(runtime_columns) - runtime_only <= set(seen)
+    for column in runtime_only:
+        assert column not in seen, f"{column} comes from a resident phase too"
+        seen[column] = "runtime"
     assert set(seen) - {"status"} == set(RESULT_SCHEMA) - {"status"}, (
         f"not in the schema: {sorted(set(seen) - set(RESULT_SCHEMA))}; "
         f"from no phase: {sorted(set(RESULT_SCHEMA) - set(seen))}")

@@ -17,12 +17,14 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
+from quantdask.gguf.options import GgufOptions
 from quantdask.gguf.source import LLAMA_CPP_COMMIT
 from quantdask.job.phases import JobContext, Made, Phase, need, score
 from quantdask.measure.coverage import Coverage
 from quantdask.process.model_source import cached_model_source
-from quantdask.records import Covered, InRuntime, Loaded, Quantized, TaskScores
+from quantdask.records import Covered, InRuntime, Loaded, Quantized, Scored, TaskScores
 
 log = logging.getLogger("quantdask.job")
 
@@ -72,7 +74,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts
     from quantdask.gguf.types import canonical
 
-    name = canonical(run.job.options.type)
+    name = canonical(str(_options(run).type))
     outtype = FULL_PRECISION.get(name, "f32")
     with run.watch("quantize"):
         base = converted(run.job.model, outtype)
@@ -158,7 +160,7 @@ def gguf_covered(run: JobContext, made: Made) -> tuple[Made, Covered]:
     from quantdask.gguf.types import canonical
 
     covered = need(made.covered, "covered")
-    quantizing = canonical(run.job.options.type) not in FULL_PRECISION
+    quantizing = canonical(str(_options(run).type)) not in FULL_PRECISION
     if quantizing and not covered.quantized_params:
         raise UnsupportedHere("llama.cpp's quantizer left every tensor in full precision")
     params = need(made.source, "source").param_count
@@ -172,7 +174,7 @@ def gguf_covered(run: JobContext, made: Made) -> tuple[Made, Covered]:
         full_precision=covered.summary() if quantizing else None)
 
 
-def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, object]:
+def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Scored]:
     """The eval windows through llama.cpp (``runtime.llama_cpp_meter``), then the core's
     score phase on that meter."""
     from quantdask.gguf.runtime import llama_cpp_meter
@@ -188,6 +190,10 @@ def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
     if run.job.tasks is None:
         return made, None
     return made, TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {NOT_YET}")
+
+
+def _options(run: JobContext) -> GgufOptions:
+    return cast(GgufOptions, run.job.options)
 
 
 def _threads() -> int:
