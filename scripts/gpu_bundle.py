@@ -129,6 +129,8 @@ NOT_WALKED = {
             "than the lent machine's; it also pins numpy==2.2.6 below the machine's 2.5.2",
     "slurm": "dask-jobqueue submits to SLURM, which the lent machine has none of",
     "mlflow": "an export, run here from the run directory that comes back",
+    "gguf": "llama-cpp-python is published as source only: no wheel to pin, and a build here "
+            "(CPU flags) would not be the lent machine's CUDA build",
     "compare": "a comparison of run directories, run here on the ones that come back (its "
                "scipy is the machine's own anyway)",
     "test": "the test tools the machine lacks are not needed by the smoke (pytest is there)",

@@ -324,7 +324,7 @@ def register_streamed_phases(phases: tuple[Phase, ...]) -> None:
 def phases_for(run: JobContext) -> tuple[Phase, ...]:
     """The phases ``run`` goes through: those of a backend with a runtime of its own
     (:class:`OwnRuntime`), a streamed job's, or a resident one's."""
-    own = run.backend.has(OwnRuntime)
+    own = run.backend.has(OwnRuntime) if run.backend is not None else None  # (tests: none)
     if own is not None:
         return cast("tuple[Phase, ...]", own.phases)
     if not run.job.streamed:
