@@ -149,7 +149,77 @@ def test_a_gguf_sweep_without_the_extra_or_its_converter_is_refused_before_anyth
     with pytest.raises(SpecError, match=r"pip install 'quantdask\[gguf\]'"):
         sweep_from_dict(data)
     monkeypatch.undo()
-    with pytest.raises(SpecError, match="needs an importance matrix"):
+    with pytest.raises(SpecError, match="needs an importance matrix.*imatrix: true"):
         sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["IQ2_XS"]}}]))
+    with pytest.raises(SpecError, match="calibration block"):  # an imatrix needs its windows
+        sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "configs": [
+            {"type": "Q2_K"}, {"type": "Q2_K", "imatrix": True}]}]))
+    sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["Q2_K"]}}]))
     with pytest.raises(SpecError, match="Q4_K_M"):
         sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"type": ["q4"]}}]))
+
+
+@pytest.fixture(scope="module")
+def outliers(tmp_path_factory):
+    """A tiny Llama whose decoder inputs have outlier columns (8 channels of every norm's gain
+    x20): where an importance matrix matters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = llama2_style_model(tmp_path_factory.mktemp("gguf") / "outliers")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:8] *= 20
+            layer.post_attention_layernorm.weight[:8] *= 20
+    model.save_pretrained(folder)
+    from quantdask.demo_model import generate_text
+
+    (folder / "calibration.txt").write_text(generate_text(300, seed=5))
+    return folder
+
+
+def test_the_importance_matrix_covers_every_block_weight_at_its_width(outliers, tmp_path):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.gguf.imatrix import importance
+    from quantdask.gguf.source import gguf_module
+
+    f32 = convert(outliers, tmp_path / "f32.gguf")
+    model = AutoModelForCausalLM.from_pretrained(outliers, dtype=torch.float32).eval()
+    windows = torch.randint(3, 500, (3, 32))
+    found = importance(model, windows, "llama", batch_size=2)
+    reader = gguf_module().GGUFReader(str(f32))
+    blocks = {t.name: int(t.shape[0]) for t in reader.tensors
+              if t.name.startswith("blk.") and len(t.shape) == 2}
+    assert {n: v.size for n, v in found.items()} == blocks
+    # q/k/v share their input (the attention norm's output): the same columns' means
+    assert np.array_equal(found["blk.0.attn_q.weight"], found["blk.0.attn_v.weight"])
+    # and the outlier columns carry the weight
+    assert found["blk.0.attn_q.weight"][:8].min() > 10 * np.median(found["blk.0.attn_q.weight"])
+
+
+def test_an_imatrix_lowers_the_kl_of_low_bit_types_and_opens_the_iq_types(outliers, cluster,
+                                                                         tmp_path):
+    import quantdask as qd
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+
+    sweep = sweep_from_dict({
+        "name": "imatrix", "models": [{"name": "outliers", "path": str(outliers)}],
+        "backends": [{"backend": "gguf", "grid": {"type": ["Q3_K_M", "Q2_K"],
+                                                  "imatrix": [False, True]}},
+                     {"backend": "gguf", "configs": [{"type": "IQ2_XS", "imatrix": True}]}],
+        "calibration": {"text": str(outliers / "calibration.txt"), "samples": 16,
+                        "seq_len": 128},
+        "eval": {"text": str(outliers / "eval.txt"), "seq_len": 128, "samples": 12,
+                 "batch_size": 4, "kl_top_k": "all"}, "seed": 0, "retries": 0})
+    results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
+    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
+    assert {r["status"] for r in rows.values()} == {"done"}, {
+        k: (r["status"], r["error_message"]) for k, r in rows.items()}
+    for name in ("Q3_K_M", "Q2_K"):
+        assert rows[f"{name} imatrix"]["kl_divergence"] < rows[name]["kl_divergence"], name
+        assert rows[f"{name} imatrix"]["calibrate_s"] > 0 and rows[name]["calibrate_s"] is None
+    assert "IQ2_XS" in rows["IQ2_XS imatrix"]["tensor_types"]

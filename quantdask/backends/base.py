@@ -313,8 +313,13 @@ class Backend(Generic[OptionsT]):
 
     @property
     def calibrated(self) -> bool:
-        """Whether it calibrates on data (:class:`Calibrated`)."""
+        """Whether it calibrates on data (:class:`Calibrated`), with some config at least."""
         return self.has(Calibrated) is not None
+
+    def calibrates(self, options: BackendOptions) -> bool:
+        """Whether its config ``options`` calibrates on data (``Calibrated.when``)."""
+        found = self.has(Calibrated)
+        return found is not None and (found.when is None or found.when(options))
 
     @property
     def module_keys(self) -> tuple[str, ...]:

@@ -60,6 +60,8 @@ class Calibrated(Capability):
     seq_len token ids, cut once per model with its reference), and ``with
     calibration.measure():`` to wrap the data-driven step in (``calibrate_s`` and its peaks)."""
 
+    # Which of its configs calibrate (None: every one), e.g. a GGUF config with imatrix: true.
+    when: Callable[[Any], bool] | None = None
     usual_why = ("add a calibration block (calibration: {text: PATH, samples: N, seq_len: N}, "
                  "or dataset: {...} instead of text)")
     refuses: ClassVar[str] = "{backend} fits its quantization to calibration data: {why}"

@@ -10,6 +10,8 @@ from quantdask.errors import SpecError
 from quantdask.gguf.source import missing_converter
 from quantdask.gguf.types import ALIASES, FTYPES, NEEDS_IMATRIX, canonical
 
+FULL_PRECISION_TYPES = ("F32", "F16", "BF16")
+
 INSTALL = "'quantdask[gguf]' (then: quantdask gguf-setup)"
 
 
@@ -27,16 +29,23 @@ class GgufOptions(BackendOptions):
                               check_hint=f"must be one of llama.cpp's types: "
                                          f"{', '.join(FTYPES)} (or {', '.join(ALIASES)})",
                               help="llama.cpp's quantization type (Q4_K_M, Q8_0, ...)")
+    imatrix: bool | None = option(bool, default=False,
+                                  help="quantize with an importance matrix computed on the "
+                                       "sweep's calibration windows (needs a calibration "
+                                       "block)")
 
     def complete(self) -> GgufOptions:
         name = canonical(str(self.type))
         missing = _missing()
         if missing:
             raise SpecError("backend", f"gguf: {missing}")
-        if name in NEEDS_IMATRIX:
-            raise SpecError("type", f"{name} needs an importance matrix, which quantdask does "
-                                    "not compute for GGUF yet (llama.cpp refuses it without "
-                                    "one); choose a K-quant such as Q2_K or Q3_K_S")
+        if name in NEEDS_IMATRIX and not self.imatrix:
+            raise SpecError("imatrix", f"{name} needs an importance matrix (llama.cpp refuses "
+                                       "it without one): set imatrix: true, with a "
+                                       "calibration block")
+        if self.imatrix and name in FULL_PRECISION_TYPES:
+            raise SpecError("imatrix", f"{name} is not quantized: an importance matrix does "
+                                       "nothing to it")
         return replace(self, type=name)
 
 

@@ -21,7 +21,8 @@ from typing import cast
 
 from quantdask.gguf.options import GgufOptions
 from quantdask.gguf.source import LLAMA_CPP_COMMIT
-from quantdask.job.phases import JobContext, Made, Phase, need, score
+from quantdask.job.phases import JobContext, Made, Phase, calibration_of, need, score
+from quantdask.measure.calibration import Calibration
 from quantdask.measure.coverage import Coverage
 from quantdask.process.model_source import cached_model_source
 from quantdask.records import Covered, InRuntime, Loaded, Quantized, Scored, TaskScores
@@ -76,14 +77,16 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
 
     name = canonical(str(_options(run).type))
     outtype = FULL_PRECISION.get(name, "f32")
+    calibration = calibration_of(run) if _options(run).imatrix else None
     with run.watch("quantize"):
         base = converted(run.job.model, outtype)
+        imatrix = _importance(run, base, calibration) if calibration is not None else None
         if name in FULL_PRECISION:
             path = base
         else:
             folder = run.holding.enter_context(_scratch())
             path = quantize_gguf(base, Path(folder) / f"model-{name}.gguf", name,
-                                 threads=_threads())
+                                 threads=_threads(), imatrix=imatrix)
     types = tensor_types(path)
     covered = gguf_coverage(path, types)
     fell_back = fallback_share(path, types, name)
@@ -92,7 +95,9 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
                     "%s (rows not a multiple of 256): %s", run.job.config_label,
                     100 * fell_back, name, type_counts(types))
     return replace(made, covered=covered, runtime_model=str(path)), InRuntime(
-        Quantized(run.watch.seconds["quantize"]), runtime=runtime_name(run.cuda),
+        Quantized(run.watch.seconds["quantize"],
+                  calibration.figures() if calibration is not None else None),
+        runtime=runtime_name(run.cuda),
         tensor_types=type_counts(types), fallback_share=fell_back,
         runtime_skipped=_skipped(run))
 
@@ -190,6 +195,24 @@ def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
     if run.job.tasks is None:
         return made, None
     return made, TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {NOT_YET}")
+
+
+def _importance(run: JobContext, base: Path, calibration: Calibration) -> dict:
+    """The importance matrix of the job's model on the calibration windows (its float model
+    built for it, then let go), named as the converted GGUF's tensors."""
+    from quantdask.gguf.imatrix import importance
+    from quantdask.gguf.source import gguf_module
+
+    reader = gguf_module().GGUFReader(str(base))
+    architecture = reader.fields["general.architecture"].contents()
+    source, _ = cached_model_source(run.job.model)
+    with calibration.measure(), source.weights():
+        model = source.build(run.device).eval()
+        try:
+            return importance(model, calibration.windows, architecture,
+                              run.job.eval.batch_size)
+        finally:
+            del model
 
 
 def _options(run: JobContext) -> GgufOptions:

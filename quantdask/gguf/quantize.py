@@ -10,6 +10,7 @@ import os
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from quantdask.gguf.source import gguf_module
 from quantdask.gguf.types import canonical, ftype
@@ -31,13 +32,19 @@ def _capture_log():
 
 
 def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: str,
-                  threads: int) -> Path:
-    """``source`` (an F32/F16/BF16 GGUF) quantized to ``type_name`` in ``out``."""
+                  threads: int, imatrix: dict[str, Any] | None = None) -> Path:
+    """``source`` (an F32/F16/BF16 GGUF) quantized to ``type_name`` in ``out``, with an
+    importance matrix (``imatrix.importance``'s) when given."""
     import llama_cpp
+
+    from quantdask.gguf.imatrix import ImatrixArray
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype(type_name)
     params.nthread = max(1, threads)
+    held = ImatrixArray(imatrix) if imatrix else None  # alive until the call returns
+    if held is not None:
+        params.imatrix = held.pointer
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     with _LOG_LOCK:

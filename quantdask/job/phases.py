@@ -140,7 +140,7 @@ def quantize(run: JobContext, made: Made) -> tuple[Made, Quantized]:
     backend, job, source = run.backend, run.job, need(made.source, "source")
     calibration = None
     with run.watch("quantize"):
-        if not backend.calibrated:
+        if not backend.calibrates(job.options):
             model = backend.quantize(source, job.options, run.device)
         else:
             calibration = calibration_of(run)

@@ -224,7 +224,9 @@ class Sweep:
                         "does), so the calibration block is not used; remove it, or add such "
                         "a backend")
         for i, block in enumerate(self.backends):
-            if calibrated[i] and self.calibration is None:
+            backend = get_backend(block.backend)
+            if self.calibration is None and calibrated[i] and any(
+                    backend.calibrates(options) for options in block.option_sets()):
                 raise SpecError(f"backends[{i}].backend", Calibrated.needs_block(block.backend))
 
     def _checked_faults(self):
@@ -355,7 +357,7 @@ def make_job(sweep: Sweep, model: ModelSpec, backend: str, options: BackendOptio
     ``config_label`` the backend's label unless given; ``search``: the search that made it)."""
     # A job timing generation holds its whole device: packed jobs would time each other.
     share = 1.0 if sweep.speed is not None else 1.0 / sweep.jobs_per_gpu
-    calibration = sweep.calibration if get_backend(backend).calibrated else None
+    calibration = sweep.calibration if get_backend(backend).calibrates(options) else None
     evaluation = sweep.eval_for(model)
     identity = job_identity(model, backend, options, evaluation, sweep.seed, calibration,
                             sweep.tasks, sweep.speed)
