@@ -89,23 +89,33 @@ def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tm
     assert not list(tmp_path.glob("demo.gguf*"))
 
 
-def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, cluster, tmp_path):
-    import polars as pl
-
+def _done_rows(cluster, tmp_path, folder, backends: list, **more) -> dict:
+    """A sweep of ``backends`` on the model in ``folder`` (12 windows of 128, exact KL) run on
+    the cluster; its rows by config label, every one done."""
     import quantdask as qd
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 
-    folder, _, reference = wide
     sweep = sweep_from_dict({
-        "name": "gguf", "models": [{"name": "wide", "path": str(folder)}],
-        "backends": [{"backend": "gguf", "grid": {"type": ["F32", "Q8_0", "Q4_K_M", "Q2_K"]}},
-                     {"backend": "bitsandbytes", "grid": {"bits": [4]}}],
-        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 12,
-                 "batch_size": 4, "kl_top_k": "all"}, "seed": 0, "retries": 0})
+        "name": "gguf", "models": [{"name": folder.name, "path": str(folder)}],
+        "backends": backends, "eval": {"text": str(folder / "eval.txt"), "seq_len": 128,
+                                       "samples": 12, "batch_size": 4, "kl_top_k": "all"},
+        "seed": 0, "retries": 0, **more})
     results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
     rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
     assert {r["status"] for r in rows.values()} == {"done"}, {
         k: (r["status"], r["error_message"]) for k, r in rows.items()}
+    return rows
+
+
+def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, cluster, tmp_path):
+    import polars as pl
+
+    import quantdask as qd
+
+    folder, _, reference = wide
+    rows = _done_rows(cluster, tmp_path, folder, [
+        {"backend": "gguf", "grid": {"type": ["F32", "Q8_0", "Q4_K_M", "Q2_K"]}},
+        {"backend": "bitsandbytes", "grid": {"bits": [4]}}])
     kl = [rows[t]["kl_divergence"] for t in ("F32", "Q8_0", "Q4_K_M", "Q2_K")]
     assert kl == sorted(kl) and kl[0] < 1e-5, kl
     # each job's figures equal the same GGUF scored here, outside the cluster, to the bit
@@ -203,22 +213,11 @@ def test_the_importance_matrix_covers_every_block_weight_at_its_width(outliers, 
 
 def test_an_imatrix_lowers_the_kl_of_low_bit_types_and_opens_the_iq_types(outliers, cluster,
                                                                          tmp_path):
-    import quantdask as qd
-    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
-    sweep = sweep_from_dict({
-        "name": "imatrix", "models": [{"name": "outliers", "path": str(outliers)}],
-        "backends": [{"backend": "gguf", "grid": {"type": ["Q3_K_M", "Q2_K"],
-                                                  "imatrix": [False, True]}},
-                     {"backend": "gguf", "configs": [{"type": "IQ2_XS", "imatrix": True}]}],
-        "calibration": {"text": str(outliers / "calibration.txt"), "samples": 16,
-                        "seq_len": 128},
-        "eval": {"text": str(outliers / "eval.txt"), "seq_len": 128, "samples": 12,
-                 "batch_size": 4, "kl_top_k": "all"}, "seed": 0, "retries": 0})
-    results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
-    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
-    assert {r["status"] for r in rows.values()} == {"done"}, {
-        k: (r["status"], r["error_message"]) for k, r in rows.items()}
+    rows = _done_rows(cluster, tmp_path, outliers, [
+        {"backend": "gguf", "grid": {"type": ["Q3_K_M", "Q2_K"], "imatrix": [False, True]}},
+        {"backend": "gguf", "configs": [{"type": "IQ2_XS", "imatrix": True}]}],
+        calibration={"text": str(outliers / "calibration.txt"), "samples": 16, "seq_len": 128})
     for name in ("Q3_K_M", "Q2_K"):
         assert rows[f"{name} imatrix"]["kl_divergence"] < rows[name]["kl_divergence"], name
         assert rows[f"{name} imatrix"]["calibrate_s"] > 0 and rows[name]["calibrate_s"] is None
