@@ -222,3 +222,20 @@ def test_an_imatrix_lowers_the_kl_of_low_bit_types_and_opens_the_iq_types(outlie
         assert rows[f"{name} imatrix"]["kl_divergence"] < rows[name]["kl_divergence"], name
         assert rows[f"{name} imatrix"]["calibrate_s"] > 0 and rows[name]["calibrate_s"] is None
     assert "IQ2_XS" in rows["IQ2_XS imatrix"]["tensor_types"]
+
+
+def test_the_gguf_file_is_the_artifact_and_reloads_to_its_kl(wide, cluster, tmp_path):
+    import hashlib
+
+    folder, _, _ = wide
+    rows = _done_rows(cluster, tmp_path, folder, [
+        {"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
+        artifacts={"keep": "done", "to": str(tmp_path / "kept"), "verify": True})
+    row = rows["Q4_K_M"]
+    [kept] = (tmp_path / "kept" / row["job_id"]).glob("*.gguf")
+    assert kept.name == "model-Q4_K_M.gguf" and row["artifact_bytes"] == kept.stat().st_size
+    manifest = f"{kept.name} {hashlib.sha256(kept.read_bytes()).hexdigest()}\n"
+    assert row["artifact_sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
+    assert row["reload_kl_delta"] == 0.0  # llama.cpp on a CPU: the same file, the same bits
+    assert "Q4_K" in type_counts(tensor_types(kept)) and row["runtime_skipped"] is None
+    assert row["artifact_error"] is None

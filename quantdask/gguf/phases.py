@@ -3,8 +3,9 @@ the worker's machine, one conversion per model and converter however many config
 quantized by llama.cpp's quantizer, its tensors' types read back, and scored in llama.cpp's
 runtime into the same quality meter every job fills, against the same torch reference.
 
-Task accuracy, generation speed and artifacts are not measured in llama.cpp yet: a GGUF job
-says so (``runtime_skipped``, and its tasks' ``tasks_error``), never records them as done."""
+The artifact is the ``.gguf`` file itself (``keep_gguf``). Task accuracy and generation speed
+are not measured in llama.cpp yet: a GGUF job says so (``runtime_skipped``, and its tasks'
+``tasks_error``), never records them as done."""
 
 from __future__ import annotations
 
@@ -21,11 +22,20 @@ from typing import cast
 
 from quantdask.gguf.options import GgufOptions
 from quantdask.gguf.source import LLAMA_CPP_COMMIT
+from quantdask.gguf.types import canonical
 from quantdask.job.phases import JobContext, Made, Phase, calibration_of, need, score
 from quantdask.measure.calibration import Calibration
 from quantdask.measure.coverage import Coverage
 from quantdask.process.model_source import cached_model_source
-from quantdask.records import Covered, InRuntime, Loaded, Quantized, Scored, TaskScores
+from quantdask.records import (
+    Artifact,
+    Covered,
+    InRuntime,
+    Loaded,
+    Quantized,
+    Scored,
+    TaskScores,
+)
 
 log = logging.getLogger("quantdask.job")
 
@@ -73,8 +83,6 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     types as written make the coverage, and those that fell back to another type than the
     config's are counted (and warned of when most did)."""
     from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts
-    from quantdask.gguf.types import canonical
-
     name = canonical(str(_options(run).type))
     outtype = FULL_PRECISION.get(name, "f32")
     calibration = calibration_of(run) if _options(run).imatrix else None
@@ -131,9 +139,8 @@ def runtime_name(cuda: bool) -> str:
 
 def _skipped(run: JobContext) -> str | None:
     asked = [what for what, wanted in (("task accuracy", run.job.tasks is not None),
-                                       ("generation speed", run.job.speed is not None),
-                                       ("artifacts", run.job.artifacts is not None
-                                        and run.job.artifacts.enabled)) if wanted]
+                                       ("generation speed", run.job.speed is not None))
+             if wanted]
     return f"{', '.join(asked)}: not measured in llama.cpp yet" if asked else None
 
 
@@ -162,8 +169,6 @@ def gguf_covered(run: JobContext, made: Made) -> tuple[Made, Covered]:
     in full precision is skipped as unsupported; F32/F16/BF16 (the runtime's own cost) quantize
     nothing on purpose."""
     from quantdask.errors import UnsupportedHere
-    from quantdask.gguf.types import canonical
-
     covered = need(made.covered, "covered")
     quantizing = canonical(str(_options(run).type)) not in FULL_PRECISION
     if quantizing and not covered.quantized_params:
@@ -188,6 +193,55 @@ def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Scored]:
         meter = llama_cpp_meter(need(made.runtime_model, "runtime_model"), run.reference.windows,
                                 run.reference.distribution, _threads())
     return score(run, replace(made, meter=meter))
+
+
+def keep_gguf(run: JobContext, made: Made) -> tuple[Made, Artifact | None]:
+    """The ``.gguf`` file as the job's artifact (``<to>/<job_id>/model-<TYPE>.gguf``), and with
+    ``verify: true`` the file as kept loaded in llama.cpp again and scored on the first eval
+    windows: ``reload_kl_delta`` against the score phase's KL on them. A failure is the
+    ``artifact_error`` column, raised only when the sweep requires artifacts."""
+    import shutil
+    import tempfile
+
+    from quantdask.gguf.runtime import llama_cpp_meter
+    from quantdask.job.artifacts import (
+        VERIFY_WINDOWS,
+        directory_digest,
+        publish,
+        scored_kl,
+        windows_kl,
+    )
+
+    settings, job = run.job.artifacts, run.job
+    if settings is None or not settings.enabled:
+        return made, None
+    try:
+        source = Path(need(made.runtime_model, "runtime_model"))
+        with tempfile.TemporaryDirectory(prefix="quantdask-artifact-") as scratch:
+            local = Path(scratch) / job.id
+            local.mkdir()
+            shutil.copy2(source, local / f"model-{canonical(str(_options(run).type))}.gguf")
+            digest, size = directory_digest(str(local))
+            saved = Path(publish(str(local), settings, job.id) or local)
+            delta = None
+            if settings.verify:
+                reference = run.reference
+                first = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
+                after = llama_cpp_meter(next(saved.glob("*.gguf")),
+                                        reference.windows[:VERIFY_WINDOWS], first, _threads())
+                before = scored_kl(made.records)
+                delta = None if before is None else windows_kl(after.window_rows()) - before
+        log.info("artifact saved to %s: %d bytes, sha256 %s", settings.location(job.id), size,
+                 digest)
+        return made, Artifact(artifact_uri=settings.location(job.id), artifact_bytes=size,
+                              artifact_sha256=digest, artifact_kept=True,
+                              reload_kl_delta=delta)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        log.error("artifact not kept: %s", message)
+        if settings.required:
+            raise
+        return made, Artifact(artifact_error=message)
 
 
 def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
@@ -236,5 +290,5 @@ def _scratch():
 
 
 GGUF_PHASES: tuple[Phase, ...] = (load_gguf, quantize_gguf_phase, gguf_covered,
-                                  score_in_llama_cpp, gguf_skipped)
+                                  score_in_llama_cpp, gguf_skipped, keep_gguf)
 """What a GGUF job does, in order."""

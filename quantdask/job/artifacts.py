@@ -88,7 +88,7 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str,
             model.save_pretrained(local)
             tokenizer.save_pretrained(local)
             digest, size = directory_digest(local)
-            saved = _publish(local, settings, job.id)
+            saved = publish(local, settings, job.id)
             # The saved directory itself where it is local; a URL's from the same bytes.
             delta = None if before is None else reload_kl_delta(
                 before, saved or local, reference, job.eval.batch_size, device)
@@ -105,7 +105,7 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str,
         return Artifact(artifact_error=message)
 
 
-def _publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
+def publish(local: str, settings: ArtifactSettings, job_id: str) -> str | None:
     """Put the saved directory at its location; the local path when it is one (written
     beside it and renamed into place, so a reader never sees half an artifact)."""
     target = settings.location(job_id)
