@@ -224,18 +224,30 @@ def test_an_imatrix_lowers_the_kl_of_low_bit_types_and_opens_the_iq_types(outlie
     assert "IQ2_XS" in rows["IQ2_XS imatrix"]["tensor_types"]
 
 
-def test_the_gguf_file_is_the_artifact_and_reloads_to_its_kl(wide, cluster, tmp_path):
+def test_the_gguf_file_is_the_artifact_and_its_speed_is_llama_cpps(wide, cluster, tmp_path):
     import hashlib
+
+    import polars as pl
+
+    import quantdask as qd
 
     folder, _, _ = wide
     rows = _done_rows(cluster, tmp_path, folder, [
         {"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
-        artifacts={"keep": "done", "to": str(tmp_path / "kept"), "verify": True})
+        artifacts={"keep": "done", "to": str(tmp_path / "kept"), "verify": True},
+        speed={"prompt_length": 32, "new_tokens": 6, "batch_sizes": [1, 2], "warmup": 1,
+               "repeats": 2})
     row = rows["Q4_K_M"]
     [kept] = (tmp_path / "kept" / row["job_id"]).glob("*.gguf")
     assert kept.name == "model-Q4_K_M.gguf" and row["artifact_bytes"] == kept.stat().st_size
     manifest = f"{kept.name} {hashlib.sha256(kept.read_bytes()).hexdigest()}\n"
     assert row["artifact_sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
     assert row["reload_kl_delta"] == 0.0  # llama.cpp on a CPU: the same file, the same bits
-    assert "Q4_K" in type_counts(tensor_types(kept)) and row["runtime_skipped"] is None
-    assert row["artifact_error"] is None
+    assert "Q4_K" in type_counts(tensor_types(kept)) and row["artifact_error"] is None
+    # speed: timed in llama.cpp at batch size 1, the larger batch said to be left out
+    speed = qd.read_speed(tmp_path / "run").filter(pl.col("job_id") == row["job_id"])
+    [timed] = speed.to_dicts()
+    assert timed["batch_size"] == 1 and timed["new_tokens"] == 6 and timed["repeats"] == 2
+    assert timed["decode_tokens_per_s"] == pytest.approx(1 / timed["decode_s_p50"])
+    assert timed["prefill_tokens_per_s"] == pytest.approx(32 / timed["ttft_s"])
+    assert "batch sizes above 1" in row["runtime_skipped"]

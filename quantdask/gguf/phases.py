@@ -3,9 +3,10 @@ the worker's machine, one conversion per model and converter however many config
 quantized by llama.cpp's quantizer, its tensors' types read back, and scored in llama.cpp's
 runtime into the same quality meter every job fills, against the same torch reference.
 
-The artifact is the ``.gguf`` file itself (``keep_gguf``). Task accuracy and generation speed
-are not measured in llama.cpp yet: a GGUF job says so (``runtime_skipped``, and its tasks'
-``tasks_error``), never records them as done."""
+Generation speed is timed in llama.cpp at batch size 1 (``gguf.speed``); the artifact is the
+``.gguf`` file itself (``keep_gguf``). Task accuracy and larger batches are not measured in
+llama.cpp yet: a GGUF job says so (``runtime_skipped``, and its tasks' ``tasks_error``), never
+records them as done."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from quantdask.records import (
     Loaded,
     Quantized,
     Scored,
+    Speed,
     TaskScores,
 )
 
@@ -138,9 +140,11 @@ def runtime_name(cuda: bool) -> str:
 
 
 def _skipped(run: JobContext) -> str | None:
-    asked = [what for what, wanted in (("task accuracy", run.job.tasks is not None),
-                                       ("generation speed", run.job.speed is not None))
-             if wanted]
+    speed = run.job.speed
+    asked = [what for what, wanted in (
+        ("task accuracy", run.job.tasks is not None),
+        ("generation speed at batch sizes above 1 (llama-cpp-python decodes one sequence)",
+         speed is not None and any(b > 1 for b in speed.batch_sizes))) if wanted]
     return f"{', '.join(asked)}: not measured in llama.cpp yet" if asked else None
 
 
@@ -244,6 +248,25 @@ def keep_gguf(run: JobContext, made: Made) -> tuple[Made, Artifact | None]:
         return made, Artifact(artifact_error=message)
 
 
+def time_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Speed | None]:
+    """The sweep's speed block in llama.cpp, at batch size 1 (``gguf.speed``); other batch
+    sizes are left out and said so (``runtime_skipped``)."""
+    settings = run.job.speed
+    if settings is None or 1 not in settings.batch_sizes:
+        return made, None
+    from quantdask.gguf.speed import llama_cpp_speed
+    from quantdask.process import cpu_share
+    from quantdask.process.runtime import held_resources
+
+    whole = held_resources().get("GPU", 1.0) >= 1.0
+    with run.watch("speed"):
+        rows = llama_cpp_speed(need(made.runtime_model, "runtime_model"),
+                               run.reference.windows, settings, _threads(), run.device_label,
+                               whole, None if run.cuda else cpu_share.others_busy,
+                               run.job.eval.bos_token_id)
+    return made, Speed(run.watch.seconds["speed"], speed=rows)
+
+
 def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
     """A GGUF job's task phase: skipped with the reason when the sweep has tasks."""
     if run.job.tasks is None:
@@ -290,5 +313,6 @@ def _scratch():
 
 
 GGUF_PHASES: tuple[Phase, ...] = (load_gguf, quantize_gguf_phase, gguf_covered,
-                                  score_in_llama_cpp, gguf_skipped, keep_gguf)
+                                  score_in_llama_cpp, gguf_skipped, time_in_llama_cpp,
+                                  keep_gguf)
 """What a GGUF job does, in order."""
