@@ -260,25 +260,20 @@ def test_every_result_column_comes_from_exactly_one_place():
         for column in columns:
             assert column not in seen, f"{column} comes from both {seen[column]} and {producer}"
             seen[column] = producer
-    # A streamed job's phases make the same columns once each, and the stream's own.
-    streamed_only = set(Streamed.column_names()) - set(Quantized.column_names())
-    streamed_columns = [c for phase in STREAMED_PHASES for c in _returned(phase).column_names()]
-    assert len(streamed_columns) == len(set(streamed_columns)), streamed_columns
-    assert set(streamed_columns) - streamed_only <= set(seen)
-    for column in streamed_only:
-        assert column not in seen, f"{column} comes from a resident phase too"
-        seen[column] = "stream"
-    # A GGUF job's phases (a runtime of its own) likewise, and the runtime's own columns.
+    # A streamed job's phases, and a GGUF job's (a runtime of its own), make the same columns
+    # once each, and their own (the stream's, the runtime's).
     from quantdask.gguf.phases import GGUF_PHASES
     from quantdask.records import InRuntime
 
-    runtime_only = set(InRuntime.column_names()) - set(Quantized.column_names())
-    runtime_columns = [c for phase in GGUF_PHASES for c in _returned(phase).column_names()]
-    assert len(runtime_columns) == len(set(runtime_columns)), runtime_columns
-    assert set(runtime_columns) - runtime_only <= set(seen)
-    for column in runtime_only:
-        assert column not in seen, f"{column} comes from a resident phase too"
-        seen[column] = "runtime"
+    for kind, phases, record in (("stream", STREAMED_PHASES, Streamed),
+                                 ("runtime", GGUF_PHASES, InRuntime)):
+        only = set(record.column_names()) - set(Quantized.column_names())
+        columns = [c for phase in phases for c in _returned(phase).column_names()]
+        assert len(columns) == len(set(columns)), columns
+        assert set(columns) - only <= set(seen)
+        for column in only:
+            assert column not in seen, f"{column} comes from a resident phase too"
+            seen[column] = kind
     assert set(seen) - {"status"} == set(RESULT_SCHEMA) - {"status"}, (
         f"not in the schema: {sorted(set(seen) - set(RESULT_SCHEMA))}; "
         f"from no phase: {sorted(set(RESULT_SCHEMA) - set(seen))}")

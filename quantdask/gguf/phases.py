@@ -24,7 +24,15 @@ from typing import cast
 from quantdask.gguf.options import GgufOptions
 from quantdask.gguf.source import LLAMA_CPP_COMMIT
 from quantdask.gguf.types import canonical
-from quantdask.job.phases import JobContext, Made, Phase, calibration_of, need, score
+from quantdask.job.phases import (
+    JobContext,
+    Made,
+    Phase,
+    calibration_of,
+    covered_record,
+    need,
+    score,
+)
 from quantdask.measure.calibration import Calibration
 from quantdask.measure.coverage import Coverage
 from quantdask.process.model_source import cached_model_source
@@ -173,19 +181,12 @@ def gguf_covered(run: JobContext, made: Made) -> tuple[Made, Covered]:
     in full precision is skipped as unsupported; F32/F16/BF16 (the runtime's own cost) quantize
     nothing on purpose."""
     from quantdask.errors import UnsupportedHere
+
     covered = need(made.covered, "covered")
     quantizing = canonical(str(_options(run).type)) not in FULL_PRECISION
     if quantizing and not covered.quantized_params:
         raise UnsupportedHere("llama.cpp's quantizer left every tensor in full precision")
-    params = need(made.source, "source").param_count
-    return made, Covered(
-        size_bytes=covered.size_bytes, bits_per_weight=8.0 * covered.size_bytes / params,
-        quantized_bytes=covered.quantized_bytes,
-        bits_per_quantized_weight=covered.bits_per_quantized_weight,
-        unquantized_bytes=covered.unquantized_bytes,
-        unquantized_dtypes=covered.unquantized_dtypes(),
-        quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
-        full_precision=covered.summary() if quantizing else None)
+    return made, covered_record(covered, need(made.source, "source").param_count, quantizing)
 
 
 def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Scored]:

@@ -174,15 +174,21 @@ def check_coverage(run: JobContext, made: Made) -> tuple[Made, Covered]:
         raise UnsupportedHere(
             f"no layer was quantized: {run.backend.name} replaced none of this model's "
             f"weights, which stay in {covered.by_class()}")
-    params = need(made.source, "source").param_count
-    return replace(made, covered=covered), Covered(
+    return replace(made, covered=covered), covered_record(
+        covered, need(made.source, "source").param_count, run.backend.sizing.quantizes)
+
+
+def covered_record(covered: Coverage, params: int, quantizes: bool) -> Covered:
+    """The coverage phase's record of ``covered`` in a model of ``params`` weights (what
+    stayed in full precision named only for a config that quantizes)."""
+    return Covered(
         size_bytes=covered.size_bytes, bits_per_weight=8.0 * covered.size_bytes / params,
         quantized_bytes=covered.quantized_bytes,
         bits_per_quantized_weight=covered.bits_per_quantized_weight,
         unquantized_bytes=covered.unquantized_bytes,
         unquantized_dtypes=covered.unquantized_dtypes(),
         quantized_params=covered.quantized_params, quantized_share=covered.quantized_share,
-        full_precision=covered.summary() if run.backend.sizing.quantizes else None)
+        full_precision=covered.summary() if quantizes else None)
 
 
 def layer_weights(run: JobContext, made: Made) -> tuple[Made, LayerWeights]:
