@@ -242,13 +242,13 @@ def test_the_reload_check_of_a_different_saved_model_reports_that_models_differe
     honest = run_job(int8, get_backend("bitsandbytes"), reference=reference).record
     assert honest["status"] == "done" and abs(honest["reload_kl_delta"]) < 1e-4
     other = tmp_path / "models" / int8.id
-    publish = artifacts._publish
+    publish = artifacts.publish
 
     def publish_then_swap(local, settings, job_id):
         publish(local, settings, job_id)
         return str(other)  # the reload now reads int8's saved model
 
-    monkeypatch.setattr(artifacts, "_publish", publish_then_swap)
+    monkeypatch.setattr(artifacts, "publish", publish_then_swap)
     record = run_job(nf4, get_backend("bitsandbytes"), reference=reference).record
     assert record["status"] == "done", record.get("error_message")
 

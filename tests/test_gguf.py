@@ -34,7 +34,7 @@ def wide(tmp_path_factory):
     from quantdask.sweepfile.settings import EvalSettings
 
     folder = llama2_style_model(tmp_path_factory.mktemp("gguf") / "wide")
-    settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=12,
+    settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=8,
                             batch_size=4, kl_top_k="all")
     reference = compute_reference(ModelSpec(path=str(folder)), settings,
                                   (folder / "eval.txt").read_text())
@@ -90,7 +90,7 @@ def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tm
 
 
 def _done_rows(cluster, tmp_path, folder, backends: list, **more) -> dict:
-    """A sweep of ``backends`` on the model in ``folder`` (12 windows of 128, exact KL) run on
+    """A sweep of ``backends`` on the model in ``folder`` (8 windows of 128, exact KL) run on
     the cluster; its rows by config label, every one done."""
     import quantdask as qd
     from quantdask.sweepfile.sweep_file import sweep_from_dict
@@ -98,7 +98,7 @@ def _done_rows(cluster, tmp_path, folder, backends: list, **more) -> dict:
     sweep = sweep_from_dict({
         "name": "gguf", "models": [{"name": folder.name, "path": str(folder)}],
         "backends": backends, "eval": {"text": str(folder / "eval.txt"), "seq_len": 128,
-                                       "samples": 12, "batch_size": 4, "kl_top_k": "all"},
+                                       "samples": 8, "batch_size": 4, "kl_top_k": "all"},
         "seed": 0, "retries": 0, **more})
     results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
     rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
@@ -130,7 +130,7 @@ def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, clus
     assert rows["nf4"]["runtime"] is None  # a torch backend's job
     assert rows["Q2_K"]["bits_per_weight"] < rows["Q8_0"]["bits_per_weight"]
     windows = qd.read_windows(tmp_path / "run")
-    assert windows.filter(pl.col("job_id") == rows["Q8_0"]["job_id"]).height == 12
+    assert windows.filter(pl.col("job_id") == rows["Q8_0"]["job_id"]).height == 8
 
 
 def test_a_k_quant_on_rows_not_a_multiple_of_256_says_it_fell_back(tmp_path):

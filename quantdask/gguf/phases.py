@@ -56,6 +56,7 @@ NOT_YET = "a GGUF job's task accuracy is not measured in llama.cpp yet"
 
 
 def cache_dir() -> Path:
+    """Where converted GGUFs are kept on a worker's machine (delete it to reclaim the space)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask" / "gguf"
 
 
@@ -64,9 +65,10 @@ def converted(model, outtype: str) -> Path:
     waits for the first's file, then reads it)."""
     from quantdask.gguf.convert import convert
 
-    key = hashlib.sha256(json.dumps([model.location, os.path.getmtime(
-        os.path.join(model.location, "config.json")), outtype, LLAMA_CPP_COMMIT]).encode()
-    ).hexdigest()[:16]
+    # What the model is (its files' fingerprint, as its jobs' ids take it), the outtype and
+    # the converter's source: a model retrained in place converts again.
+    key = hashlib.sha256(json.dumps([model.identity(), outtype, LLAMA_CPP_COMMIT],
+                                    sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / key
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"model-{outtype}.gguf"
