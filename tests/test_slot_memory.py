@@ -20,9 +20,9 @@ from quantdask.cli.commands import slot_memory_lines
 from quantdask.cli.main import main
 from quantdask.cluster.local import start_cluster
 from quantdask.errors import SpecError
-from quantdask.plan.placement import slot_memories
+from quantdask.plan.placement import Placement, slot_memories
 from quantdask.plan.retry import with_more_room
-from quantdask.process.slot_memory import FIRST_JOB_BYTES
+from quantdask.process.slot_memory import FIRST_JOB_BYTES, SlotMemory
 from quantdask.run.sweep import run_sweep
 from quantdask.store.readers import read_attempts
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, expand_grid
@@ -159,6 +159,18 @@ def test_a_job_killed_for_memory_is_retried_alone_on_a_larger_slot(small_slot, t
     assert tries["eval_batch_size"].to_list() == [8, 8]  # LLM.int8: the batch is kept
     assert tries["gpu_share"].to_list()[1] == 1.0
     assert tries["device_memory_request_bytes"].to_list()[1] > small_offer
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_that_began_a_job_is_known_after_it_left_the_scheduler():
+    """A slot restarting when jobs were placed reports its figures as it begins one; killed
+    for memory, it is gone from the scheduler, and the retry must still ask for more."""
+    placement = Placement(jobs=[])
+    offered = SlotMemory.of(2**30, 0.95, 2**28)
+    placement.note_slot("0", offered.as_metric())
+    placement.note_slot("1", None)  # a slot without a memory limit reports nothing
+    assert placement.slot("0", client=None) == offered  # no scheduler asked
+    assert "1" not in placement.slots
 
 
 @pytest.mark.timeout(30)

@@ -21,6 +21,7 @@ import os
 from collections.abc import Set
 from dataclasses import dataclass, field, replace
 from statistics import median
+from typing import Any
 
 import polars as pl
 from distributed import Client
@@ -228,6 +229,13 @@ class Placement:
         if name is not None and name not in self.slots:
             self.slots.update(slot_memories(client))
         return self.slots.get(name) if name is not None else None
+
+    def note_slot(self, name: str, metric: Any) -> None:
+        """Keep what the slot called ``name`` reported as it began a task (its job-start
+        event): once it is killed for memory, the scheduler no longer knows it."""
+        slot = SlotMemory.from_metric(metric)
+        if slot is not None:
+            self.slots[name] = slot
 
     def room(self, client: Client) -> float:
         """The most a worker offers now; a larger worker that joined since raises what jobs

@@ -16,6 +16,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from quantdask.process import library_noise
 from quantdask.process.devices import physical_gpu_id
+from quantdask.process.slot_memory import METRIC as SLOT_METRIC
 
 JOB_START_TOPIC = "quantdask-job-start"
 """Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
@@ -30,8 +31,12 @@ def announce_start() -> tuple[str, str]:
         worker = get_worker()
     except ValueError:  # not inside a Dask worker (a direct call, e.g. in a notebook)
         return "local", socket.gethostname()
+    # The slot's memory figures ride along: a slot killed for memory has left the scheduler
+    # by the time the driver asks what it offered.
+    slot = worker.metrics.get(SLOT_METRIC)
     worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
-                                       "address": worker.address, "name": str(worker.name)})
+                                       "address": worker.address, "name": str(worker.name),
+                                       "slot": slot(worker) if slot is not None else None})
     return str(worker.name), socket.gethostname()
 
 

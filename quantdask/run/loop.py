@@ -142,8 +142,7 @@ class SweepDriver:
         self.pending.add(self.client.submit(
             run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
             resources=job.resources, priority=job.priority, pure=False, retries=0,
-            workers=elsewhere or None,
-        ))
+            workers=elsewhere or None))
 
     def _on_job_start(self, event) -> None:
         # Runs on the client's event loop thread: only note when and where a task began (again,
@@ -151,6 +150,7 @@ class SweepDriver:
         _, message = event
         attempt = self.attempts.note_start(message["key"], self.clock(), message["address"],
                                            message["name"])
+        self.placement.note_slot(message["name"], message.get("slot"))
         if attempt is not None:
             self.progress.job_started(attempt.key, attempt.job.id, label(attempt.job),
                                       attempt.job.priority, attempt.number, message["name"])
