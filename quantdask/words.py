@@ -50,6 +50,7 @@ class WorkerTaskKind(StrEnum):
     SEARCH_UNITS = "search units"  # a search's units, read from its model
     SEARCH_REFERENCE = "search reference"  # a search's calibration reference
     PROBE = "probe"  # a chunk of a search's (unit, format) cells
+    CONVERT = "convert"  # a model converted to a runtime's own format (a GGUF), once a sweep
 
 
 class FailureClass(StrEnum):

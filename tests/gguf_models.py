@@ -43,3 +43,35 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     model.save_pretrained(out)
     (out / "eval.txt").write_text(generate_text(200, seed=11))
     return out
+
+
+def plain_figures(gguf: Path, checkpoint: Path, windows) -> dict[str, float]:
+    """KL to the checkpoint in float32 torch, perplexity and top-1 agreement of the GGUF in
+    llama.cpp over every position but the last of ``windows`` (token ids), computed plainly:
+    its own torch forward and its own llama.cpp loop, none of quantdask's code (the
+    independent computation quantdask's figures must equal)."""
+    import math
+
+    import llama_cpp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(windows).logits.double(), -1)[:, :-1]
+    length = windows.shape[1]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=length, n_batch=length, n_ubatch=length,
+                          logits_all=True, n_threads=2, verbose=False)
+    out = []
+    for window in windows.tolist():
+        llm.reset()
+        llm.eval(window)
+        out.append(torch.log_softmax(torch.tensor(np.array(llm.scores[:length - 1]),
+                                                  dtype=torch.float64), -1))
+    llm.close()
+    ours = torch.stack(out)
+    nll = -ours.gather(-1, windows[:, 1:, None]).squeeze(-1)
+    return {"kl_divergence": float((ref.exp() * (ref - ours)).sum(-1).mean()),
+            "perplexity": math.exp(float(nll.mean())),
+            "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).double().mean())}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from quantdask.errors import SpecError, UnsupportedHere
 
@@ -18,9 +19,9 @@ if missing_converter():
 
 from quantdask.gguf.convert import convert  # noqa: E402
 from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts  # noqa: E402
-from quantdask.gguf.runtime import llama_cpp_meter  # noqa: E402
+from quantdask.gguf.runtime import RuntimeDevice, llama_cpp_meter  # noqa: E402
 from quantdask.gguf.types import canonical  # noqa: E402
-from tests.gguf_models import llama2_style_model  # noqa: E402
+from tests.gguf_models import llama2_style_model, plain_figures  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -30,21 +31,25 @@ def wide(tmp_path_factory):
     """A tiny Llama whose widths are multiples of 256, converted to F32, and its reference
     as quantdask computes it (BOS + 127 text tokens per window, exact KL)."""
     from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.bos import window_bos
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.sweepfile.settings import EvalSettings
 
     folder = llama2_style_model(tmp_path_factory.mktemp("gguf") / "wide")
+    model = ModelSpec(path=str(folder))
     settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=8,
-                            batch_size=4, kl_top_k="all")
-    reference = compute_reference(ModelSpec(path=str(folder)), settings,
-                                  (folder / "eval.txt").read_text())
+                            batch_size=4, kl_top_k="all")  # BOS resolved as a sweep's is
+    settings = settings.with_bos(window_bos(settings.bos, model))
+    reference = compute_reference(model, settings, (folder / "eval.txt").read_text())
+    assert set(reference.windows[:, 0].tolist()) == {1}  # a Llama-style tokenizer adds BOS
     return folder, convert(folder, folder / "model-f32.gguf"), reference
 
 
 def test_the_unquantized_gguf_in_llama_cpp_matches_the_torch_reference(wide):
     _, f32, reference = wide
     assert int(reference.windows[0, 0]) == 1  # the BOS, fed as an id: llama.cpp adds none
-    scores = llama_cpp_meter(f32, reference.windows, reference.distribution, 2).scores()
+    scores = llama_cpp_meter(f32, reference.windows, reference.distribution,
+                             RuntimeDevice(2)).scores()
     assert scores.kl_divergence < 1e-5
     assert scores.perplexity == pytest.approx(reference.baseline.perplexity, rel=1e-4)
     assert scores.top1_agreement > 0.99
@@ -60,7 +65,7 @@ def test_each_type_is_written_as_llama_cpp_writes_it_and_kl_follows_the_bits(wid
                 "Q3_K_M": "Q3_K", "Q2_K": "Q2_K"}[name]
         assert main in type_counts(types), (name, type_counts(types))
         assert types["token_embd.weight"] != "F32"
-        kls.append(llama_cpp_meter(out, reference.windows, reference.distribution, 2)
+        kls.append(llama_cpp_meter(out, reference.windows, reference.distribution, RuntimeDevice(2))
                    .scores().kl_divergence)
         sizes.append(out.stat().st_size)
     assert kls == sorted(kls) and all(math.isfinite(k) for k in kls), kls
@@ -72,6 +77,23 @@ def test_a_type_llama_cpp_does_not_know_is_refused_naming_the_ones_it_does():
     for bad in ("Q4_K_X", "q4"):
         with pytest.raises(SpecError, match="Q4_K_M"):
             canonical(bad)
+
+
+def test_the_device_llama_cpp_runs_on_is_part_of_the_job_and_a_missing_gpu_a_reason():
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+    from tests.conftest import sweep_dict
+
+    jobs = [j for j in expand_grid(sweep_from_dict(sweep_dict(backends=[
+        {"backend": "gguf", "grid": {"type": ["Q4_K_M"], "device": ["cpu", "cuda"]}}])))
+        if j.backend == "gguf"]
+    assert sorted(j.config_label for j in jobs) == ["Q4_K_M", "Q4_K_M cuda"]
+    assert len({j.id for j in jobs}) == 2
+    with pytest.raises(SpecError, match="grid.device: must be 'cpu' or 'cuda'"):
+        sweep_from_dict(sweep_dict(backends=[{"backend": "gguf", "grid": {"device": ["gpu"]}}]))
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedHere, match="no CUDA device"):
+            RuntimeDevice(1, gpu=True).check()
 
 
 def test_an_imatrix_type_without_one_fails_with_llama_cpps_reason(wide, tmp_path):
@@ -87,6 +109,43 @@ def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tm
     with pytest.raises(UnsupportedHere, match="pre-tokenizer .*chkhsh [0-9a-f]{64}"):
         convert(DEMO_MODEL_DIR, tmp_path / "demo.gguf")
     assert not list(tmp_path.glob("demo.gguf*"))
+
+
+def test_a_model_the_converter_refuses_skips_its_gguf_jobs_with_the_reason_once(cluster,
+                                                                                 tmp_path):
+    import polars as pl
+
+    import quantdask as qd
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+    from tests.conftest import sweep_dict
+
+    results = qd.run_sweep(sweep_from_dict(sweep_dict(backends=[
+        {"backend": "gguf", "grid": {"type": ["Q8_0", "Q4_K_M"]}},
+        {"backend": "bitsandbytes", "grid": {"bits": [4]}}])), tmp_path / "run", cluster.client)
+    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
+    for label in ("Q8_0", "Q4_K_M"):
+        assert rows[label]["status"] == "skipped"
+        assert "pre-tokenizer" in rows[label]["error_message"], rows[label]["error_message"]
+    assert rows["nf4"]["status"] == "done"
+    tasks = qd.read_worker_tasks(tmp_path / "run")  # the conversion tried once, for both
+    assert tasks.filter(pl.col("kind") == "convert")["status"].to_list() == ["done"]
+
+
+def test_a_machine_that_does_not_see_the_converted_file_converts_its_own(wide, tmp_path,
+                                                                       monkeypatch):
+    from quantdask.gguf.conversion import Converted, base_file, cache_dir
+    from quantdask.sweepfile.model import ModelSpec
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder, f32, _ = wide
+    model = ModelSpec(path=str(folder))
+    seen = base_file(Converted("f32", str(f32), "here", f32.stat().st_size), model, "f32", 60)
+    assert seen == f32 and not cache_dir().exists()  # the task's file, as it is
+    elsewhere = Converted("f32", str(tmp_path / "on-another-machine.gguf"), "there", 10)
+    own = base_file(elsewhere, model, "f32", 60)
+    assert own.parent.parent == cache_dir() and own.read_bytes() == f32.read_bytes()
+    with pytest.raises(UnsupportedHere, match="no such tokenizer"):
+        base_file(Converted("f32", None, "there", refused="no such tokenizer"), model, "f32", 60)
 
 
 def _done_rows(cluster, tmp_path, folder, backends: list, **more) -> dict:
@@ -118,11 +177,20 @@ def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, clus
         {"backend": "bitsandbytes", "grid": {"bits": [4]}}])
     kl = [rows[t]["kl_divergence"] for t in ("F32", "Q8_0", "Q4_K_M", "Q2_K")]
     assert kl == sorted(kl) and kl[0] < 1e-5, kl
-    # each job's figures equal the same GGUF scored here, outside the cluster, to the bit
+    # each job's figures equal an independent computation (a plain torch forward, a plain
+    # llama.cpp loop) on the same windows, within 2%
     from quantdask.gguf.quantize import quantize_gguf
-    here = quantize_gguf(folder / "model-f32.gguf", tmp_path / "q4.gguf", "Q4_K_M", threads=1)
-    alone = llama_cpp_meter(here, reference.windows, reference.distribution, 1).scores()
-    assert rows["Q4_K_M"]["kl_divergence"] == pytest.approx(alone.kl_divergence, rel=0.02)
+    for name in ("F32", "Q4_K_M", "Q2_K"):
+        here = (folder / "model-f32.gguf" if name == "F32" else
+                quantize_gguf(folder / "model-f32.gguf", tmp_path / f"{name}.gguf", name, 1))
+        plain = plain_figures(here, folder, reference.windows)
+        for metric in ("kl_divergence", "perplexity", "top1_agreement"):
+            assert rows[name][metric] == pytest.approx(
+                plain[metric], rel=0.02, abs=1e-6 if metric == "kl_divergence" else 0), (
+                name, metric)
+    # one conversion for the four GGUF configs, one task the jobs depended on
+    tasks = qd.read_worker_tasks(tmp_path / "run")
+    assert tasks.filter(pl.col("kind") == "convert")["status"].to_list() == ["done"]
     assert rows["F32"]["quantized_params"] == 0 and rows["Q4_K_M"]["quantized_share"] > 0.5
     assert rows["Q4_K_M"]["runtime"].startswith("llama.cpp 0c1e570") and "cpu" in rows[
         "Q4_K_M"]["runtime"]

@@ -159,16 +159,32 @@ class Savable(Capability):
 
 
 @dataclass(frozen=True)
+class Preparation:
+    """One task that jobs of a runtime of their own depend on: ``function(*args)`` runs once
+    per ``name`` in a sweep (its result small: a file's path, never the file)."""
+
+    name: str
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class OwnRuntime(Capability):
     """The backend's jobs quantize and measure in a runtime of its own (``runtime``, e.g.
     llama.cpp), not in a torch model: an attempt of one runs ``phases`` (each a
     ``job.phases.Phase``: the attempt's context and stage so far, to the next stage and its
     record) instead of the resident job's. Its package registers the backend with them (the
     core never imports it), and its score phase fills the same quality meter every job's
-    does, against the same torch reference."""
+    does, against the same torch reference.
+
+    ``prepare`` (optional) names what a job needs made once before it runs, for every job
+    that needs the same (a model converted to the runtime's format): ``prepare(job)`` is a
+    :class:`Preparation` or None. The driver submits one task per name for the sweep, and
+    the job's phases find its result as ``JobContext.prepared``."""
 
     runtime: str
     phases: tuple[Any, ...]
+    prepare: Callable[[Any], Preparation | None] | None = None
     usual_why: ClassVar[str] = "it measures its models in torch"
 
     refuses: ClassVar[str] = "{backend} has no runtime of its own: {why}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from quantdask.backends import Backend, register_backend
 from quantdask.backends.base import missing_library
 from quantdask.backends.capabilities import Calibrated, Lacks, OwnRuntime, Searchable
+from quantdask.gguf.conversion import conversion
 from quantdask.gguf.options import INSTALL, GgufOptions
 from quantdask.gguf.phases import GGUF_PHASES
 from quantdask.gguf.source import missing_converter
@@ -22,8 +23,10 @@ def _no_torch_model(source, options, device):
 
 gguf_backend = register_backend(Backend(
     name="gguf", quantize=_no_torch_model, options=GgufOptions,
-    label=lambda o: f"{o.type}{' imatrix' if o.imatrix else ''}", check=_check,
-    capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES), Calibrated(when=lambda o: bool(o.imatrix)),
+    label=lambda o: f"{o.type}{' imatrix' if o.imatrix else ''}"
+                    f"{' cuda' if o.device == 'cuda' else ''}", check=_check,
+    capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
+                  Calibrated(when=lambda o: bool(o.imatrix)),
                   Lacks(Searchable, "llama.cpp quantizes whole files")),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

@@ -11,6 +11,7 @@ from quantdask.gguf.source import missing_converter
 from quantdask.gguf.types import ALIASES, FTYPES, NEEDS_IMATRIX, canonical
 
 FULL_PRECISION_TYPES = ("F32", "F16", "BF16")
+DEVICES = ("cpu", "cuda")
 
 INSTALL = "'quantdask[gguf]' (then: quantdask gguf-setup)"
 
@@ -33,6 +34,11 @@ class GgufOptions(BackendOptions):
                                   help="quantize with an importance matrix computed on the "
                                        "sweep's calibration windows (needs a calibration "
                                        "block)")
+    device: str | None = option(str, default="cpu", choices=DEVICES,
+                                help="where llama.cpp runs the model: cpu (its cores; "
+                                     "activations quantized to 8 bits) or cuda (every layer "
+                                     "on the worker's GPU; needs llama-cpp-python built with "
+                                     "CUDA): its figures differ, so it is part of the job")
 
     def complete(self) -> GgufOptions:
         name = canonical(str(self.type))

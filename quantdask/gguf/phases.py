@@ -1,7 +1,7 @@
-"""The phases of a GGUF job: the checkpoint converted once (a full-precision GGUF cached on
-the worker's machine, one conversion per model and converter however many configs ask), then
-quantized by llama.cpp's quantizer, its tensors' types read back, and scored in llama.cpp's
-runtime into the same quality meter every job fills, against the same torch reference.
+"""The phases of a GGUF job: the checkpoint converted once (``conversion``: one task per model
+that its GGUF jobs depend on, the file cached on its machine), then quantized by llama.cpp's
+quantizer, its tensors' types read back, and scored in llama.cpp's runtime into the same
+quality meter every job fills, against the same torch reference.
 
 Generation speed is timed in llama.cpp at batch size 1 (``gguf.speed``); the artifact is the
 ``.gguf`` file itself (``keep_gguf``). Task accuracy and larger batches are not measured in
@@ -11,9 +11,6 @@ records them as done."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import re
@@ -21,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
+from quantdask.gguf.conversion import FULL_PRECISION, base_file, outtype_of
 from quantdask.gguf.options import GgufOptions
 from quantdask.gguf.source import LLAMA_CPP_COMMIT
 from quantdask.gguf.types import canonical
@@ -49,37 +47,7 @@ from quantdask.records import (
 
 log = logging.getLogger("quantdask.job")
 
-FULL_PRECISION = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
-"""The types a GGUF job takes as converted (the runtime's cost before any weight is
-quantized): the converter's outtype for each."""
 NOT_YET = "a GGUF job's task accuracy is not measured in llama.cpp yet"
-
-
-def cache_dir() -> Path:
-    """Where converted GGUFs are kept on a worker's machine (delete it to reclaim the space)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask" / "gguf"
-
-
-def converted(model, outtype: str) -> Path:
-    """The model's GGUF in ``outtype``, converted here once (a lock per model: a second job
-    waits for the first's file, then reads it)."""
-    from quantdask.gguf.convert import convert
-
-    # What the model is (its files' fingerprint, as its jobs' ids take it), the outtype and
-    # the converter's source: a model retrained in place converts again.
-    key = hashlib.sha256(json.dumps([model.identity(), outtype, LLAMA_CPP_COMMIT],
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    folder = cache_dir() / key
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"model-{outtype}.gguf"
-    with open(folder / ".lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not out.is_file():
-                convert(model.location, out, outtype)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return out
 
 
 def load_gguf(run: JobContext, made: Made) -> tuple[Made, Loaded]:
@@ -96,10 +64,11 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     config's are counted (and warned of when most did)."""
     from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts
     name = canonical(str(_options(run).type))
-    outtype = FULL_PRECISION.get(name, "f32")
+    outtype = outtype_of(_options(run))
     calibration = calibration_of(run) if _options(run).imatrix else None
+    _device(run).check()  # before converting: a GPU this worker lacks is a reason
     with run.watch("quantize"):
-        base = converted(run.job.model, outtype)
+        base = base_file(run.prepared, run.job.model, outtype, run.job.timeout_s)
         imatrix = _importance(run, base, calibration) if calibration is not None else None
         if name in FULL_PRECISION:
             path = base
@@ -117,7 +86,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     return replace(made, covered=covered, runtime_model=str(path)), InRuntime(
         Quantized(run.watch.seconds["quantize"],
                   calibration.figures() if calibration is not None else None),
-        runtime=runtime_name(run.cuda),
+        runtime=runtime_name(_device(run).gpu),
         tensor_types=type_counts(types), fallback_share=fell_back,
         runtime_skipped=_skipped(run))
 
@@ -198,7 +167,7 @@ def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Scored]:
 
     with run.watch("eval"):
         meter = llama_cpp_meter(need(made.runtime_model, "runtime_model"), run.reference.windows,
-                                run.reference.distribution, _threads())
+                                run.reference.distribution, _device(run))
     return score(run, replace(made, meter=meter))
 
 
@@ -235,7 +204,7 @@ def keep_gguf(run: JobContext, made: Made) -> tuple[Made, Artifact | None]:
                 reference = run.reference
                 first = {k: t[:VERIFY_WINDOWS] for k, t in reference.distribution.items()}
                 after = llama_cpp_meter(next(saved.glob("*.gguf")),
-                                        reference.windows[:VERIFY_WINDOWS], first, _threads())
+                                        reference.windows[:VERIFY_WINDOWS], first, _device(run))
                 before = scored_kl(made.records)
                 delta = None if before is None else windows_kl(after.window_rows()) - before
         log.info("artifact saved to %s: %d bytes, sha256 %s", settings.location(job.id), size,
@@ -262,10 +231,12 @@ def time_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Speed | None]:
     from quantdask.process.runtime import held_resources
 
     whole = held_resources().get("GPU", 1.0) >= 1.0
+    gpu = _device(run).gpu  # on a GPU worker, a cpu config runs on its cores
     with run.watch("speed"):
         rows = llama_cpp_speed(need(made.runtime_model, "runtime_model"),
-                               run.reference.windows, settings, _threads(), run.device_label,
-                               whole, None if run.cuda else cpu_share.others_busy,
+                               run.reference.windows, settings, _device(run),
+                               run.device_label if gpu else "cpu", whole,
+                               None if gpu else cpu_share.others_busy,
                                run.job.eval.bos_token_id)
     return made, Speed(run.watch.seconds["speed"], speed=rows)
 
@@ -303,6 +274,14 @@ def _threads() -> int:
     import torch
 
     return max(1, torch.get_num_threads())
+
+
+def _device(run: JobContext):
+    """Where llama.cpp runs this job (``gguf.runtime.RuntimeDevice``): the config's device,
+    on the slot's threads."""
+    from quantdask.gguf.runtime import RuntimeDevice
+
+    return RuntimeDevice(_threads(), _options(run).device == "cuda")
 
 
 @contextlib.contextmanager

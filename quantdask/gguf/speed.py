@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from quantdask.gguf.runtime import RuntimeDevice
 from quantdask.records import SpeedRow
 
 if TYPE_CHECKING:
@@ -20,20 +21,18 @@ if TYPE_CHECKING:
 
 
 def llama_cpp_speed(path: str | os.PathLike, windows: torch.Tensor, settings: SpeedSettings,
-                    threads: int, device_label: str, whole_device: bool,
+                    device: RuntimeDevice, device_label: str, whole_device: bool,
                     others_busy: Callable[[], bool] | None,
                     bos_token_id: int | None) -> list[SpeedRow]:
     """One speed row at batch size 1 (other batch sizes are the caller's to report)."""
-    import llama_cpp
     import numpy as np
 
     from quantdask.measure.speed import prompt_ids
 
     prompt = prompt_ids(windows, 1, settings.prompt_length, bos_token_id)[0].tolist()
     length = settings.prompt_length + settings.new_tokens
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=length, n_batch=settings.prompt_length,
-                          n_ubatch=settings.prompt_length, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = device.open(path, n_ctx=length, n_batch=settings.prompt_length,
+                      n_ubatch=settings.prompt_length)
     eos, vocab = llm.token_eos(), llm.n_vocab()
 
     def run() -> tuple[float, list[float]]:

@@ -21,7 +21,7 @@ import logging
 import time
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -125,7 +125,8 @@ def not_done_record(error: Exception, backend: str) -> tuple[Status, NotDone]:
 
 
 def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference | None,
-          scope: AttemptScope, device: tuple[str, str, bool]) -> JobContext:
+          scope: AttemptScope, device: tuple[str, str, bool], prepared: Any = None
+          ) -> JobContext:
     """The attempt's backend on its ``device`` (torch's, the records' label, CUDA or not), its
     faults, and its model's reference."""
     import torch
@@ -149,16 +150,18 @@ def start(job: Job, pickled: Backend | bytes, attempt: int, reference: Reference
         # global generator is reproducible too. Packed jobs draw from their own generators
         # only (``quantdask.randomness``), and leave the global one alone.
         torch.manual_seed(job.seed)
-    return JobContext(job, backend, reference, on, cuda, device_label=device_label)
+    return JobContext(job, backend, reference, on, cuda, device_label=device_label,
+                      prepared=prepared)
 
 
 def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
-            reference: Reference | None = None) -> JobOutcome:
+            reference: Reference | None = None, prepared: Any = None) -> JobOutcome:
     """Run one job here and return its outcome: metrics when done, the reason when not.
 
     ``backend`` may come pickled (bytes), so that one this worker cannot load (a notebook's,
     from a module it lacks) fails as this job, not as the worker. ``reference`` is the model's
-    shared eval windows and baseline log-probs (computed here when not given). Never raises for
+    shared eval windows and baseline log-probs (computed here when not given); ``prepared``
+    what its backend made once for it (``OwnRuntime.prepare``). Never raises for
     a job's own failure: the class, message and traceback come back in ``outcome.record``
     (``status`` failed or skipped), beside the job's log, its per-layer rows and the worker's
     device samples during it.
@@ -171,7 +174,7 @@ def run_job(job: Job, backend: Backend | bytes, attempt: int = 1,
         try:
             device = torch_device()
             where = dataclasses.replace(where, device=device[1])
-            run = start(job, backend, attempt, reference, scope, device)
+            run = start(job, backend, attempt, reference, scope, device, prepared)
             with run.measured():
                 produced, phase_rows = run_phases(run)
             records = done_records(run, produced, phase_rows)

@@ -76,6 +76,7 @@ class JobContext:
     device: str  # torch's device, e.g. cuda:0
     cuda: bool
     device_label: str = ""  # what the records call it: cuda:<physical id> or cpu
+    prepared: Any = None  # what the backend's OwnRuntime.prepare task made (a converted file)
     watch: Stopwatch = field(default_factory=Stopwatch)
     peak: PeakMemory = field(init=False)  # the span's, read once it ends
     holding: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)

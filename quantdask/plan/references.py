@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from quantdask.backends import get_backend
+from quantdask.backends.capabilities import OwnRuntime
 from quantdask.measure.reference import (
     combine_reference,
     compute_baseline_tasks,
@@ -66,6 +68,8 @@ class ModelReferences:
     _requests: dict[str, float] = field(default_factory=dict)  # part -> DEVICE_MEMORY asked
     _texts: dict[str, str] = field(default_factory=dict)  # text_sha256 -> eval/calibration text
     _submitted: int = 0
+    # What jobs of a runtime of their own need made first: Preparation.name -> its future.
+    prepared: dict[str, Future] = field(default_factory=dict)
 
     def future_for(self, job: Job) -> Future:
         """The future of ``job``'s model reference, submitted now if there is none (or the last
@@ -100,6 +104,24 @@ class ModelReferences:
             self.futures[key] = future
         return future
 
+    def prepared_for(self, job: Job) -> Future | None:
+        """The future of what ``job``'s backend makes once before its jobs run
+        (``OwnRuntime.prepare``: a model converted to its runtime's format), submitted now if
+        there is none (or the last one failed); None for a job that needs nothing made."""
+        own = get_backend(job.backend).has(OwnRuntime)
+        preparation = own.prepare(job) if own is not None and own.prepare is not None else None
+        if preparation is None:
+            return None
+        future = self.prepared.get(preparation.name)
+        if future is None or future.status in ("error", "cancelled"):
+            self._submitted += 1
+            future = self.client.submit(
+                preparation.function, *preparation.args, resources=self.resources_for(job),
+                key=f"{preparation.name}-{self.run_id}-{self._submitted}",
+                priority=job.priority + 10, pure=False, retries=0)
+            self.prepared[preparation.name] = future
+        return future
+
     def _submit_part(self, part_key: str, dask_key: str, job: Job,
                      resources: dict[str, float], function, *args) -> Future:
         """Submit one part of the reference ``dask_key``, with a deadline like a job's."""
@@ -117,13 +139,14 @@ class ModelReferences:
 
     def all_futures(self) -> list[Future]:
         """Every current reference and its parts (to cancel them all)."""
-        return [*self.futures.values(),
+        return [*self.futures.values(), *self.prepared.values(),
                 *(part for f in self.futures.values() for part in self._parts.get(str(f.key), []))]
 
     def release(self) -> None:
         """Let go of every future: Dask forgets them once no client holds them."""
         self.futures.clear()
         self._parts.clear()
+        self.prepared.clear()
 
     def failed(self, job: Job, dask_key: str) -> bool:
         """Whether ``dask_key`` is the current reference of ``job``'s model and it failed."""

@@ -140,9 +140,9 @@ class SweepDriver:
         self.attempts.add(Attempt(job, number, utcnow(), key, restricted_to=elsewhere,
                                   reference_key=str(reference.key)))
         self.pending.add(self.client.submit(
-            run_job, job, self._pickled_backend(job.backend), number, reference, key=key,
-            resources=job.resources, priority=job.priority, pure=False, retries=0,
-            workers=elsewhere or None))
+            run_job, job, self._pickled_backend(job.backend), number, reference,
+            self.references.prepared_for(job), key=key, resources=job.resources,
+            priority=job.priority, pure=False, retries=0, workers=elsewhere or None))
 
     def _on_job_start(self, event) -> None:
         # Runs on the client's event loop thread: only note when and where a task began (again,
