@@ -31,9 +31,12 @@ FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD
 TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q3_K_M", "Q2_K")
 
 
-def build_tools(tools: Path, sdist: str | None) -> Path:
-    binary = tools / "bin" / "llama-quantize"
-    if binary.is_file():
+def build_tools(tools: Path, sdist: str | None,
+                targets: tuple[str, ...] = ("llama-quantize",)) -> Path:
+    """``targets`` built from the pinned source into ``tools`` (unless there); the first's
+    path."""
+    binary = tools / "bin" / targets[0]
+    if all((tools / "bin" / target).is_file() for target in targets):
         return binary
     scratch = Path(tempfile.mkdtemp(prefix="quantdask-llama-cpp-src-"))
     if sdist is None:
@@ -46,7 +49,7 @@ def build_tools(tools: Path, sdist: str | None) -> Path:
     source = scratch / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     subprocess.run(["cmake", "-S", str(source), "-B", str(tools), *FLAGS], check=True,
                    capture_output=True)
-    subprocess.run(["cmake", "--build", str(tools), "-j2", "--target", "llama-quantize"],
+    subprocess.run(["cmake", "--build", str(tools), "-j2", "--target", *targets],
                    check=True, capture_output=True)
     return binary
 

@@ -51,6 +51,11 @@ def _failure(output: str) -> Exception:
             "llama.cpp's converter does not recognize this model's BPE pre-tokenizer (chkhsh "
             f"{found.group(1) if found else 'unknown'}): a GGUF with a guessed tokenizer would "
             "tokenize differently from the model's own")
+    missing = re.search(r"File not found: (\S*tokenizer\.model)", output)
+    if missing:
+        return UnsupportedHere(
+            "llama.cpp's converter reads this architecture's vocabulary from a SentencePiece "
+            "tokenizer.model, and the checkpoint has none (only tokenizer.json)")
     if "No module named 'sentencepiece'" in output:
         return UnsupportedHere("llama.cpp's converter needs sentencepiece: pip install "
                                "'quantdask[gguf]'")
