@@ -1,7 +1,8 @@
-"""Tiny Llamas llama.cpp's converter takes, built offline: a Llama-2-style tokenizer (BPE with
-byte fallback, the SentencePiece layout, which the converter reads without a pre-tokenizer
-hash) trained on the demo's language, random weights of widths given (multiples of 256 for
-real K-quants)."""
+"""Tiny checkpoints llama.cpp's converter takes, built offline: a Llama-2-style tokenizer (BPE
+with byte fallback, the SentencePiece layout, which the converter reads without a pre-tokenizer
+hash) or a Gemma-style one (a SentencePiece model, ``tokenizer.model``, beside the tokenizer
+transformers reads from it; a BOS before every text), trained on the demo's language, random
+weights of widths given (multiples of 256 for real K-quants)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,49 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.ones_like(param) if "norm" in name
+                        else torch.randn_like(param) * 0.06)
+    model.save_pretrained(out)
+    (out / "eval.txt").write_text(generate_text(200, seed=11))
+    return out
+
+
+def gemma_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int = 2,
+                      vocab: int = 512, seed: int = 0) -> Path:
+    """A tiny Gemma (tied embeddings scaled by sqrt(hidden), RMSNorm of 1 + weight, GeGLU)
+    with a SentencePiece BPE vocabulary in Gemma's layout (pad 0, eos 1, bos 2, unk 3,
+    mask 4), which llama.cpp's converter reads from ``tokenizer.model``."""
+    import io
+
+    import sentencepiece as spm
+    import torch
+    from tokenizers.models import BPE
+    from transformers import GemmaConfig, GemmaForCausalLM, GemmaTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    from quantdask.demo_model import generate_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    model_file = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(generate_text(400, seed=3).splitlines()), model_writer=model_file,
+        vocab_size=vocab, model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2,
+        unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<mask>"], character_coverage=1.0, add_dummy_prefix=False,
+        split_digits=True, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model_file.getvalue())
+    pieces = SentencePieceExtractor(str(out / "tokenizer.model")).extract(BPE)
+    tokenizer = GemmaTokenizer(vocab=pieces["vocab"], merges=pieces["merges"],
+                               add_bos_token=True)
+    tokenizer.save_pretrained(out)
+    config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden // 4, max_position_embeddings=512, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(seed)
+    model = GemmaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # Gemma's norms scale by 1 + weight
+            param.copy_(torch.zeros_like(param) if "norm" in name
                         else torch.randn_like(param) * 0.06)
     model.save_pretrained(out)
     (out / "eval.txt").write_text(generate_text(200, seed=11))

@@ -21,7 +21,7 @@ from quantdask.gguf.convert import convert  # noqa: E402
 from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts  # noqa: E402
 from quantdask.gguf.runtime import RuntimeDevice, llama_cpp_meter  # noqa: E402
 from quantdask.gguf.types import canonical  # noqa: E402
-from tests.gguf_models import llama2_style_model, plain_figures  # noqa: E402
+from tests.gguf_models import gemma_style_model, llama2_style_model, plain_figures  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -70,6 +70,38 @@ def test_each_type_is_written_as_llama_cpp_writes_it_and_kl_follows_the_bits(wid
         sizes.append(out.stat().st_size)
     assert kls == sorted(kls) and all(math.isfinite(k) for k in kls), kls
     assert sizes == sorted(sizes, reverse=True), sizes
+
+
+def test_a_gemma_style_checkpoint_measures_in_llama_cpp_as_a_plain_loop_does(tmp_path):
+    """Gemma's own layout (a SentencePiece vocabulary, a BOS before every window, tied and
+    scaled embeddings): the F32 GGUF matches the torch reference, and Q4_K_M's figures
+    equal an independent computation within 2%."""
+    from quantdask.gguf.quantize import quantize_gguf
+    from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.bos import window_bos
+    from quantdask.sweepfile.model import ModelSpec
+    from quantdask.sweepfile.settings import EvalSettings
+
+    folder = gemma_style_model(tmp_path / "gemma")
+    model = ModelSpec(path=str(folder))
+    settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=6,
+                            batch_size=6, kl_top_k="all")
+    settings = settings.with_bos(window_bos(settings.bos, model))
+    reference = compute_reference(model, settings, (folder / "eval.txt").read_text())
+    assert set(reference.windows[:, 0].tolist()) == {2}  # Gemma's BOS on every window
+    f32 = convert(folder, tmp_path / "gemma-f32.gguf")
+    full = llama_cpp_meter(f32, reference.windows, reference.distribution, RuntimeDevice(2))
+    assert full.scores().kl_divergence < 1e-5
+    q4 = quantize_gguf(f32, tmp_path / "gemma-q4.gguf", "Q4_K_M", threads=2)
+    ours = llama_cpp_meter(q4, reference.windows, reference.distribution,
+                           RuntimeDevice(2)).scores()
+    plain = plain_figures(q4, folder, reference.windows)
+    assert ours.kl_divergence == pytest.approx(plain["kl_divergence"], rel=0.02)
+    assert ours.perplexity == pytest.approx(plain["perplexity"], rel=0.02)
+    assert ours.top1_agreement == pytest.approx(plain["top1_agreement"], rel=0.02)
+    (folder / "tokenizer.model").unlink()  # a checkpoint with tokenizer.json only
+    with pytest.raises(UnsupportedHere, match="tokenizer.model"):
+        convert(folder, tmp_path / "no-spm.gguf")
 
 
 def test_a_type_llama_cpp_does_not_know_is_refused_naming_the_ones_it_does():
