@@ -1,12 +1,15 @@
 """The methods side by side at 4 bits, group 128, the same calibration: round-to-nearest,
-GPTQ, AWQ, AutoRound and HQQ (and bitsandbytes nf4, blocks of 64, for reference).
+GPTQ, AWQ, AutoRound and HQQ (and bitsandbytes nf4, blocks of 64, and llama.cpp's GGUF Q4_0,
+Q4_K_M and Q4_K_M with an importance matrix, measured in llama.cpp, for reference).
 
-    .venv/bin/python -m benchmarks.methods [--iters 200]
+    .venv/bin/python -m benchmarks.methods [--iters 200] [--model DIR]
 
 Round-to-nearest is ``autoround`` with ``iters: 0`` (the same integer format, AutoRound's
 data-driven RTN off). Calibration: 32 windows of 128 tokens of text generated like the demo's
 (other sentences than the eval's, seed 7); eval: the demo eval text, 32 windows of 128 tokens,
-KL over the top 64 (the default). Model: the demo model. Each job runs in this process
+KL over the top 64 (the default). Model: the demo model, or ``--model`` (a checkpoint
+directory; llama.cpp's converter refuses the demo's tokenizer, so GGUF rows need one it takes,
+e.g. ``tests.gguf_models.llama2_style_model``). Each job runs in this process
 (``run_job``, one CPU slot's work). Prints a Markdown table.
 """
 
@@ -17,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 
-def sweep_data(calibration: str, iters: int) -> dict:
+def sweep_data(calibration: str, iters: int, model: str | None = None) -> dict:
     from quantdask.demo_model import DEMO_EVAL_TEXT, DEMO_MODEL_DIR
 
     group = 128
-    return {"name": "methods", "models": [{"name": "demo", "path": DEMO_MODEL_DIR}],
+    return {"name": "methods", "models": [{"name": "model", "path": model or DEMO_MODEL_DIR}],
             "backends": [
                 {"backend": "autoround", "configs": [
                     {"bits": 4, "group_size": group, "iters": 0},
@@ -29,7 +32,9 @@ def sweep_data(calibration: str, iters: int) -> dict:
                 {"backend": "gptq", "configs": [{"bits": 4, "group_size": group}]},
                 {"backend": "awq", "configs": [{"bits": 4, "group_size": group}]},
                 {"backend": "hqq", "configs": [{"bits": 4, "group_size": group}]},
-                {"backend": "bitsandbytes", "configs": [{"bits": 4}]}],
+                {"backend": "bitsandbytes", "configs": [{"bits": 4}]},
+                {"backend": "gguf", "configs": [{"type": "Q4_0"}, {"type": "Q4_K_M"},
+                                                {"type": "Q4_K_M", "imatrix": True}]}],
             "eval": {"text": DEMO_EVAL_TEXT, "seq_len": 128, "samples": 32, "batch_size": 8},
             "calibration": {"text": calibration, "samples": 32, "seq_len": 128}}
 
@@ -52,6 +57,7 @@ def cast_kl(model_dir: str, windows, dtype: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--model", help="a checkpoint directory (default: the demo model)")
     args = parser.parse_args(argv)
 
     from quantdask.backends import get_backend
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="methods-"))
     calibration = work / "calibration.txt"
     calibration.write_text(generate_text(2000, seed=7))
-    jobs = expand_grid(sweep_from_dict(sweep_data(str(calibration), args.iters)))
+    jobs = expand_grid(sweep_from_dict(sweep_data(str(calibration), args.iters, args.model)))
     reference = compute_reference(jobs[0].model, jobs[0].eval, jobs[0].eval.read_text(),
                                   calibration=jobs[0].calibration)
     print(f"unquantized perplexity {reference.baseline.perplexity:.4f}")

@@ -143,26 +143,6 @@ def test_a_tokenizer_the_converter_does_not_recognize_is_a_reason_not_a_crash(tm
     assert not list(tmp_path.glob("demo.gguf*"))
 
 
-def test_a_model_the_converter_refuses_skips_its_gguf_jobs_with_the_reason_once(cluster,
-                                                                                 tmp_path):
-    import polars as pl
-
-    import quantdask as qd
-    from quantdask.sweepfile.sweep_file import sweep_from_dict
-    from tests.conftest import sweep_dict
-
-    results = qd.run_sweep(sweep_from_dict(sweep_dict(backends=[
-        {"backend": "gguf", "grid": {"type": ["Q8_0", "Q4_K_M"]}},
-        {"backend": "bitsandbytes", "grid": {"bits": [4]}}])), tmp_path / "run", cluster.client)
-    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
-    for label in ("Q8_0", "Q4_K_M"):
-        assert rows[label]["status"] == "skipped"
-        assert "pre-tokenizer" in rows[label]["error_message"], rows[label]["error_message"]
-    assert rows["nf4"]["status"] == "done"
-    tasks = qd.read_worker_tasks(tmp_path / "run")  # the conversion tried once, for both
-    assert tasks.filter(pl.col("kind") == "convert")["status"].to_list() == ["done"]
-
-
 def test_a_machine_that_does_not_see_the_converted_file_converts_its_own(wide, tmp_path,
                                                                        monkeypatch):
     from quantdask.gguf.conversion import Converted, base_file, cache_dir
@@ -180,19 +160,21 @@ def test_a_machine_that_does_not_see_the_converted_file_converts_its_own(wide, t
         base_file(Converted("f32", None, "there", refused="no such tokenizer"), model, "f32", 60)
 
 
-def _done_rows(cluster, tmp_path, folder, backends: list, **more) -> dict:
-    """A sweep of ``backends`` on the model in ``folder`` (8 windows of 128, exact KL) run on
-    the cluster; its rows by config label, every one done."""
+def _done_rows(cluster, tmp_path, folder, backends: list, others: tuple = (), **more) -> dict:
+    """A sweep of ``backends`` on the model in ``folder`` (and the ``others``: models' entries)
+    (8 windows of 128, exact KL) run on the cluster; the rows of ``folder``'s model by config
+    label, every one done."""
     import quantdask as qd
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     sweep = sweep_from_dict({
-        "name": "gguf", "models": [{"name": folder.name, "path": str(folder)}],
+        "name": "gguf", "models": [{"name": folder.name, "path": str(folder)}, *others],
         "backends": backends, "eval": {"text": str(folder / "eval.txt"), "seq_len": 128,
                                        "samples": 8, "batch_size": 4, "kl_top_k": "all"},
         "seed": 0, "retries": 0, **more})
     results = qd.run_sweep(sweep, tmp_path / "run", cluster.client)
-    rows = {r["config_label"]: r for r in results.iter_rows(named=True)}
+    rows = {r["config_label"]: r for r in results.iter_rows(named=True)
+            if r["model"] == folder.name}
     assert {r["status"] for r in rows.values()} == {"done"}, {
         k: (r["status"], r["error_message"]) for k, r in rows.items()}
     return rows
@@ -202,11 +184,14 @@ def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, clus
     import polars as pl
 
     import quantdask as qd
+    from quantdask.demo_model import DEMO_MODEL_DIR
 
     folder, _, reference = wide
+    # beside it the demo model, whose locally trained BPE pre-tokenizer the converter refuses
     rows = _done_rows(cluster, tmp_path, folder, [
         {"backend": "gguf", "grid": {"type": ["F32", "Q8_0", "Q4_K_M", "Q2_K"]}},
-        {"backend": "bitsandbytes", "grid": {"bits": [4]}}])
+        {"backend": "bitsandbytes", "grid": {"bits": [4]}}],
+        others=({"name": "demo", "path": DEMO_MODEL_DIR},))
     kl = [rows[t]["kl_divergence"] for t in ("F32", "Q8_0", "Q4_K_M", "Q2_K")]
     assert kl == sorted(kl) and kl[0] < 1e-5, kl
     # each job's figures equal an independent computation (a plain torch forward, a plain
@@ -220,9 +205,14 @@ def test_a_sweep_of_gguf_types_runs_in_llama_cpp_beside_the_reference(wide, clus
             assert rows[name][metric] == pytest.approx(
                 plain[metric], rel=0.02, abs=1e-6 if metric == "kl_divergence" else 0), (
                 name, metric)
-    # one conversion for the four GGUF configs, one task the jobs depended on
-    tasks = qd.read_worker_tasks(tmp_path / "run")
-    assert tasks.filter(pl.col("kind") == "convert")["status"].to_list() == ["done"]
+    # one conversion per model for its four GGUF configs, one task the jobs depended on
+    tasks = qd.read_worker_tasks(tmp_path / "run").filter(pl.col("kind") == "convert")
+    assert sorted(tasks["label"].to_list()) == ["demo", "wide"]
+    assert set(tasks["status"]) == {"done"}  # a refusal is the conversion's result
+    demo = qd.read_results(tmp_path / "run").filter(pl.col("model") == "demo")
+    for row in demo.filter(pl.col("backend") == "gguf").iter_rows(named=True):
+        assert row["status"] == "skipped" and "pre-tokenizer" in row["error_message"], row
+    assert demo.filter(pl.col("backend") == "bitsandbytes")["status"].to_list() == ["done"]
     assert rows["F32"]["quantized_params"] == 0 and rows["Q4_K_M"]["quantized_share"] > 0.5
     assert rows["Q4_K_M"]["runtime"].startswith("llama.cpp 0c1e570") and "cpu" in rows[
         "Q4_K_M"]["runtime"]
