@@ -14,6 +14,7 @@ from quantdask.backends.capabilities import (
     Dequantizes,
     Lacks,
     ModuleAlone,
+    OwnRuntime,
     Searchable,
     StreamedFit,
 )
@@ -332,6 +333,10 @@ class Backend(Generic[OptionsT]):
         time (``stream.streaming``), or None: it quantizes each module alone
         (:class:`ModuleAlone`), fits block by block from the checkpoint (:class:`StreamedFit`,
         on the families it names), or quantizes nothing at all."""
+        runtime = self.has(OwnRuntime)
+        if runtime is not None:
+            return StreamedFit.refusal(self.name, f"its jobs run in {runtime.runtime}, which "
+                                                  "loads the whole file")
         if not self.sizing.quantizes or self.has(ModuleAlone) is not None:
             return None
         fit = self.has(StreamedFit)

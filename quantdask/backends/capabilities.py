@@ -107,9 +107,14 @@ class Searchable(Capability):
     """``module_keys``: the options a module's own format sets in the ``modules`` option
     (``backends.per_module``), which a mixed-precision search's candidates give each module.
     A searchable backend also has :class:`ModuleAlone` (each (unit, format) cell quantized
-    alone) and :class:`Dequantizes` (the weight the probe swaps in); ``Backend`` checks."""
+    alone) and :class:`Dequantizes` (the weight the probe swaps in); ``Backend`` checks.
+
+    ``rest_bytes(model, units, options)`` (optional) is what the backend's file of ``model``
+    stores outside ``units`` with a format's ``options`` (its embeddings and head in the
+    runtime's own count); without it, the full-precision model's bytes there."""
 
     module_keys: tuple[str, ...]
+    rest_bytes: Callable[..., int] | None = None
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot be searched: {why}"

@@ -222,14 +222,15 @@ def _print_protocol(results) -> None:
 
 
 def _print_tasks(run_dir: str, results) -> None:
-    """The task accuracy of this sweep's jobs, as the report's recovery table gives it."""
+    """The task accuracy of this sweep's jobs, as the report's recovery table gives it, and
+    how well each search's predictions held."""
     import polars as pl
 
-    from quantdask.cli.summary import task_lines
+    from quantdask.cli.summary import search_lines, task_lines
     from quantdask.store.readers import read_tasks
 
     tasks = read_tasks(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
-    for line in task_lines(results, tasks):
+    for line in [*task_lines(results, tasks), *search_lines(results)]:
         print(line)
 
 

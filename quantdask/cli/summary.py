@@ -78,3 +78,10 @@ def gate_lines(results: pl.DataFrame) -> list[str]:
              "failed_by": f"{failed[gate]} of {n}" if gate in failed else "-"} for gate in gates]
     return [verdict, *("  " + line for line in table(rows, ["gate", "met_by", "failed_by"])
                        .splitlines())]
+
+
+def search_lines(results: pl.DataFrame) -> list[str]:
+    """Each search's predicted against measured KL (``search.agreement``), a line each."""
+    from quantdask.search.agreement import agreement_line, prediction_agreement
+
+    return [agreement_line(row) for row in prediction_agreement(results).to_dicts()]

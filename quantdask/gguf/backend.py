@@ -6,15 +6,30 @@ from __future__ import annotations
 
 from quantdask.backends import Backend, register_backend
 from quantdask.backends.base import missing_library
-from quantdask.backends.capabilities import Calibrated, Lacks, OwnRuntime, Searchable
+from quantdask.backends.capabilities import (
+    Calibrated,
+    Dequantizes,
+    ModuleAlone,
+    OwnRuntime,
+    Searchable,
+)
+from quantdask.backends.per_module import mixed_label
 from quantdask.gguf.conversion import conversion
-from quantdask.gguf.options import INSTALL, GgufOptions
+from quantdask.gguf.options import INSTALL, MODULE_KEYS, GgufOptions
 from quantdask.gguf.phases import GGUF_PHASES
+from quantdask.gguf.searched import dequantize_module, quantize_module, rest_bytes
 from quantdask.gguf.source import missing_converter
 
 
 def _check(options: GgufOptions, facts) -> str | None:
     return missing_library("llama_cpp", "llama-cpp-python", INSTALL) or missing_converter()
+
+
+def _label(options: GgufOptions) -> str:
+    """``Q4_K_M``, ``Q4_K_M imatrix cuda``, ``Q4_K_M linears Q6_K``, ``Q4_K_M mixed(8 modules)``."""
+    linears = f" linears {options.tensor_type}" if options.tensor_type else ""
+    return (f"{options.type}{' imatrix' if options.imatrix else ''}{linears}"
+            f"{mixed_label(options)}{' cuda' if options.device == 'cuda' else ''}")
 
 
 def _no_torch_model(source, options, device):
@@ -23,10 +38,10 @@ def _no_torch_model(source, options, device):
 
 gguf_backend = register_backend(Backend(
     name="gguf", quantize=_no_torch_model, options=GgufOptions,
-    label=lambda o: f"{o.type}{' imatrix' if o.imatrix else ''}"
-                    f"{' cuda' if o.device == 'cuda' else ''}", check=_check,
+    label=_label, check=_check,
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
-                  Lacks(Searchable, "llama.cpp quantizes whole files")),
+                  ModuleAlone(quantize_module), Dequantizes(dequantize_module),
+                  Searchable(MODULE_KEYS, rest_bytes=rest_bytes)),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

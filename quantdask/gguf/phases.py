@@ -62,7 +62,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     """Convert (once per model), then quantize with llama.cpp's quantizer; the tensors'
     types as written make the coverage, and those that fell back to another type than the
     config's are counted (and warned of when most did)."""
-    from quantdask.gguf.quantize import quantize_gguf, tensor_types, type_counts
+    from quantdask.gguf.quantize import given_types, quantize_gguf, tensor_types, type_counts
     name = canonical(str(_options(run).type))
     outtype = outtype_of(_options(run))
     calibration = calibration_of(run) if _options(run).imatrix else None
@@ -74,11 +74,14 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
             path = base
         else:
             folder = run.holding.enter_context(_scratch())
+            given = given_types(base, _options(run)) if _options(run).searched() else None
             path = quantize_gguf(base, Path(folder) / f"model-{name}.gguf", name,
-                                 threads=_threads(), imatrix=imatrix)
+                                 threads=_threads(), imatrix=imatrix, given=given)
     types = tensor_types(path)
+    if given is not None:
+        _check_written(types, given)
     covered = gguf_coverage(path, types)
-    fell_back = fallback_share(path, types, name)
+    fell_back = fallback_share(path, types, name, given)
     if fell_back > 0.5:
         log.warning("%s: llama.cpp wrote %.0f%% of the quantized weights in another type than "
                     "%s (rows not a multiple of 256): %s", run.job.config_label,
@@ -96,18 +99,33 @@ FALLBACK_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
 split into 256-weight blocks (``llama_tensor_get_type_impl``'s fallback)."""
 
 
-def fallback_share(path, types: dict[str, str], name: str) -> float:
+def fallback_share(path, types: dict[str, str], name: str, given=None) -> float:
     """The share of the quantized weights in a fallback type, for a K-quant or IQ config
-    (0 for a legacy one, whose type is its own)."""
+    (0 for a legacy one, whose type is its own); for one that gives tensors their own types
+    (``given``, a ``quantize.TensorTypes``), the share written in another type than asked."""
     from quantdask.gguf.source import gguf_module
 
-    if not (name.startswith("IQ") or "_K" in name):
+    if given is None and not (name.startswith("IQ") or "_K" in name):
         return 0.0
     sizes = {t.name: int(t.n_elements) for t in gguf_module().GGUFReader(str(path)).tensors}
     quantized = {n: k for n, k in types.items() if k not in FULL_PRECISION}
     total = sum(sizes[n] for n in quantized)
-    fell = sum(sizes[n] for n, k in quantized.items() if k in FALLBACK_TYPES)
+    if given is not None:  # asked: the override before llama.cpp's fallback
+        fell = sum(sizes[n] for n, asked in given.asked.items()
+                   if n in quantized and types[n] != asked)
+    else:
+        fell = sum(sizes[n] for n, k in quantized.items() if k in FALLBACK_TYPES)
     return fell / total if total else 0.0
+
+
+def _check_written(types: dict[str, str], given) -> None:
+    """Every tensor given a type was written in it (as llama.cpp's fallback makes it): a
+    file whose types differ from the search's is not the allocation it verifies."""
+    wrong = {n: (kind, types.get(n)) for n, kind in given.tensors.items() if types.get(n) != kind}
+    if wrong:
+        raise RuntimeError(f"llama.cpp wrote {len(wrong)} tensors in other types than given: "
+                           + ", ".join(f"{n} {w} not {k}" for n, (k, w) in
+                                       list(wrong.items())[:3]))
 
 
 def runtime_name(cuda: bool) -> str:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantdask.errors import UnsupportedHere
 from quantdask.gguf.source import gguf_module
 from quantdask.gguf.types import canonical, ftype
 
@@ -31,10 +34,24 @@ def _capture_log():
     llama_cpp.llama_log_set(_CALLBACK, None)
 
 
+@dataclass(frozen=True)
+class TensorTypes:
+    """Types given to tensors by name, overriding the file type's mix: ``tensors`` (GGUF
+    tensor name -> tensor type, as llama.cpp will write it; ``asked``: before its fallback),
+    the token embedding's and the output's."""
+
+    tensors: dict[str, str]
+    asked: dict[str, str]
+    embedding: str
+    output: str
+
+
 def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: str,
-                  threads: int, imatrix: dict[str, Any] | None = None) -> Path:
+                  threads: int, imatrix: dict[str, Any] | None = None,
+                  given: TensorTypes | None = None) -> Path:
     """``source`` (an F32/F16/BF16 GGUF) quantized to ``type_name`` in ``out``, with an
-    importance matrix (``imatrix.importance``'s) when given."""
+    importance matrix (``imatrix.importance``'s) when given, and the tensor types ``given``
+    (llama.cpp's ``tt_overrides``, each an exact tensor name)."""
     import llama_cpp
 
     from quantdask.gguf.imatrix import ImatrixArray
@@ -45,6 +62,12 @@ def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: 
     held = ImatrixArray(imatrix) if imatrix else None  # alive until the call returns
     if held is not None:
         params.imatrix = held.pointer
+    if given is not None:
+        overrides = _overrides(given.tensors)  # alive until the call returns
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(
+            llama_cpp.llama_model_tensor_override))
+        params.token_embedding_type = int(_ggml_type(given.embedding))
+        params.output_tensor_type = int(_ggml_type(given.output))
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     with _LOG_LOCK:
@@ -60,6 +83,61 @@ def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: 
                            + (reason[-1].strip() if reason else said.strip()[-500:]))
     partial.replace(out)
     return out
+
+
+def _ggml_type(name: str):
+    return gguf_module().GGMLQuantizationType[name]
+
+
+def _overrides(tensors: dict[str, str]):
+    """``tensors`` as llama.cpp's NULL-terminated ``llama_model_tensor_override`` array, each
+    pattern the tensor's whole name."""
+    import llama_cpp
+
+    array = (llama_cpp.llama_model_tensor_override * (len(tensors) + 1))()
+    for entry, (name, kind) in zip(array, sorted(tensors.items()), strict=False):
+        entry.pattern = f"^{re.escape(name)}$".encode()
+        entry.type = int(_ggml_type(kind))
+    return array
+
+
+def given_types(path: str | os.PathLike, options) -> TensorTypes:
+    """The tensor types a searched config (``options.tensor_type``, ``options.modules``, the
+    embedding's and output's) gives the tensors of the full-precision GGUF at ``path``, as
+    llama.cpp will write them: every 2-D tensor of the decoder blocks for ``tensor_type``,
+    each module by its GGUF name (``model.layers.0.mlp.down_proj`` ->
+    ``blk.0.ffn_down.weight``; null keeps it F32). A module the file has no tensor for is
+    :class:`UnsupportedHere`."""
+    from quantdask.gguf.searched import written_rest_types
+    from quantdask.gguf.tensors import written_type
+
+    gguf = gguf_module()
+    reader = gguf.GGUFReader(str(path))
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    blocks = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), blocks)
+    wanted: dict[str, str] = {}
+    if options.tensor_type:
+        wanted = {name: options.tensor_type for name, shape in shapes.items()
+                  if name.startswith("blk.") and len(shape) == 2}
+    unknown = []
+    for module, own in (options.modules or {}).items():
+        name = names.get_name(module)
+        if name is None or f"{name}.weight" not in shapes:
+            unknown.append(module)
+            continue
+        wanted[f"{name}.weight"] = "F32" if own is None else own.get(
+            "tensor_type") or options.tensor_type or "F32"
+    if unknown:
+        raise UnsupportedHere(f"the GGUF of this model has no tensor for modules "
+                              f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} "
+                              "(llama.cpp's converter renames them otherwise)")
+    row = shapes["token_embd.weight"][0]  # GGUF shapes are (row length, rows)
+    embedding, output = written_rest_types(options, "output.weight" not in shapes, row)
+    return TensorTypes({name: written_type(kind, shapes[name][0])
+                        for name, kind in wanted.items()}, wanted, embedding, output)
 
 
 def tensor_types(path: str | os.PathLike) -> dict[str, str]:

@@ -240,3 +240,4 @@ class AllocationRow(FrameRow):
     predicted_kl: float  # the allocation's: the sum of its cells'
     predicted_bytes: int  # the allocation's whole model as stored
     solver: str  # milp or fallback
+    predicted_in: str = "torch"  # or "torch, a proxy for <runtime>" (a runtime of its own)

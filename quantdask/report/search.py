@@ -12,6 +12,7 @@ import altair as alt
 import polars as pl
 
 from quantdask.report.charts import JOB_TOOLTIP, _empty
+from quantdask.search.agreement import agreement_line, prediction_agreement
 from quantdask.words import Status
 
 NO_SEARCH = "no search in this run (a sweep's searches: block adds one)"
@@ -95,8 +96,17 @@ def prediction_chart(results: pl.DataFrame) -> alt.TopLevelMixin:
     points = base.mark_point(filled=True, size=80).encode(
         y=alt.Y("kl_divergence:Q", title="measured KL", scale=alt.Scale(type="log")),
         color=alt.Color("search_role:N", title="role"), tooltip=tooltip)
+    said = [agreement_line(row) for row in prediction_agreement(results).to_dicts()]
     return alt.layer(diagonal, bars, points).properties(
-        width=420, height=300, title="Predicted against measured KL")
+        width=420, height=300, title=alt.TitleParams("Predicted against measured KL",
+                                                     subtitle=said))
+
+
+def agreement_table(results: pl.DataFrame) -> pl.DataFrame:
+    """Each search's rank correlation of predicted and measured KL over its verified jobs,
+    where each was computed, and whether the prediction is a proxy of another runtime
+    (``search.agreement``)."""
+    return prediction_agreement(results)
 
 
 def search_table(results: pl.DataFrame) -> pl.DataFrame:

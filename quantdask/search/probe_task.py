@@ -103,7 +103,8 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
                 cell = dataclasses.replace(cell, kl=measured.kl, kl_se=measured.kl_se,
                                            bytes=measured.bytes, seconds=measured.seconds)
             probed.append(cell)
-        return ProbedChunk(probed, prober.rest_bytes(units))
+        base = next((o for o in formats.values() if o is not None), None)
+        return ProbedChunk(probed, prober.rest_bytes(units, chosen, base))
 
 
 def _weights(model, name: str) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from quantdask.backends.capabilities import Dequantizes, ModuleAlone
+from quantdask.backends.capabilities import Dequantizes, ModuleAlone, Searchable
 from quantdask.measure.layers import decoder_layers
 from quantdask.measure.metrics import measure_quality
 from quantdask.measure.usage import stored_tensors
@@ -145,9 +145,14 @@ class Prober:
                 self.layers[i] = layer
             self.batch = None
 
-    def rest_bytes(self, units: dict[str, tuple[str, ...]]) -> int:
+    def rest_bytes(self, units: dict[str, tuple[str, ...]], backend: Backend | None = None,
+                   options: BackendOptions | None = None) -> int:
         """What the model stores outside ``units`` (the head, the embeddings, the norms):
-        the part of its size no allocation changes."""
+        the part of its size no allocation changes; as ``backend``'s file with ``options``
+        stores it where the backend counts it (``Searchable.rest_bytes``)."""
+        searchable = backend.has(Searchable) if backend is not None else None
+        if searchable is not None and searchable.rest_bytes is not None and options is not None:
+            return searchable.rest_bytes(self.model, units, options)
         inside = sum(_state_bytes(self.model.get_submodule(m))
                      for modules in units.values() for m in modules)
         return _state_bytes(self.model) - inside

@@ -30,6 +30,7 @@ import polars as pl
 from distributed import Client, Future
 
 from quantdask.backends import BackendOptions, get_backend
+from quantdask.backends.capabilities import OwnRuntime
 from quantdask.errors import SpecError
 from quantdask.records import AllocationRow
 from quantdask.run import LOG_CHANNEL
@@ -275,10 +276,18 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
                                budget_bytes=budget_bytes + probed.rest_bytes, unit=unit,
                                format=label, predicted_kl=role.predicted_kl,
                                predicted_bytes=role.predicted_bytes,
-                               solver=allocation.solver if allocation else "uniform")
+                               solver=allocation.solver if allocation else "uniform",
+                               predicted_in=_predicted_in(search))
                  for unit, label in chosen.items()]
     store.write_rows("allocation", f"{search.name}-{search_key(sweep, search)}", rows)
     return list(jobs.values())
+
+
+def _predicted_in(search: SearchSpec) -> str:
+    """Where the probes' prediction is made, against where its jobs measure (a proxy when
+    the backend measures in a runtime of its own)."""
+    runtime = get_backend(search.backend).has(OwnRuntime)
+    return "torch" if runtime is None else f"torch, a proxy for {runtime.runtime}"
 
 
 def _at_uniform_bytes(search: SearchSpec, probed: Probed, ties: list[list[str]],

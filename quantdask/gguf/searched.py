@@ -1,0 +1,119 @@
+"""The gguf backend's side of a mixed-precision search: a module alone in the tensor type its
+file will hold (``ModuleAlone``: the bytes of llama.cpp's own quantizer, ``gguf.tensors``), its
+weight back in float (``Dequantizes``), and what the file stores outside the searched units in
+the runtime's own count (``Searchable.rest_bytes``).
+
+A searched config is a plain GGUF config (``type``: the file's llama.cpp type) with its linears'
+tensor types given (``tensor_type`` for every linear of the decoder layers, ``modules`` for each
+by name): each is a per-tensor override of llama.cpp's quantizer. The token embedding and the
+output take ``embedding_type`` and ``output_type``, by default what llama.cpp's own mix gives
+them for ``type`` (:func:`rest_types`), so that the probes count the bytes the file will hold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from quantdask.errors import UnsupportedHere
+from quantdask.gguf.tensors import dequantize_rows, quantize_rows, tensor_bytes, written_type
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdask.gguf.options import GgufOptions
+
+DEFAULT_TYPE = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K",
+                "Q5_1": "Q5_1", "Q5_0": "Q5_0", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
+                "Q4_1": "Q4_1", "Q4_0": "Q4_0", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K",
+                "Q3_K_S": "Q3_K", "Q2_K": "Q2_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+"""Each file type a searched config may name -> its default tensor type
+(``llama_ftype_get_default_type`` in src/llama-quant.cpp): the types whose tensors llama.cpp
+quantizes without an importance matrix."""
+
+
+def rest_types(options: GgufOptions, tied: bool) -> tuple[str, str]:
+    """(token embedding type, output type) of a searched config: its own, else what llama.cpp
+    gives them for its ``type`` (``llama_tensor_get_type_impl``: the output Q8_0 for a Q8_0
+    file, Q6_K otherwise; the embedding the file's default type, or the output's when the
+    embedding is tied to it)."""
+    default = DEFAULT_TYPE[str(options.type)]
+    output = options.output_type or ("Q8_0" if default == "Q8_0" else "Q6_K")
+    embedding = options.embedding_type or (output if tied else default)
+    return embedding, output
+
+
+_LINEAR: list[type] = []  # the module class, made on first use (torch loads lazily)
+
+
+def gguf_linear(data, tensor_type: str, bias: torch.Tensor | None) -> torch.nn.Module:
+    """A module's weight as a GGUF tensor: ``data`` its bytes (rows of blocks), the type
+    written, and its bias, if any, in float (a GGUF keeps 1-D tensors F32)."""
+    import torch
+
+    if not _LINEAR:
+        class GgufLinear(torch.nn.Module):
+            def __init__(self, data, tensor_type: str, bias):
+                super().__init__()
+                self.tensor_type = tensor_type
+                self.register_buffer("weight_bytes", torch.from_numpy(data))
+                self.bias = None if bias is None else torch.nn.Parameter(
+                    bias.detach().float().clone(), requires_grad=False)
+
+        _LINEAR.append(GgufLinear)
+    return _LINEAR[0](data, tensor_type, bias)
+
+
+def quantize_module(module: torch.nn.Module, options: GgufOptions) -> torch.nn.Module:
+    """``module``'s weight in ``options.tensor_type`` as llama.cpp writes it (its fallback on
+    rows the type's block does not divide), ``module`` left as it was."""
+    from transformers.pytorch_utils import Conv1D
+
+    if options.tensor_type is None:
+        raise UnsupportedHere("a GGUF module alone needs a tensor_type (Q4_K, Q6_K, ...)")
+    weight = cast("torch.Tensor", module.weight)
+    weight = weight.t() if isinstance(module, Conv1D) else weight  # (out, in)
+    tensor_type = written_type(options.tensor_type, int(weight.shape[1]))
+    return gguf_linear(quantize_rows(weight, tensor_type), tensor_type,
+                       getattr(module, "bias", None))
+
+
+def dequantize_module(module: torch.nn.Module) -> torch.Tensor | None:
+    """The float weight (out, in) a :func:`gguf_linear` holds; None for any other module."""
+    if not (_LINEAR and isinstance(module, _LINEAR[0])):
+        return None
+    held: Any = module
+    return dequantize_rows(held.weight_bytes.numpy(), held.tensor_type)
+
+
+def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],
+               options: GgufOptions) -> int:
+    """What a searched file of ``model`` stores outside ``units``, as llama.cpp counts it:
+    the token embedding and the output in :func:`rest_types` (as written), every other
+    tensor F32 as converted (norms, biases outside the units)."""
+    inside = {f"{m}.{kind}" for modules in units.values() for m in modules
+              for kind in ("weight", "bias")}
+    found: Any = model  # a transformers model
+    embedding, output = found.get_input_embeddings(), found.get_output_embeddings()
+    tied = output is None or output.weight is embedding.weight
+    embedding_type, output_type = rest_types(options, tied)
+    special = {id(embedding.weight): embedding_type}
+    if not tied:
+        special[id(output.weight)] = output_type
+    total, seen = 0, set()
+    for name, tensor in model.named_parameters(remove_duplicate=True):
+        if name in inside or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        kind = special.get(id(tensor))
+        if kind is None:
+            total += 4 * tensor.numel()
+        else:
+            rows, row_length = (int(n) for n in tensor.shape)
+            total += tensor_bytes(kind, rows, row_length)
+    return total
+
+
+def written_rest_types(options: GgufOptions, tied: bool, row_length: int) -> tuple[str, str]:
+    """:func:`rest_types` as llama.cpp will write them on rows of ``row_length`` (an explicit
+    embedding or output type skips llama.cpp's own fallback, so it is applied here)."""
+    return tuple(written_type(t, row_length) for t in rest_types(options, tied))  # type: ignore[return-value]

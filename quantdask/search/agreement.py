@@ -1,0 +1,75 @@
+"""How well a search's predictions held: for each search, its verified jobs' predicted KL (the
+probes' sum of cells, on the calibration windows, in torch) beside the KL they measured (on the
+eval windows, where the job runs), and the rank correlation between them (Spearman), which says
+whether the probes order the allocations as the measurements do even where their levels differ.
+
+A prediction is a proxy when the jobs are measured in another runtime than the probes' torch
+(GGUF: llama.cpp quantizes activations to 8 bits on the CPU, which the probes do not): its
+level is not the measurement's, and the report says so.
+
+>>> prediction_agreement(read_results(run_dir))  # doctest: +SKIP
+search  jobs  spearman  predicted_in  measured_in  proxy
+mix     5     1.0       torch         llama.cpp    True
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import polars as pl
+
+from quantdask.words import Status
+
+TORCH = "torch"
+
+
+def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
+    """One row per search: its done verified jobs, the Spearman correlation of predicted and
+    measured KL over them (null below three), where each was computed and whether the
+    prediction is a proxy of another runtime's figure; empty when no search ran."""
+    if "search" not in results.columns:
+        return pl.DataFrame()
+    jobs = results.filter(pl.col("search").is_not_null() & (pl.col("status") == Status.DONE)
+                          & pl.col("predicted_kl").is_not_null()
+                          & pl.col("kl_divergence").is_not_null())
+    if jobs.is_empty():
+        return pl.DataFrame()
+    runtime = (pl.col("runtime").str.extract(r"^(\S+)") if "runtime" in jobs.columns
+               else pl.lit(None, dtype=pl.String))
+    jobs = jobs.with_columns(runtime.fill_null(TORCH).alias("measured_in"))
+    rows = []
+    for (search,), part in jobs.group_by("search", maintain_order=True):
+        rows.append({
+            "search": search, "jobs": part.height,
+            "spearman": _spearman(part["predicted_kl"], part["kl_divergence"]),
+            "predicted_in": TORCH,
+            "measured_in": ", ".join(sorted(set(part["measured_in"]))),
+            "proxy": bool((part["measured_in"] != TORCH).any()),
+            "measured_over_predicted": _median(part["kl_divergence"] / part["predicted_kl"]),
+        })
+    return pl.DataFrame(rows)
+
+
+def agreement_line(row: dict) -> str:
+    """One sentence for a search's row of :func:`prediction_agreement`."""
+    rho = "n/a (fewer than 3 jobs)" if row["spearman"] is None else f"{row['spearman']:.2f}"
+    proxy = (f"; a proxy: predicted in {row['predicted_in']}, measured in "
+             f"{row['measured_in']} (its runtime's own costs are not in the prediction)"
+             if row["proxy"] else "")
+    return (f"search {row['search']}: predicted against measured KL over {row['jobs']} jobs, "
+            f"Spearman {rho}, measured/predicted median {row['measured_over_predicted'] or 0:.2f}"
+            f"{proxy}")
+
+
+def _median(values: pl.Series) -> float | None:
+    found = values.median()
+    return None if found is None else float(cast("float", found))
+
+
+def _spearman(predicted: pl.Series, measured: pl.Series) -> float | None:
+    """The rank correlation (average ranks for ties); None below three pairs or without
+    spread in either."""
+    if len(predicted) < 3 or predicted.n_unique() < 2 or measured.n_unique() < 2:
+        return None
+    frame = pl.DataFrame({"p": predicted, "m": measured})
+    return float(frame.select(pl.corr("p", "m", method="spearman")).item())

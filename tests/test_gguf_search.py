@@ -1,0 +1,157 @@
+"""GGUF as a mixed-precision search backend (issue 56): each probed module holds the bytes
+llama.cpp's quantizer writes for it, the searched allocation is written by that quantizer
+with per-tensor types into one .gguf, and that file is what the verifying job measures in
+llama.cpp. On a tiny Llama built here (nothing downloaded)."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+pytest.importorskip("llama_cpp", reason="pip install 'quantdask[gguf]'")
+
+from quantdask.gguf.source import missing_converter  # noqa: E402
+
+if missing_converter():
+    pytest.skip(missing_converter(), allow_module_level=True)
+
+from quantdask.backends import get_backend  # noqa: E402
+from quantdask.gguf.convert import convert  # noqa: E402
+from quantdask.gguf.quantize import given_types, quantize_gguf, tensor_types  # noqa: E402
+from quantdask.gguf.source import gguf_module  # noqa: E402
+from tests.conftest import calibration_file  # noqa: E402
+from tests.gguf_models import llama2_style_model  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def narrow_ffn(tmp_path_factory):
+    """A tiny Llama whose FFN width (640) is no multiple of 256: its down_proj rows take
+    llama.cpp's fallback types. Converted to F32."""
+    folder = llama2_style_model(tmp_path_factory.mktemp("gguf-search") / "llama", ffn=640)
+    return folder, convert(folder, folder / "model-f32.gguf")
+
+
+def test_a_probed_module_holds_the_bytes_llama_cpps_quantizer_writes_for_it(narrow_ffn,
+                                                                             tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.backends.per_module import module_options
+    from quantdask.gguf.searched import dequantize_module, quantize_module, rest_bytes
+    from quantdask.search.probes import linear_units
+
+    folder, f32 = narrow_ffn
+    gguf = get_backend("gguf")
+    options = gguf.normalize({"type": "Q4_K_M", "tensor_type": "Q4_K", "modules": {
+        "model.layers.0.mlp.down_proj": {"tensor_type": "Q6_K"},
+        "model.layers.1.mlp.down_proj": {"tensor_type": "Q2_K"},
+        "model.layers.1.self_attn.q_proj": {"tensor_type": "Q8_0"},
+        "model.layers.1.self_attn.v_proj": None}}, "test")
+    written = quantize_gguf(f32, tmp_path / "mix.gguf", "Q4_K_M", 2,
+                            given=given_types(f32, options))
+    types = tensor_types(written)
+    # as given, with llama.cpp's fallback on rows of 640: Q6_K -> Q8_0, Q2_K -> Q4_0
+    assert (types["blk.0.ffn_down.weight"], types["blk.1.ffn_down.weight"],
+            types["blk.1.attn_q.weight"], types["blk.1.attn_v.weight"],
+            types["blk.0.ffn_up.weight"]) == ("Q8_0", "Q4_0", "Q8_0", "F32", "Q4_K")
+    tensors = {t.name: t for t in gguf_module().GGUFReader(str(written)).tensors}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for module, name in (("model.layers.0.mlp.down_proj", "blk.0.ffn_down.weight"),
+                         ("model.layers.1.mlp.down_proj", "blk.1.ffn_down.weight"),
+                         ("model.layers.0.mlp.up_proj", "blk.0.ffn_up.weight"),
+                         ("model.layers.1.self_attn.q_proj", "blk.1.attn_q.weight"),
+                         ("model.layers.0.self_attn.k_proj", "blk.0.attn_k.weight")):
+        probed = quantize_module(model.get_submodule(module),
+                                 module_options(gguf, options, module))
+        assert probed.tensor_type == types[name], module
+        ours = probed.weight_bytes.numpy()
+        theirs = np.asarray(tensors[name].data).view(np.uint8).reshape(ours.shape)
+        if "attn_q" in name or "attn_k" in name:  # the converter permutes their rows (RoPE)
+            assert sorted(map(bytes, ours)) == sorted(map(bytes, theirs)), module
+            continue
+        assert np.array_equal(ours, theirs), module
+        # the weight the probe swaps in is the file's, as gguf-py reads it back
+        weight = dequantize_module(probed)
+        assert weight.shape == model.get_submodule(module).weight.shape
+        assert torch.equal(weight, torch.from_numpy(gguf_module().quants.dequantize(
+            theirs, tensors[name].tensor_type)).float())
+    # the bytes the file holds outside the searched units (the embedding in Q4_K, the output
+    # in Q6_K, the norms in F32), counted from the torch model
+    outside = sum(int(t.n_bytes) for n, t in tensors.items()
+                  if not (n.startswith("blk.") and len(t.shape) == 2))
+    assert rest_bytes(model, linear_units(model, "linear"), options) == outside
+    assert (types["token_embd.weight"], types["output.weight"]) == ("Q4_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def gguf_search(narrow_ffn, cluster, tmp_path_factory):
+    """A GGUF search of the tiny Llama (Q2_K, Q4_K and Q8_0 per linear, the rest as Q4_K_M
+    writes it) run on the cluster: its results and run folder."""
+    import quantdask as qd
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+
+    folder, _ = narrow_ffn
+    calibration = calibration_file(tmp_path_factory, 300, seed=11)
+    run_dir = tmp_path_factory.mktemp("gguf-search") / "run"
+    sweep = sweep_from_dict({
+        "name": "gguf-search", "models": [{"name": "llama", "path": str(folder)}],
+        "backends": [{"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
+        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 8,
+                 "batch_size": 4, "kl_top_k": "all"},
+        "calibration": {"text": calibration, "samples": 8, "seq_len": 128},
+        "searches": [{"name": "mix", "model": "llama", "backend": "gguf",
+                      "base": {"type": "Q4_K_M"},
+                      "formats": {"q2": {"tensor_type": "Q2_K"}, "q4": {"tensor_type": "Q4_K"},
+                                  "q8": {"tensor_type": "Q8_0"}},
+                      "budget": {"bits_per_weight": 5.0}, "windows": 8, "cells_per_task": 16}],
+        "seed": 0, "retries": 0})
+    return qd.run_sweep(sweep, run_dir, cluster.client), run_dir
+
+
+def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp(gguf_search):
+    from collections import Counter
+
+    from quantdask.cli.summary import search_lines
+    from quantdask.gguf.tensors import written_type
+    from quantdask.report.search import agreement_table
+    from quantdask.store.run_store import read_frame
+
+    results, run_dir = gguf_search
+    assert set(results["status"]) == {"done"}, results.select(
+        "config_label", "status", "error_message").rows()
+    searched = {row["config_label"]: row for row in
+                results.filter(pl.col("search") == "mix").iter_rows(named=True)}
+    assert set(searched) >= {"mix 5b #1", "mix uniform q2", "mix uniform q4", "mix uniform q8"}
+    for label, row in searched.items():
+        # the probes counted the bytes the file's tensors hold, as llama.cpp writes them
+        assert row["size_bytes"] == row["predicted_bytes"], label
+        assert row["runtime"].startswith("llama.cpp"), label
+    # down_proj's rows of 640 take llama.cpp's fallback type, and the job says so
+    assert 0 < searched["mix uniform q4"]["fallback_share"] < 0.5
+    mixed = searched["mix 5b #1"]
+    assert mixed["bits_per_weight"] <= 5.0
+    # the file holds the allocation's types, tensor by tensor (down_proj's rows of 640 in
+    # llama.cpp's fallback), and the rest as Q4_K_M writes it
+    allocation = read_frame(run_dir, "allocation").filter(pl.col("job_id") == mixed["job_id"])
+    assert set(allocation["predicted_in"]) == {"torch, a proxy for llama.cpp"}
+    kinds = {"q2": "Q2_K", "q4": "Q4_K", "q8": "Q8_0"}
+    expected = Counter(written_type(kinds[row["format"]], 640 if "down_proj" in row["unit"]
+                                    else 256) for row in allocation.iter_rows(named=True))
+    expected.update({"F32": 5, "Q4_K": 1, "Q6_K": 1})  # norms, embedding, output
+    written = Counter({kind: int(n) for n, kind in
+                       (part.split(" ") for part in mixed["tensor_types"].split(", "))})
+    assert written == expected and len(set(allocation["format"])) > 1
+    # mixed beats uniform Q4_K at no more bytes, measured in llama.cpp, beyond the error bars
+    equal, uniform = searched["mix mixed at q4 bytes"], searched["mix uniform q4"]
+    assert equal["size_bytes"] <= uniform["size_bytes"]
+    slack = 2 * (equal["kl_se"] ** 2 + uniform["kl_se"] ** 2) ** 0.5
+    assert equal["kl_divergence"] < uniform["kl_divergence"] - slack
+    # the torch probes are a proxy for llama.cpp's figures: they rank the jobs as measured
+    [agreement] = agreement_table(results).to_dicts()
+    assert agreement["jobs"] == len(searched) and agreement["spearman"] >= 0.9
+    assert agreement["proxy"] and agreement["measured_in"] == "llama.cpp"
+    [line] = search_lines(results)
+    assert "Spearman" in line and "a proxy: predicted in torch, measured in llama.cpp" in line
