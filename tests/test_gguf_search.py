@@ -18,7 +18,8 @@ if missing_converter():
 
 from quantdask.backends import get_backend  # noqa: E402
 from quantdask.gguf.convert import convert  # noqa: E402
-from quantdask.gguf.quantize import given_types, quantize_gguf, tensor_types  # noqa: E402
+from quantdask.gguf.quantize import quantize_gguf, tensor_types  # noqa: E402
+from quantdask.gguf.searched import given_types  # noqa: E402
 from quantdask.gguf.source import gguf_module  # noqa: E402
 from tests.conftest import calibration_file  # noqa: E402
 from tests.gguf_models import llama2_style_model  # noqa: E402
@@ -155,3 +156,41 @@ def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp
     assert agreement["proxy"] and agreement["measured_in"] == "llama.cpp"
     [line] = search_lines(results)
     assert "Spearman" in line and "a proxy: predicted in torch, measured in llama.cpp" in line
+
+
+def test_the_allocation_exports_as_one_gguf_that_gives_the_recorded_kl(gguf_search, narrow_ffn,
+                                                                       tmp_path, capsys):
+    from quantdask.cli.main import main
+    from quantdask.gguf.quantize import type_counts
+    from quantdask.gguf.runtime import RuntimeDevice, llama_cpp_meter
+    from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.bos import window_bos
+    from quantdask.sweepfile.model import ModelSpec
+    from quantdask.sweepfile.settings import EvalSettings
+
+    results, run_dir = gguf_search
+    folder, _ = narrow_ffn
+    [mixed] = results.filter(pl.col("config_label") == "mix 5b #1").to_dicts()
+    assert main(["export", "allocation", str(run_dir), "--search", "mix", "--budget", "5",
+                 "--to", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert f"job {mixed['job_id']}" in said and "measured KL" in said
+    [written] = (tmp_path / "out").glob("*.gguf")
+    assert type_counts(tensor_types(written)) == mixed["tensor_types"]
+    # loaded in llama.cpp on the sweep's own eval windows, it gives the KL the job recorded
+    model = ModelSpec(path=str(folder))
+    settings = EvalSettings(text=str(folder / "eval.txt"), seq_len=128, samples=8,
+                            batch_size=4, kl_top_k="all")
+    settings = settings.with_bos(window_bos(settings.bos, model))
+    reference = compute_reference(model, settings, (folder / "eval.txt").read_text())
+    kl = llama_cpp_meter(written, reference.windows, reference.distribution,
+                         RuntimeDevice(2)).scores().kl_divergence
+    assert kl == pytest.approx(mixed["kl_divergence"], rel=1e-3)
+    # a search or budget the run did not solve is refused, naming the ones it did
+    assert main(["export", "allocation", str(run_dir), "--search", "nope", "--budget", "5",
+                 "--to", str(tmp_path)]) == 2
+    assert main(["export", "allocation", str(run_dir), "--search", "mix", "--budget", "4",
+                 "--to", str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert "its searches: mix" in said and "--budget" in said
+    assert "it solved: 5 (candidate 1)" in said

@@ -111,10 +111,14 @@ class Searchable(Capability):
 
     ``rest_bytes(model, units, options)`` (optional) is what the backend's file of ``model``
     stores outside ``units`` with a format's ``options`` (its embeddings and head in the
-    runtime's own count); without it, the full-precision model's bytes there."""
+    runtime's own count); without it, the full-precision model's bytes there.
+    ``export(model, options, folder) -> Path`` (optional) writes the file a runtime loads for
+    a config of per-module formats (``quantdask export allocation``); without it, a search's
+    allocation is not exported, and the refusal says so."""
 
     module_keys: tuple[str, ...]
     rest_bytes: Callable[..., int] | None = None
+    export: Callable[..., Any] | None = None
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot be searched: {why}"

@@ -399,14 +399,3 @@ def cmd_logs(args) -> int:
         raise RunDirError(f"JOB_ID {args.job_id!r} {what} in {args.run_dir}; job ids: {listed}")
     sys.stdout.write(store.job_log_path(matches[0]).read_text(encoding="utf-8"))
     return 0
-
-
-def cmd_export(args) -> int:
-    from quantdask.store.mlflow_export import export_mlflow
-
-    summary = export_mlflow(args.run_dir, args.tracking_uri, args.experiment)
-    superseded = f", {summary.superseded} earlier runs superseded" if summary.superseded else ""
-    print(f"mlflow: {summary.created} job runs created, {summary.skipped} already exported"
-          f"{superseded}; experiment {summary.experiment!r} (id {summary.experiment_id}) at "
-          f"{summary.tracking_uri}, parent run {summary.parent_run_id}")
-    return 0

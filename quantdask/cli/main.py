@@ -20,7 +20,6 @@ from quantdask.cli.commands import (
     EXIT_BAD_INPUT,
     EXIT_FAILED_JOBS,
     cmd_demo,
-    cmd_export,
     cmd_logs,
     cmd_plan,
     cmd_report,
@@ -29,6 +28,7 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.cli.compare import cmd_compare
+from quantdask.cli.exports import cmd_export, cmd_export_allocation
 from quantdask.cli.gguf_setup import cmd_gguf_setup
 from quantdask.errors import (
     CompareError,
@@ -224,10 +224,24 @@ def _add_setup_commands(commands) -> None:
 
 
 def _add_export_commands(commands) -> None:
-    """``export <tracker> RUN_DIR``: a run directory into an experiment tracker."""
-    export = commands.add_parser("export", help="export a run directory to a tracker")
+    """``export <tracker> RUN_DIR``: a run directory into an experiment tracker; ``export
+    allocation RUN_DIR``: a search's allocation as its runtime's file."""
+    export = commands.add_parser("export", help="export a run directory to a tracker, or a "
+                                                "search's allocation as a file")
     trackers = export.add_subparsers(dest="tracker", required=True, parser_class=_Parser,
-                                     metavar="{mlflow}")
+                                     metavar="{mlflow,allocation}")
+    allocation = trackers.add_parser(
+        "allocation", help="the allocation a search chose at a budget, as the file its "
+                           "runtime loads (GGUF: one .gguf with a type per tensor), from the "
+                           "run's records: no probe runs again")
+    allocation.add_argument("run_dir")
+    allocation.add_argument("--search", required=True, metavar="NAME", help="the search")
+    allocation.add_argument("--budget", required=True, type=float, metavar="BITS",
+                            help="one of its budgets, in bits per weight")
+    allocation.add_argument("--candidate", type=int, default=1, metavar="N",
+                            help="which of the budget's candidates (default 1: the best)")
+    allocation.add_argument("--to", required=True, metavar="DIR", help="where to write it")
+    allocation.set_defaults(func=cmd_export_allocation)
     mlflow = trackers.add_parser("mlflow", help="one MLflow run per job, under a parent run "
                                                 "with the report and Parquet files; only new "
                                                 "jobs on a second export")

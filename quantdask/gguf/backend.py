@@ -17,7 +17,12 @@ from quantdask.backends.per_module import mixed_label
 from quantdask.gguf.conversion import conversion
 from quantdask.gguf.options import INSTALL, MODULE_KEYS, GgufOptions
 from quantdask.gguf.phases import GGUF_PHASES
-from quantdask.gguf.searched import dequantize_module, quantize_module, rest_bytes
+from quantdask.gguf.searched import (
+    dequantize_module,
+    export_file,
+    quantize_module,
+    rest_bytes,
+)
 from quantdask.gguf.source import missing_converter
 
 
@@ -42,6 +47,6 @@ gguf_backend = register_backend(Backend(
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module), Dequantizes(dequantize_module),
-                  Searchable(MODULE_KEYS, rest_bytes=rest_bytes)),
+                  Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file)),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

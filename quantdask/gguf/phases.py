@@ -62,7 +62,9 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     """Convert (once per model), then quantize with llama.cpp's quantizer; the tensors'
     types as written make the coverage, and those that fell back to another type than the
     config's are counted (and warned of when most did)."""
-    from quantdask.gguf.quantize import given_types, quantize_gguf, tensor_types, type_counts
+    from quantdask.gguf.quantize import check_written, quantize_gguf, tensor_types, type_counts
+    from quantdask.gguf.searched import given_types
+
     name = canonical(str(_options(run).type))
     outtype = outtype_of(_options(run))
     calibration = calibration_of(run) if _options(run).imatrix else None
@@ -80,7 +82,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
                                  threads=_threads(), imatrix=imatrix, given=given)
     types = tensor_types(path)
     if given is not None:
-        _check_written(types, given)
+        check_written(types, given)
     covered = gguf_coverage(path, types)
     fell_back = fallback_share(path, types, name, given)
     if fell_back > 0.5:
@@ -117,16 +119,6 @@ def fallback_share(path, types: dict[str, str], name: str, given=None) -> float:
     else:
         fell = sum(sizes[n] for n, k in quantized.items() if k in FALLBACK_TYPES)
     return fell / total if total else 0.0
-
-
-def _check_written(types: dict[str, str], given) -> None:
-    """Every tensor given a type was written in it (as llama.cpp's fallback makes it): a
-    file whose types differ from the search's is not the allocation it verifies."""
-    wrong = {n: (kind, types.get(n)) for n, kind in given.tensors.items() if types.get(n) != kind}
-    if wrong:
-        raise RuntimeError(f"llama.cpp wrote {len(wrong)} tensors in other types than given: "
-                           + ", ".join(f"{n} {w} not {k}" for n, (k, w) in
-                                       list(wrong.items())[:3]))
 
 
 def runtime_name(cuda: bool) -> str:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantdask.errors import UnsupportedHere
 from quantdask.gguf.source import gguf_module
 from quantdask.gguf.types import canonical, ftype
 
@@ -101,43 +100,14 @@ def _overrides(tensors: dict[str, str]):
     return array
 
 
-def given_types(path: str | os.PathLike, options) -> TensorTypes:
-    """The tensor types a searched config (``options.tensor_type``, ``options.modules``, the
-    embedding's and output's) gives the tensors of the full-precision GGUF at ``path``, as
-    llama.cpp will write them: every 2-D tensor of the decoder blocks for ``tensor_type``,
-    each module by its GGUF name (``model.layers.0.mlp.down_proj`` ->
-    ``blk.0.ffn_down.weight``; null keeps it F32). A module the file has no tensor for is
-    :class:`UnsupportedHere`."""
-    from quantdask.gguf.searched import written_rest_types
-    from quantdask.gguf.tensors import written_type
-
-    gguf = gguf_module()
-    reader = gguf.GGUFReader(str(path))
-    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    blocks = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-    names = gguf.get_tensor_name_map(
-        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), blocks)
-    wanted: dict[str, str] = {}
-    if options.tensor_type:
-        wanted = {name: options.tensor_type for name, shape in shapes.items()
-                  if name.startswith("blk.") and len(shape) == 2}
-    unknown = []
-    for module, own in (options.modules or {}).items():
-        name = names.get_name(module)
-        if name is None or f"{name}.weight" not in shapes:
-            unknown.append(module)
-            continue
-        wanted[f"{name}.weight"] = "F32" if own is None else own.get(
-            "tensor_type") or options.tensor_type or "F32"
-    if unknown:
-        raise UnsupportedHere(f"the GGUF of this model has no tensor for modules "
-                              f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} "
-                              "(llama.cpp's converter renames them otherwise)")
-    row = shapes["token_embd.weight"][0]  # GGUF shapes are (row length, rows)
-    embedding, output = written_rest_types(options, "output.weight" not in shapes, row)
-    return TensorTypes({name: written_type(kind, shapes[name][0])
-                        for name, kind in wanted.items()}, wanted, embedding, output)
+def check_written(types: dict[str, str], given: TensorTypes) -> None:
+    """Every tensor given a type was written in it (as llama.cpp's fallback makes it): a
+    file whose types differ from the search's is not the allocation it verifies."""
+    wrong = {n: (kind, types.get(n)) for n, kind in given.tensors.items() if types.get(n) != kind}
+    if wrong:
+        raise RuntimeError(f"llama.cpp wrote {len(wrong)} tensors in other types than given: "
+                           + ", ".join(f"{n} {w} not {k}" for n, (k, w) in
+                                       list(wrong.items())[:3]))
 
 
 def tensor_types(path: str | os.PathLike) -> dict[str, str]:

@@ -12,15 +12,19 @@ them for ``type`` (:func:`rest_types`), so that the probes count the bytes the f
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from quantdask.errors import UnsupportedHere
+from quantdask.gguf.source import gguf_module
 from quantdask.gguf.tensors import dequantize_rows, quantize_rows, tensor_bytes, written_type
 
 if TYPE_CHECKING:
     import torch
 
     from quantdask.gguf.options import GgufOptions
+    from quantdask.gguf.quantize import TensorTypes
 
 DEFAULT_TYPE = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K",
                 "Q5_1": "Q5_1", "Q5_0": "Q5_0", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
@@ -117,3 +121,61 @@ def written_rest_types(options: GgufOptions, tied: bool, row_length: int) -> tup
     """:func:`rest_types` as llama.cpp will write them on rows of ``row_length`` (an explicit
     embedding or output type skips llama.cpp's own fallback, so it is applied here)."""
     return tuple(written_type(t, row_length) for t in rest_types(options, tied))  # type: ignore[return-value]
+
+
+def export_file(model, options: GgufOptions, folder: str | os.PathLike) -> Path:
+    """The ``.gguf`` a searched config describes, written by llama.cpp's quantizer into
+    ``folder`` from the model converted (or found in this machine's conversion cache), its
+    tensors' types checked against the config's (``Searchable.export``)."""
+    from quantdask.gguf.conversion import converted
+    from quantdask.gguf.quantize import check_written, quantize_gguf, tensor_types
+
+    if options.imatrix:
+        raise UnsupportedHere("a mix quantized with an importance matrix is written by its "
+                              "verifying job (artifacts: {keep: true}), not exported apart: "
+                              "the matrix comes from the sweep's calibration windows")
+    base = converted(model, "f32")
+    given = given_types(base, options)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    out = Path(folder) / f"{model.label}-{options.type}-mixed.gguf"
+    quantize_gguf(base, out, str(options.type), threads=os.cpu_count() or 1, given=given)
+    check_written(tensor_types(out), given)
+    return out
+
+
+def given_types(path: str | os.PathLike, options) -> TensorTypes:
+    """The tensor types a searched config (``options.tensor_type``, ``options.modules``, the
+    embedding's and output's) gives the tensors of the full-precision GGUF at ``path``, as
+    llama.cpp will write them: every 2-D tensor of the decoder blocks for ``tensor_type``,
+    each module by its GGUF name (``model.layers.0.mlp.down_proj`` ->
+    ``blk.0.ffn_down.weight``; null keeps it F32). A module the file has no tensor for is
+    :class:`UnsupportedHere`."""
+    from quantdask.gguf.quantize import TensorTypes
+
+    gguf = gguf_module()
+    reader = gguf.GGUFReader(str(path))
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    blocks = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), blocks)
+    wanted: dict[str, str] = {}
+    if options.tensor_type:
+        wanted = {name: options.tensor_type for name, shape in shapes.items()
+                  if name.startswith("blk.") and len(shape) == 2}
+    unknown = []
+    for module, own in (options.modules or {}).items():
+        name = names.get_name(module)
+        if name is None or f"{name}.weight" not in shapes:
+            unknown.append(module)
+            continue
+        wanted[f"{name}.weight"] = "F32" if own is None else own.get(
+            "tensor_type") or options.tensor_type or "F32"
+    if unknown:
+        raise UnsupportedHere(f"the GGUF of this model has no tensor for modules "
+                              f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} "
+                              "(llama.cpp's converter renames them otherwise)")
+    row = shapes["token_embd.weight"][0]  # GGUF shapes are (row length, rows)
+    embedding, output = written_rest_types(options, "output.weight" not in shapes, row)
+    return TensorTypes({name: written_type(kind, shapes[name][0])
+                        for name, kind in wanted.items()}, wanted, embedding, output)

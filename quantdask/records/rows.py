@@ -241,3 +241,6 @@ class AllocationRow(FrameRow):
     predicted_bytes: int  # the allocation's whole model as stored
     solver: str  # milp or fallback
     predicted_in: str = "torch"  # or "torch, a proxy for <runtime>" (a runtime of its own)
+    backend: str = ""  # the search's backend
+    config: str = ""  # the verifying job's options, canonical JSON (what an export writes)
+    model_location: str = ""  # the model's directory or hub id (what an export converts)

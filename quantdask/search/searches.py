@@ -277,7 +277,10 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
                                format=label, predicted_kl=role.predicted_kl,
                                predicted_bytes=role.predicted_bytes,
                                solver=allocation.solver if allocation else "uniform",
-                               predicted_in=_predicted_in(search))
+                               predicted_in=_predicted_in(search),
+                               backend=search.backend,
+                               config=json.dumps(job.options.as_dict(), sort_keys=True),
+                               model_location=model.location)
                  for unit, label in chosen.items()]
     store.write_rows("allocation", f"{search.name}-{search_key(sweep, search)}", rows)
     return list(jobs.values())
