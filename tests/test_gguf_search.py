@@ -85,6 +85,25 @@ def test_a_probed_module_holds_the_bytes_llama_cpps_quantizer_writes_for_it(narr
                   if not (n.startswith("blk.") and len(t.shape) == 2))
     assert rest_bytes(model, linear_units(model, "linear"), options) == outside
     assert (types["token_embd.weight"], types["output.weight"]) == ("Q4_K", "Q6_K")
+    # the token embedding and the output as units of their own, by their modules' names
+    options = gguf.normalize({"type": "Q4_K_M", "tensor_type": "Q4_K", "modules": {
+        "model.embed_tokens": {"tensor_type": "Q5_0"}, "lm_head": {"tensor_type": "Q3_K"}}},
+        "test")
+    written = quantize_gguf(f32, tmp_path / "ends.gguf", "Q4_K_M", 2,
+                            given=given_types(f32, options))
+    tensors = {t.name: t for t in gguf_module().GGUFReader(str(written)).tensors}
+    for module, name, kind in (("model.embed_tokens", "token_embd.weight", "Q5_0"),
+                               ("lm_head", "output.weight", "Q3_K")):
+        probed = quantize_module(model.get_submodule(module),
+                                 module_options(gguf, options, module))
+        ours = probed.weight_bytes.numpy()
+        assert tensors[name].tensor_type.name == probed.tensor_type == kind
+        assert np.array_equal(ours, np.asarray(tensors[name].data).view(np.uint8).reshape(
+            ours.shape)), module
+    units = linear_units(model, "linear", embeddings=True)
+    assert {"model.embed_tokens", "lm_head"} <= set(units)
+    assert rest_bytes(model, units, options) == sum(  # the norms alone, F32
+        int(t.n_bytes) for t in tensors.values() if len(t.shape) == 1)
 
 
 @pytest.fixture(scope="module")
@@ -135,13 +154,14 @@ def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp
     mixed = searched["mix 5b #1"]
     assert mixed["bits_per_weight"] <= 5.0
     # the file holds the allocation's types, tensor by tensor (down_proj's rows of 640 in
-    # llama.cpp's fallback), and the rest as Q4_K_M writes it
+    # llama.cpp's fallback), the token embedding and the output among its units
     allocation = read_frame(run_dir, "allocation").filter(pl.col("job_id") == mixed["job_id"])
     assert set(allocation["predicted_in"]) == {"torch, a proxy for llama.cpp"}
     kinds = {"q2": "Q2_K", "q4": "Q4_K", "q8": "Q8_0"}
     expected = Counter(written_type(kinds[row["format"]], 640 if "down_proj" in row["unit"]
                                     else 256) for row in allocation.iter_rows(named=True))
-    expected.update({"F32": 5, "Q4_K": 1, "Q6_K": 1})  # norms, embedding, output
+    assert {"model.embed_tokens", "lm_head"} <= set(allocation["unit"])
+    expected.update({"F32": 5})  # the norms
     written = Counter({kind: int(n) for n, kind in
                        (part.split(" ") for part in mixed["tensor_types"].split(", "))})
     assert written == expected and len(set(allocation["format"])) > 1

@@ -47,6 +47,7 @@ gguf_backend = register_backend(Backend(
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module), Dequantizes(dequantize_module),
-                  Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file)),
+                  Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
+                             embeddings=True)),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

@@ -177,5 +177,8 @@ def given_types(path: str | os.PathLike, options) -> TensorTypes:
                               "(llama.cpp's converter renames them otherwise)")
     row = shapes["token_embd.weight"][0]  # GGUF shapes are (row length, rows)
     embedding, output = written_rest_types(options, "output.weight" not in shapes, row)
+    # given by name (a search's units): llama.cpp takes them as its own two parameters
+    embedding = written_type(wanted.pop("token_embd.weight", embedding), row)
+    output = written_type(wanted.pop("output.weight", output), row)
     return TensorTypes({name: written_type(kind, shapes[name][0])
                         for name, kind in wanted.items()}, wanted, embedding, output)

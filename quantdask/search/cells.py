@@ -16,7 +16,7 @@ class ProbedCell:
 
     unit: str
     format: str
-    layer: int | None  # its decoder layer (-1: the whole model, or the rest)
+    layer: int | None  # its decoder layer (-1: the whole model, the embeddings, the rest)
     params: int  # weights in the unit
     worker: str | None
     kl: float | None = None

@@ -57,16 +57,18 @@ def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Ref
         return compute_reference(model, settings, text)
 
 
-def search_units(model: ModelSpec, granularity: str) -> SearchUnits:
-    """The search's units of ``model`` (name -> its linear modules), each unit's weights and
-    the model's parameter count, read from the model as a probe builds it."""
+def search_units(model: ModelSpec, granularity: str, embeddings: bool = False) -> SearchUnits:
+    """The search's units of ``model`` (name -> its linear modules; with ``embeddings`` the
+    token embedding and output too), each unit's weights and the model's parameter count,
+    read from the model as a probe builds it."""
     from quantdask.process.model_source import count_parameters
     from quantdask.search.probes import linear_units
 
     with worker_task(WorkerTaskKind.SEARCH_UNITS, model.label):
         source, _ = cached_model_source(model)
         built = source.build("cpu")
-        return SearchUnits(linear_units(built, granularity), count_parameters(built))
+        return SearchUnits(linear_units(built, granularity, embeddings=embeddings),
+                           count_parameters(built))
 
 
 def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
@@ -92,7 +94,7 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         for unit, modules, label in cells:
             cell = ProbedCell(
                 unit=unit, format=label,
-                layer=-1 if unit == ALL_UNITS else layer_index(modules[0], prober.prefix),
+                layer=_layer(unit, modules[0], prober.prefix),
                 params=sum(_weights(prober.model, m) for m in modules),
                 worker=get_worker().address)
             try:
@@ -105,6 +107,13 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
             probed.append(cell)
         base = next((o for o in formats.values() if o is not None), None)
         return ProbedChunk(probed, prober.rest_bytes(units, chosen, base))
+
+
+def _layer(unit: str, module: str, prefix: str) -> int:
+    """A cell's decoder layer: -1 for every unit at once and for a module outside the
+    layers (the token embedding, the output)."""
+    found = None if unit == ALL_UNITS else layer_index(module, prefix)
+    return -1 if found is None else found
 
 
 def _weights(model, name: str) -> int:

@@ -50,15 +50,20 @@ class CellMeasure:
 
 
 def linear_units(model: torch.nn.Module, granularity: str,
-                 skip: tuple[str, ...] = ("lm_head",)) -> dict[str, tuple[str, ...]]:
+                 skip: tuple[str, ...] = ("lm_head",), embeddings: bool = False
+                 ) -> dict[str, tuple[str, ...]]:
     """The search's units, each the names of its linear modules: ``linear``, each linear of
     the decoder layers; ``block``, each decoder layer's linears together (named by the
-    layer). Modules outside the decoder layers (the head) are not units."""
+    layer). Modules outside the decoder layers (the head) are not units, unless
+    ``embeddings``: then the token embedding and the output are a unit each (one, when they
+    share their weight)."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
     prefix, _ = decoder_layers(model)
     units: dict[str, tuple[str, ...]] = {}
+    if embeddings:
+        units.update({name: (name,) for name in embedding_modules(model)})
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear | Conv1D) or name in skip:
             continue
@@ -68,6 +73,16 @@ def linear_units(model: torch.nn.Module, granularity: str,
         unit = name if granularity == "linear" else f"{prefix}.{index}"
         units[unit] = (*units.get(unit, ()), name)
     return units
+
+
+def embedding_modules(model: torch.nn.Module) -> list[str]:
+    """The names of the token embedding and the output module (the output left out where it
+    shares the embedding's weight)."""
+    found: Any = model  # a transformers model
+    embedding, output = found.get_input_embeddings(), found.get_output_embeddings()
+    names = {id(module): name for name, module in model.named_modules()}
+    tied = output is None or output.weight is embedding.weight
+    return [names[id(embedding)], *([] if tied else [names[id(output)]])]
 
 
 def layer_index(module_name: str, prefix: str) -> int | None:
@@ -157,14 +172,24 @@ class Prober:
                      for modules in units.values() for m in modules)
         return _state_bytes(self.model) - inside
 
-    def measure(self, first_layer: int = 0) -> tuple[float, float | None]:
+    def measure(self, first_layer: int | None = 0) -> tuple[float, float | None]:
         """The model's KL against the reference as it is now (mean, standard error), run from
-        decoder layer ``first_layer``."""
-        with self.starting_at(first_layer):
+        decoder layer ``first_layer`` (None: the whole model, from its embedding)."""
+        with self.starting_at(first_layer) if first_layer is not None else contextlib.nullcontext():
             meter = measure_quality(self.model, self.windows, self.reference, self.batch_size,
                                     self.device, on_batch=self._on_batch)
+        self.batch = None
         scores = meter.scores()
         return scores.kl_divergence, scores.kl_se
+
+    def _first_layer(self, modules: tuple[str, ...]) -> int | None:
+        """Where a probe of ``modules`` starts: the first decoder layer among them; None (the
+        whole model) for the token embedding, the last layer for a module after them all."""
+        embedding = self.model.get_input_embeddings()  # type: ignore[operator]
+        if any(self.model.get_submodule(m) is embedding for m in modules):
+            return None
+        return min(i if (i := layer_index(m, self.prefix)) is not None else len(self.layers) - 1
+                   for m in modules)
 
     def probe(self, unit: str, modules: tuple[str, ...], format: str, backend: Backend,
               options: BackendOptions | None) -> CellMeasure:
@@ -191,8 +216,7 @@ class Prober:
                     weight = weight.t()
                 swapped.append((module, original))
                 module.weight.data = weight.to(dtype=original.dtype).contiguous()
-            first = min(layer_index(name, self.prefix) or 0 for name in modules)
-            kl, se = self.measure(first)
+            kl, se = self.measure(self._first_layer(modules))
         finally:
             for module, original in swapped:
                 module.weight.data = original

@@ -30,7 +30,7 @@ import polars as pl
 from distributed import Client, Future
 
 from quantdask.backends import BackendOptions, get_backend
-from quantdask.backends.capabilities import OwnRuntime
+from quantdask.backends.capabilities import OwnRuntime, Searchable
 from quantdask.errors import SpecError
 from quantdask.records import AllocationRow
 from quantdask.run import LOG_CHANNEL
@@ -135,7 +135,9 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
         return _run_one(client, f"search {search.name}: {what}", room, rules, f"{tag}-{what}",
                         watch, function, *args)
 
-    found = one("units", search_units, model, search.granularity)
+    searchable = get_backend(search.backend).has(Searchable)
+    found = one("units", search_units, model, search.granularity,
+                bool(searchable and searchable.embeddings))
     if found is None:
         return None
     units = found.result().units
@@ -258,12 +260,15 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
             role = _role(search, "mixed", found.rank, bits, found, probed)
             made.append((f"{search.name} {bits:g}b #{found.rank}", role, found.formats, found))
     made += _at_uniform_bytes(search, probed, ties, fixed)
+    searchable = get_backend(search.backend).has(Searchable)
+    embeddings = bool(searchable and searchable.embeddings)
     jobs: dict[str, Job] = {}
     rows: list[AllocationRow] = []
     for config_label, role, chosen, allocation in made:
-        # One quantized format everywhere is that format's plain config (one job for both).
+        # One quantized format everywhere is that format's plain config (one job for both),
+        # where the units are the layers' linears (a plain config's format covers those).
         only = set(chosen.values())
-        plain = formats[next(iter(only))] if len(only) == 1 else None
+        plain = formats[next(iter(only))] if len(only) == 1 and not embeddings else None
         options = plain if plain is not None else _options(search, probed, formats, chosen)
         job = make_job(sweep, model, search.backend, options, sweep.priority, config_label,
                        role)
