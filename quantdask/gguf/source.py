@@ -70,12 +70,26 @@ def install_converter(sdist: str | os.PathLike | None = None) -> Path:
 
 
 def gguf_module():
-    """The gguf-py of the pinned llama.cpp (PyPI's ``gguf`` lags its converter)."""
-    path = str(converter_dir() / "gguf-py")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf
+    """The gguf-py of the pinned llama.cpp (PyPI's ``gguf`` lags its converter), loaded as the
+    package ``gguf`` from its own folder. Its parent never joins ``sys.path``: gguf-py's folder
+    also holds a ``tests`` package, which would shadow the caller's (a worker then fails to
+    unpickle a function of a ``tests`` module)."""
+    import importlib.util
 
-    if not str(Path(gguf.__file__).resolve()).startswith(str(Path(path).resolve())):
-        raise ImportError(f"gguf was imported from {gguf.__file__}, not the pinned {path}")
-    return gguf
+    package = (converter_dir() / "gguf-py" / "gguf").resolve()
+    loaded = sys.modules.get("gguf")
+    if loaded is None:
+        spec = importlib.util.spec_from_file_location(
+            "gguf", package / "__init__.py", submodule_search_locations=[str(package)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no gguf package at {package}")
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules["gguf"] = loaded
+        try:
+            spec.loader.exec_module(loaded)
+        except BaseException:
+            del sys.modules["gguf"]
+            raise
+    if not str(Path(str(loaded.__file__)).resolve()).startswith(str(package)):
+        raise ImportError(f"gguf was imported from {loaded.__file__}, not the pinned {package}")
+    return loaded
