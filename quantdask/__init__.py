@@ -40,6 +40,8 @@ from quantdask.run.progress import read_progress
 from quantdask.run.scaling import read_scaling, scale_sweep
 from quantdask.run.sweep import run_sweep
 from quantdask.run.sweep import submit_sweep as _submit_sweep
+from quantdask.search.agreement import read_allocation
+from quantdask.search.export import Exported, export_allocation
 from quantdask.store.frontier import kl_ties, pareto_frontier
 from quantdask.store.mlflow_export import ExportSummary, export_mlflow
 from quantdask.store.readers import (
@@ -80,10 +82,11 @@ __all__ = [
     "Job",
     "ModelSpec", "Option", "PlacementError", "QuantdaskError", "SchemaError", "SpecError", "Sweep",
     "UnsupportedHere", "backend_names", "device_summary", "estimate_device_memory",
-    "execute_notebook", "expand_grid", "export_mlflow", "ExportSummary", "get_backend",
+    "execute_notebook", "expand_grid", "export_allocation", "export_mlflow", "Exported",
+    "ExportSummary", "get_backend",
     "job_generator", "job_status", "kl_ties", "load_sweep",
     "option", "pareto_frontier", "place_jobs", "read_attempts", "read_device_samples",
-    "read_environment", "read_frame", "read_frames",
+    "read_allocation", "read_environment", "read_frame", "read_frames",
     "read_layers", "read_progress", "read_results", "read_scaling", "read_sessions", "read_speed",
     "read_tasks",
     "read_windows", "read_worker_tasks",

@@ -134,6 +134,7 @@ def gguf_search(narrow_ffn, cluster, tmp_path_factory):
 def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp(gguf_search):
     from collections import Counter
 
+    import quantdask as qd
     from quantdask.cli.summary import search_lines
     from quantdask.gguf.tensors import written_type
     from quantdask.report.search import agreement_table
@@ -174,6 +175,9 @@ def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp
     [agreement] = agreement_table(results).to_dicts()
     assert agreement["jobs"] == len(searched) and agreement["spearman"] >= 0.9
     assert agreement["proxy"] and agreement["measured_in"] == "llama.cpp"
+    joined = qd.read_allocation(run_dir).filter(pl.col("job_id") == mixed["job_id"])
+    assert set(joined["kl_divergence"]) == {mixed["kl_divergence"]}
+    assert set(joined["spearman"]) == {agreement["spearman"]} and joined["proxy"].all()
     [line] = search_lines(results)
     assert "Spearman" in line and "a proxy: predicted in torch, measured in llama.cpp" in line
 

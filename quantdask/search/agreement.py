@@ -50,6 +50,27 @@ def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
+def read_allocation(run_dir) -> pl.DataFrame:
+    """The allocation frame (one row per allocation and unit) with what each allocation's
+    job measured (``status``, ``kl_divergence``, ``kl_se``, ``runtime``) beside its
+    prediction, and its search's ``spearman`` and ``proxy`` (:func:`prediction_agreement`)."""
+    from quantdask.store.run_store import RunStore, read_frame
+
+    allocation = read_frame(run_dir, "allocation")
+    if allocation.is_empty():
+        return allocation
+    results = RunStore(run_dir).read_results()
+    measured = results.select("job_id", "status", "kl_divergence", "kl_se", *(
+        ["runtime"] if "runtime" in results.columns else []))
+    joined = allocation.join(measured, on="job_id", how="left")
+    agreement = prediction_agreement(results)
+    if agreement.is_empty():
+        return joined.with_columns(pl.lit(None, dtype=pl.Float64).alias("spearman"),
+                                   pl.lit(None, dtype=pl.Boolean).alias("proxy"))
+    return joined.join(agreement.select("search", "spearman", "proxy"), on="search",
+                       how="left")
+
+
 def agreement_line(row: dict) -> str:
     """One sentence for a search's row of :func:`prediction_agreement`."""
     rho = "n/a (fewer than 3 jobs)" if row["spearman"] is None else f"{row['spearman']:.2f}"
