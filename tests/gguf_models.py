@@ -89,6 +89,15 @@ def gemma_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int 
     return out
 
 
+def cached_f32(folder: Path) -> Path:
+    """``folder``'s F32 GGUF as a sweep's conversion task makes it, in the conversion cache:
+    the sweeps of a test model then find it there instead of converting again."""
+    from quantdask.gguf.conversion import converted
+    from quantdask.sweepfile.model import ModelSpec
+
+    return converted(ModelSpec(path=str(folder)), "f32")
+
+
 def plain_figures(gguf: Path, checkpoint: Path, windows) -> dict[str, float]:
     """KL to the checkpoint in float32 torch, perplexity and top-1 agreement of the GGUF in
     llama.cpp over every position but the last of ``windows`` (token ids), computed plainly:

@@ -17,12 +17,11 @@ if missing_converter():
     pytest.skip(missing_converter(), allow_module_level=True)
 
 from quantdask.backends import get_backend  # noqa: E402
-from quantdask.gguf.convert import convert  # noqa: E402
 from quantdask.gguf.quantize import quantize_gguf, tensor_types  # noqa: E402
 from quantdask.gguf.searched import given_types  # noqa: E402
 from quantdask.gguf.source import gguf_module  # noqa: E402
 from tests.conftest import calibration_file  # noqa: E402
-from tests.gguf_models import llama2_style_model  # noqa: E402
+from tests.gguf_models import cached_f32, llama2_style_model  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -30,9 +29,9 @@ pytestmark = [pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def narrow_ffn(tmp_path_factory):
     """A tiny Llama whose FFN width (640) is no multiple of 256: its down_proj rows take
-    llama.cpp's fallback types. Converted to F32."""
+    llama.cpp's fallback types. Converted to F32 (into the conversion cache its sweep reads)."""
     folder = llama2_style_model(tmp_path_factory.mktemp("gguf-search") / "llama", ffn=640)
-    return folder, convert(folder, folder / "model-f32.gguf")
+    return folder, cached_f32(folder)
 
 
 def test_a_probed_module_holds_the_bytes_llama_cpps_quantizer_writes_for_it(narrow_ffn,
