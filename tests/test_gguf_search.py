@@ -179,6 +179,7 @@ def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp
     assert set(joined["spearman"]) == {agreement["spearman"]} and joined["proxy"].all()
     [line] = search_lines(results)
     assert "Spearman" in line and "a proxy: predicted in torch, measured in llama.cpp" in line
+    assert "its mix: one file: quantdask export allocation" in line
 
 
 def test_the_allocation_exports_as_one_gguf_that_gives_the_recorded_kl(gguf_search, narrow_ffn,

@@ -152,6 +152,14 @@ def test_the_verifying_jobs_keep_their_budget_and_their_prediction(searched):
     per_layer = tied.with_columns(pl.col("unit").str.extract(r"layers\.(\d+)").alias("layer"))
     assert (per_layer.group_by("job_id", "layer").agg(pl.col("format").n_unique())
             ["format"] == 1).all()
+    # how well the predictions held, and what the mix ships as (hqq: why no file)
+    from quantdask.report.search import agreement_table
+
+    [agreement] = agreement_table(results).to_dicts()
+    assert agreement["jobs"] == ours.height and agreement["spearman"] > 0.8
+    assert not agreement["proxy"] and agreement["measured_in"] == "torch"
+    assert agreement["file"].startswith("not saved as a file") and "tag" in agreement["file"]
+    assert set(allocation["predicted_in"]) == {"torch"}
 
 
 def test_mixed_is_never_worse_than_uniform_at_equal_bytes(searched):

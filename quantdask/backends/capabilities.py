@@ -114,14 +114,16 @@ class Searchable(Capability):
     runtime's own count); without it, the full-precision model's bytes there.
     ``export(model, options, folder) -> Path`` (optional) writes the file a runtime loads for
     a config of per-module formats (``quantdask export allocation``); without it, a search's
-    allocation is not exported, and the refusal says so. ``embeddings``: the token embedding
-    and the output are units of their own (a module each, or one where they share weights),
-    which a uniform format covers too (its jobs then name every unit's format)."""
+    allocation is not exported, and the refusal and the report say why (``unexported_why``).
+    ``embeddings``: the token embedding and the output are units of their own (a module each,
+    or one where they share weights), which a uniform format covers too (its jobs then name
+    every unit's format)."""
 
     module_keys: tuple[str, ...]
     rest_bytes: Callable[..., int] | None = None
     export: Callable[..., Any] | None = None
     embeddings: bool = False  # the token embedding and output are units too (GGUF's types)
+    unexported_why: str = "its verifying jobs measure the mix in memory only"
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot be searched: {why}"

@@ -213,7 +213,9 @@ hqq_backend = Backend(
                   host_work=lambda options: HostWork(3.5, 1.5, 5.5)),
     # Not Savable: layer-by-layer HQQLinear models have no from_pretrained format.
     capabilities=(Dequantizes(dequantize_layer), ModuleAlone(quantize_module),
-                  Searchable(MODULE_KEYS)),
+                  Searchable(MODULE_KEYS, unexported_why=(
+                      "transformers' HqqConfig keys a mix by a linear's tag (self_attn.q_proj), "
+                      "not by layer, so a per-layer mix cannot be declared for it to load"))),
     description="HQQ 1-8 bit grouped weights, calibration-free (optional: "
                 "pip install 'quantdask[hqq]')",
 )

@@ -261,6 +261,8 @@ torchao_backend = Backend(
     check=check_torchao,
     sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes),
     capabilities=(Dequantizes(dequantize_layer), Savable(),
-                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS)),
+                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS, unexported_why=(
+                      "quantdask does not write torchao's per-module configs (FqnToConfig) "
+                      "through transformers' quantizer yet"))),
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

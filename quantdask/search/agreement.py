@@ -3,13 +3,17 @@ probes' sum of cells, on the calibration windows, in torch) beside the KL they m
 eval windows, where the job runs), and the rank correlation between them (Spearman), which says
 whether the probes order the allocations as the measurements do even where their levels differ.
 
+Each search's row also says what its mix ships as: the file ``quantdask export allocation``
+writes (GGUF), or why there is none (hqq: transformers keys a mix by a linear's tag, not by
+layer).
+
 A prediction is a proxy when the jobs are measured in another runtime than the probes' torch
 (GGUF: llama.cpp quantizes activations to 8 bits on the CPU, which the probes do not): its
 level is not the measurement's, and the report says so.
 
 >>> prediction_agreement(read_results(run_dir))  # doctest: +SKIP
-search  jobs  spearman  predicted_in  measured_in  proxy
-mix     5     1.0       torch         llama.cpp    True
+search  jobs  spearman  predicted_in  measured_in  proxy  measured_over_predicted  file
+mix     5     1.0       torch         llama.cpp    True   0.71                     one file: ...
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
             "measured_in": ", ".join(sorted(set(part["measured_in"]))),
             "proxy": bool((part["measured_in"] != TORCH).any()),
             "measured_over_predicted": _median(part["kl_divergence"] / part["predicted_kl"]),
+            "file": _file(part["backend"][0]),
         })
     return pl.DataFrame(rows)
 
@@ -79,7 +84,20 @@ def agreement_line(row: dict) -> str:
              if row["proxy"] else "")
     return (f"search {row['search']}: predicted against measured KL over {row['jobs']} jobs, "
             f"Spearman {rho}, measured/predicted median {row['measured_over_predicted'] or 0:.2f}"
-            f"{proxy}")
+            f"{proxy}; its mix: {row['file']}")
+
+
+def _file(backend: str) -> str:
+    """What a search's mix ships as: the file ``quantdask export allocation`` writes, or why
+    there is none."""
+    from quantdask.backends import get_backend
+    from quantdask.backends.capabilities import Searchable
+
+    searchable = get_backend(backend).has(Searchable)
+    if searchable is not None and searchable.export is not None:
+        return "one file: quantdask export allocation RUN_DIR --search NAME --budget B --to DIR"
+    why = searchable.unexported_why if searchable is not None else "not searchable"
+    return f"not saved as a file: {why}"
 
 
 def _median(values: pl.Series) -> float | None:

@@ -68,8 +68,9 @@ def export_allocation(run_dir: str | os.PathLike, search: str, budget: float,
     backend = get_backend(row["backend"])
     searchable = backend.has(Searchable)
     if searchable is None or searchable.export is None:
-        raise SpecError("--search", f"{backend.name}'s allocations are not written as a file "
-                                    "yet: its verifying jobs measure them in memory only")
+        why = searchable.unexported_why if searchable is not None else "it cannot be searched"
+        raise SpecError("--search", f"{backend.name}'s allocations are not written as a file: "
+                                    f"{why}")
     options = backend.normalize(json.loads(row["config"]), "config")
     location = row["model_location"]
     model = (ModelSpec(path=location) if os.path.isdir(location)
