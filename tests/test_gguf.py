@@ -105,9 +105,46 @@ def test_a_gemma_style_checkpoint_measures_in_llama_cpp_as_a_plain_loop_does(tmp
     assert ours.kl_divergence == pytest.approx(plain["kl_divergence"], rel=0.02)
     assert ours.perplexity == pytest.approx(plain["perplexity"], rel=0.02)
     assert ours.top1_agreement == pytest.approx(plain["top1_agreement"], rel=0.02)
+    _searched_tied(folder, f32, tmp_path)
     (folder / "tokenizer.model").unlink()  # a checkpoint with tokenizer.json only
     with pytest.raises(UnsupportedHere, match="tokenizer.model"):
         convert(folder, tmp_path / "no-spm.gguf")
+
+
+def _searched_tied(folder, f32, tmp_path) -> None:
+    """A search's mix on Gemma's tied embedding: one unit (no output tensor), its bytes the
+    file's token_embd, and nothing outside the units but the F32 norms."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.backends import get_backend
+    from quantdask.backends.per_module import module_options
+    from quantdask.gguf.quantize import quantize_gguf
+    from quantdask.gguf.searched import given_types, quantize_module, rest_bytes
+    from quantdask.gguf.source import gguf_module
+    from quantdask.search.probes import linear_units
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    units = linear_units(model, "linear", embeddings=True)
+    assert "model.embed_tokens" in units and "lm_head" not in units  # tied: one unit
+    gguf = get_backend("gguf")
+    options = gguf.normalize({"type": "Q4_K_M", "modules": {
+        **{m: {"tensor_type": "Q4_K"} for m in units},
+        "model.embed_tokens": {"tensor_type": "Q8_0"},
+        "model.layers.1.mlp.down_proj": {"tensor_type": "Q2_K"}}}, "test")
+    mixed = quantize_gguf(f32, tmp_path / "gemma-mixed.gguf", "Q4_K_M", 2,
+                          given=given_types(f32, options))
+    tensors = {t.name: t for t in gguf_module().GGUFReader(str(mixed)).tensors}
+    assert "output.weight" not in tensors
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q2_K"
+    probed = quantize_module(model.get_submodule("model.embed_tokens"),
+                             module_options(gguf, options, "model.embed_tokens"))
+    theirs = tensors["token_embd.weight"]
+    assert theirs.tensor_type.name == probed.tensor_type == "Q8_0"
+    assert np.array_equal(probed.weight_bytes.numpy(), np.asarray(theirs.data).view(
+        np.uint8).reshape(probed.weight_bytes.shape))
+    assert rest_bytes(model, units, options) == sum(
+        int(t.n_bytes) for t in tensors.values() if len(t.shape) == 1)
 
 
 def test_a_type_llama_cpp_does_not_know_is_refused_naming_the_ones_it_does():
