@@ -8,10 +8,9 @@ from dataclasses import dataclass, replace
 from quantdask.backends.options import BackendOptions, option
 from quantdask.backends.per_module import check_modules, modules_option
 from quantdask.errors import SpecError
-from quantdask.gguf.searched import DEFAULT_TYPE
 from quantdask.gguf.source import missing_converter
 from quantdask.gguf.tensors import TENSOR_TYPES
-from quantdask.gguf.types import ALIASES, FTYPES, NEEDS_IMATRIX, canonical
+from quantdask.gguf.types import ALIASES, DEFAULT_TYPE, FTYPES, NEEDS_IMATRIX, canonical
 
 FULL_PRECISION_TYPES = ("F32", "F16", "BF16")
 DEVICES = ("cpu", "cuda")

@@ -19,20 +19,13 @@ from typing import TYPE_CHECKING, Any, cast
 from quantdask.errors import UnsupportedHere
 from quantdask.gguf.source import gguf_module
 from quantdask.gguf.tensors import dequantize_rows, quantize_rows, tensor_bytes, written_type
+from quantdask.gguf.types import DEFAULT_TYPE
 
 if TYPE_CHECKING:
     import torch
 
     from quantdask.gguf.options import GgufOptions
     from quantdask.gguf.quantize import TensorTypes
-
-DEFAULT_TYPE = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K",
-                "Q5_1": "Q5_1", "Q5_0": "Q5_0", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
-                "Q4_1": "Q4_1", "Q4_0": "Q4_0", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K",
-                "Q3_K_S": "Q3_K", "Q2_K": "Q2_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
-"""Each file type a searched config may name -> its default tensor type
-(``llama_ftype_get_default_type`` in src/llama-quant.cpp): the types whose tensors llama.cpp
-quantizes without an importance matrix."""
 
 
 def rest_types(options: GgufOptions, tied: bool) -> tuple[str, str]:

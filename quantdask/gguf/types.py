@@ -29,6 +29,15 @@ matrix (``tensor_requires_imatrix`` in src/llama-quant.cpp): "this quantization 
 imatrix!"."""
 
 
+DEFAULT_TYPE = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K",
+                "Q5_1": "Q5_1", "Q5_0": "Q5_0", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
+                "Q4_1": "Q4_1", "Q4_0": "Q4_0", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K",
+                "Q3_K_S": "Q3_K", "Q2_K": "Q2_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+"""Each file type a searched config may name -> its default tensor type
+(``llama_ftype_get_default_type`` in src/llama-quant.cpp): the types whose tensors llama.cpp
+quantizes without an importance matrix."""
+
+
 def canonical(name: str) -> str:
     """The type's name as llama.cpp spells it (case-insensitive; an alias resolved), or a
     :class:`SpecError` listing the types it knows."""
