@@ -135,9 +135,7 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
         return _run_one(client, f"search {search.name}: {what}", room, rules, f"{tag}-{what}",
                         watch, function, *args)
 
-    searchable = get_backend(search.backend).has(Searchable)
-    found = one("units", search_units, model, search.granularity,
-                bool(searchable and searchable.embeddings))
+    found = one("units", search_units, model, search.granularity, _embeddings(search))
     if found is None:
         return None
     units = found.result().units
@@ -260,8 +258,7 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
             role = _role(search, "mixed", found.rank, bits, found, probed)
             made.append((f"{search.name} {bits:g}b #{found.rank}", role, found.formats, found))
     made += _at_uniform_bytes(search, probed, ties, fixed)
-    searchable = get_backend(search.backend).has(Searchable)
-    embeddings = bool(searchable and searchable.embeddings)
+    embeddings = _embeddings(search)
     jobs: dict[str, Job] = {}
     rows: list[AllocationRow] = []
     for config_label, role, chosen, allocation in made:
@@ -289,6 +286,12 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
                  for unit, label in chosen.items()]
     store.write_rows("allocation", f"{search.name}-{search_key(sweep, search)}", rows)
     return list(jobs.values())
+
+
+def _embeddings(search: SearchSpec) -> bool:
+    """Whether the search's backend makes the token embedding and output units too."""
+    searchable = get_backend(search.backend).has(Searchable)
+    return bool(searchable and searchable.embeddings)
 
 
 def _predicted_in(search: SearchSpec) -> str:
