@@ -58,9 +58,10 @@ def _hqq_label(run_dir: Path) -> str:
 
 def test_a_run_compared_with_itself_rerun_shows_no_difference(runs):
     before = {name: _tree(path) for name, path in runs.items()}
-    # CPU slots of a 2-core machine time decoding 10-30% apart from one run to the next: a
-    # speed verdict on them needs a tolerance above that drift
-    comparison = qd.compare(runs["a"], runs["again"], tolerances={"decode_tokens_per_s": "50%"})
+    # CPU slots of a 2-core machine time decoding 10-30% apart from one run to the next, and
+    # 2x apart when the suite's other pytest process loads the same cores (a CI run saw a
+    # "faster" at 50%): a speed verdict on them needs a tolerance above that drift
+    comparison = qd.compare(runs["a"], runs["again"], tolerances={"decode_tokens_per_s": "300%"})
     assert comparison.environment.is_empty()
     assert comparison.reference["changed"].to_list() == [False]
     assert comparison.quality.height == 3 * 3  # baseline, nf4, hqq x KL, perplexity, top-1
