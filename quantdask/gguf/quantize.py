@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from quantdask.gguf.source import gguf_module
+from quantdask.gguf.tensors import ggml_type
 from quantdask.gguf.types import canonical, ftype
 
 _LOG: list[str] = []
@@ -65,8 +66,8 @@ def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: 
         overrides = _overrides(given.tensors)  # alive until the call returns
         params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(
             llama_cpp.llama_model_tensor_override))
-        params.token_embedding_type = int(_ggml_type(given.embedding))
-        params.output_tensor_type = int(_ggml_type(given.output))
+        params.token_embedding_type = int(ggml_type(given.embedding))
+        params.output_tensor_type = int(ggml_type(given.output))
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     with _LOG_LOCK:
@@ -84,10 +85,6 @@ def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, type_name: 
     return out
 
 
-def _ggml_type(name: str):
-    return gguf_module().GGMLQuantizationType[name]
-
-
 def _overrides(tensors: dict[str, str]):
     """``tensors`` as llama.cpp's NULL-terminated ``llama_model_tensor_override`` array, each
     pattern the tensor's whole name."""
@@ -96,7 +93,7 @@ def _overrides(tensors: dict[str, str]):
     array = (llama_cpp.llama_model_tensor_override * (len(tensors) + 1))()
     for entry, (name, kind) in zip(array, sorted(tensors.items()), strict=False):
         entry.pattern = f"^{re.escape(name)}$".encode()
-        entry.type = int(_ggml_type(kind))
+        entry.type = int(ggml_type(kind))
     return array
 
 

@@ -47,14 +47,15 @@ def check_tensor_type(name: str, where: str = "tensor_type") -> str:
     return upper
 
 
-def _quant_type(name: str):
+def ggml_type(name: str):
+    """Tensor type ``name`` as ggml numbers it (gguf-py's ``GGMLQuantizationType``)."""
     return gguf_module().GGMLQuantizationType[name]
 
 
 def block(name: str) -> tuple[int, int]:
     """(weights per block, bytes per block) of tensor type ``name``."""
     gguf = gguf_module()
-    return gguf.GGML_QUANT_SIZES[_quant_type(name)]
+    return gguf.GGML_QUANT_SIZES[ggml_type(name)]
 
 
 def written_type(name: str, row_length: int) -> str:
@@ -101,10 +102,10 @@ def quantize_rows(weight: torch.Tensor, name: str) -> np.ndarray:
     source = np.ascontiguousarray(weight.detach().to("cpu").float().numpy())
     if name in ("F32", "F16", "BF16"):
         gguf = gguf_module()
-        return gguf.quants.quantize(source, _quant_type(name)).view(np.uint8).reshape(rows, -1)
+        return gguf.quants.quantize(source, ggml_type(name)).view(np.uint8).reshape(rows, -1)
     out = np.empty(tensor_bytes(name, rows, row_length), dtype=np.uint8)
     with _LOCK:  # ggml_quantize_init's tables are made once, not thread-safe
-        written = _ggml().ggml_quantize_chunk(int(_quant_type(name)), source.ctypes.data,
+        written = _ggml().ggml_quantize_chunk(int(ggml_type(name)), source.ctypes.data,
                                               out.ctypes.data, 0, rows, row_length, None)
     if written != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, not {out.nbytes}")
@@ -116,4 +117,4 @@ def dequantize_rows(data: np.ndarray, name: str) -> torch.Tensor:
     import torch
 
     gguf = gguf_module()
-    return torch.from_numpy(gguf.quants.dequantize(data, _quant_type(name)).copy()).float()
+    return torch.from_numpy(gguf.quants.dequantize(data, ggml_type(name)).copy()).float()
