@@ -113,7 +113,8 @@ def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],
 def written_rest_types(options: GgufOptions, tied: bool, row_length: int) -> tuple[str, str]:
     """:func:`rest_types` as llama.cpp will write them on rows of ``row_length`` (an explicit
     embedding or output type skips llama.cpp's own fallback, so it is applied here)."""
-    return tuple(written_type(t, row_length) for t in rest_types(options, tied))  # type: ignore[return-value]
+    embedding, output = rest_types(options, tied)
+    return written_type(embedding, row_length), written_type(output, row_length)
 
 
 def export_file(model, options: GgufOptions, folder: str | os.PathLike) -> Path:
