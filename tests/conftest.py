@@ -105,6 +105,20 @@ def reaches_only_loopback():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def bitsandbytes_imported_offline():
+    """bitsandbytes imported as quantdask imports it (``util.import_offline``), before any
+    test: a test that reloads a saved 4-bit model with plain ``from_pretrained`` first would
+    import it through transformers, and its import asks the Hub for a CPU kernel (a lookup
+    this file's guard refuses, in whichever test came first)."""
+    import importlib.util
+
+    from quantdask.util import import_offline
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import_offline("bitsandbytes")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def in_process_jobs_run_on_the_cpu():
     """Jobs and references that tests run in this process (``run_job``, ``compute_reference``)
     run on the CPU, as a CPU slot's do. On a machine with a GPU they would pick ``cuda:0``, and

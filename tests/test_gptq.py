@@ -342,7 +342,7 @@ def test_a_packed_layers_weight_is_read_as_its_checkpoint_holds_it(methods_run):
     the bit, unpacked here by the format's arithmetic."""
     from transformers import AutoModelForCausalLM
 
-    from quantdask.backends.gptq import _cpu_kernel, _eager
+    from quantdask.backends.gptq_saved import cpu_kernel, eager_kernels
     from quantdask.backends.packed import dequantize_packed_layer
 
     root, results, _ = methods_run
@@ -350,8 +350,8 @@ def test_a_packed_layers_weight_is_read_as_its_checkpoint_holds_it(methods_run):
     directory = root / "models" / job["job_id"]
     options = get_backend("gptq").normalize({"bits": 4, "group_size": 32}, "options")
     model = AutoModelForCausalLM.from_pretrained(
-        directory, device_map="cpu", quantization_config=_cpu_kernel("gptq", options))
-    _eager(model)  # as a job reads it: the kernel's own dequantization, not compiled C++
+        directory, device_map="cpu", quantization_config=cpu_kernel("gptq", options))
+    eager_kernels(model)  # as a job reads it: the kernel's own dequantization, not compiled C++
     expected = unpacked_gptq_weights(directory)
     read = {name: dequantize_packed_layer(module) for name, module in model.named_modules()
             if hasattr(module, "qweight")}

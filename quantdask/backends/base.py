@@ -284,10 +284,17 @@ class Backend(Generic[OptionsT]):
         else:
             kind = options_class(self.name, declared)
         object.__setattr__(self, "options", kind)
-        if self.has(Searchable) and not (self.has(ModuleAlone) and self.has(Dequantizes)):
+        if self.has(Searchable) and not (self.probe_quantizer() and self.has(Dequantizes)):
             raise TypeError(f"backend {self.name!r}: a Searchable backend also quantizes one "
-                            "module alone (ModuleAlone) and gives its weight back "
-                            "(Dequantizes)")
+                            "module alone (ModuleAlone, or its Searchable.proxy) and gives its "
+                            "weight back (Dequantizes)")
+
+    def probe_quantizer(self) -> ModuleAlone | None:
+        """What a search's probes quantize one module with: the search's stated proxy
+        (``Searchable.proxy``) where the backend has one, else its :class:`ModuleAlone`."""
+        searchable = self.has(Searchable)
+        proxy = searchable.proxy if searchable is not None else None
+        return proxy or self.has(ModuleAlone)
 
     @property
     def options_type(self) -> type[OptionsT]:

@@ -117,13 +117,22 @@ class Searchable(Capability):
     allocation is not exported, and the refusal and the report say why (``unexported_why``).
     ``embeddings``: the token embedding and the output are units of their own (a module each,
     or one where they share weights), which a uniform format covers too (its jobs then name
-    every unit's format)."""
+    every unit's format).
+
+    ``proxy`` (optional): what the probes quantize each module with instead of
+    :class:`ModuleAlone`, for a backend whose module alone is not what the method makes of it
+    (GPTQ fits each layer on the outputs of those before it); ``proxy_is`` says what it is,
+    and the search's predictions are labelled with it. A module it returns may give
+    ``checkpoint_bytes``, what the backend's file stores for it."""
 
     module_keys: tuple[str, ...]
     rest_bytes: Callable[..., int] | None = None
     export: Callable[..., Any] | None = None
     embeddings: bool = False  # the token embedding and output are units too (GGUF's types)
     unexported_why: str = "its verifying jobs measure the mix in memory only"
+    proxy: ModuleAlone | None = None
+    proxy_is: str = ""
+    ships_as: str = ""  # what the mix ships as without export (GPTQ: the job's checkpoint)
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot be searched: {why}"
@@ -164,9 +173,12 @@ class Savable(Capability):
     the state ``save_pretrained`` must see (bitsandbytes: 4-bit weights repacked for the CPU,
     unpacked). Read on the worker in the artifacts phase, which runs only when the sweep keeps
     artifacts: without it the job's ``artifact_error`` says so (a failed save or reload is
-    recorded the same way); the job keeps its result unless ``artifacts.required``."""
+    recorded the same way); the job keeps its result unless ``artifacts.required``.
+    ``load(directory, device) -> model`` (optional) reloads a saved model as its users load
+    it, where plain ``from_pretrained`` cannot (a GPTQ mix: ``GPTQModel.load``)."""
 
     prepare: Callable[[torch.nn.Module], None] | None = None
+    load: Callable[[str, str], Any] | None = None
     usual_why: ClassVar[str] = "no save format quantdask can reload yet"
 
     refuses: ClassVar[str] = "{backend} models have {why}"

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import tempfile
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +41,39 @@ from quantdask.backends.capabilities import (
     Calibrated,
     Dequantizes,
     Lacks,
+    ModuleAlone,
     Savable,
     Searchable,
     StreamedFit,
 )
 from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refusal
+from quantdask.backends.gptq_mixed import (
+    MODULE_KEYS,
+    PROXY,
+    SHIPS_AS,
+    UNEXPORTED,
+    dequantize_gptq_layer,
+    dynamic_config,
+    layer_formats,
+    rtn_proxy,
+)
 from quantdask.backends.gptq_process import logs_in, process_state_kept
+from quantdask.backends.gptq_saved import (
+    cpu_kernel,
+    eager_kernels,
+    load_mixed,
+    load_saved,
+    refuse_missing,
+    ships_its_export,
+)
 from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_modules_option
 from quantdask.backends.packed import dequantize_packed_layer
+from quantdask.backends.per_module import (
+    check_modules,
+    mixed_label,
+    modules_option,
+    unknown_modules,
+)
 from quantdask.errors import SpecError, UnsupportedHere
 from quantdask.randomness import global_generators
 from quantdask.util import heap_trimmed, scratch_root
@@ -83,6 +107,7 @@ class GptqOptions(BackendOptions):
         float, default=0.05, check=lambda v: 0 < v < 1, check_hint="must be between 0 and 1",
         help="dampening added to the Hessian's diagonal, as a share of its mean (default 0.05)")
     skip_modules: tuple[str, ...] | None = skip_modules_option()
+    modules: dict | None = modules_option(MODULE_KEYS)
 
     def complete(self) -> GptqOptions:
         return complete_gptq(self)
@@ -118,6 +143,12 @@ def complete_gptq(options: GptqOptions) -> GptqOptions:
     if options.bits is None:
         raise SpecError("bits", f"is required for gptq: one of "
                                 f"{', '.join(map(str, GPTQ_BITS))}")
+    check_modules(options, MODULE_KEYS)
+    kept = [name for name, own in (options.modules or {}).items() if own is None]
+    if kept:
+        raise SpecError(f"modules.{kept[0]}", "a GPTQ mix quantizes every decoder linear (a "
+                                              "layer left in full precision does not reload): "
+                                              "give it 8 bits instead of null")
     return _head_only(options)
 
 
@@ -126,7 +157,7 @@ def gptq_label(options: GptqOptions) -> str:
     label += " desc" if options.desc_act else ""
     label += "" if options.sym else " asym"
     label += "" if options.damp_percent == 0.05 else f" damp={options.damp_percent:g}"
-    return label
+    return label + mixed_label(options)
 
 
 def awq_label(options: AwqOptions) -> str:
@@ -163,12 +194,13 @@ def unsupported(method: str, options, model_type: str,
     refused = family_refusal(method, model_type)  # (gptq_families: the evidence)
     if refused:
         return refused
-    group = options.group_size
+    formats = layer_formats(options, shapes) if method == "gptq" else {}
     for name, (width, out) in shapes.items():
+        bits, group = formats.get(name, (options.bits, options.group_size))
         if group > 0 and width % group:
             return (f"group_size={group} does not divide {name}'s {width} inputs; choose a "
                     "group size that divides every layer's")
-        if method == "gptq" and options.bits == 4 and out % 16:
+        if method == "gptq" and bits == 4 and out % 16:
             return (f"{name} has {out} outputs: a 4-bit GPTQ layer reloads on the CPU only with "
                     "a multiple of 16")
         if method == "awq":
@@ -185,7 +217,9 @@ def _check(method: str):
         if missing or not facts.model_type:
             return missing  # a model whose config is not here: the worker checks
         # (without the layer shapes, the family alone; the worker checks the widths)
-        return unsupported(method, options, facts.model_type, _shapes(facts, options))
+        shapes = _shapes(facts, options)
+        return (shapes and unknown_modules(options, set(shapes), method)
+                or unsupported(method, options, facts.model_type, shapes))
     return check
 
 
@@ -196,6 +230,7 @@ def _quantize_config(quantize_config, method: str, options):
     if method == "awq":
         return quantize_config(method="awq", format="gemm", **common)
     return quantize_config(desc_act=options.desc_act, damp_percent=options.damp_percent,
+                           dynamic=dynamic_config(options),
                            # its activation-ordered groups need groups: off for one per row
                            act_group_aware=options.group_size > 0 and not options.desc_act,
                            **common)
@@ -210,7 +245,8 @@ def _fittable_model(method: str, source, options, device: str):
     model = source.build(device)
     shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
               if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
-    reason = unsupported(method, options, model.config.model_type, shapes)
+    reason = (unknown_modules(options, set(shapes), method)
+              or unsupported(method, options, model.config.model_type, shapes))
     if reason:
         raise UnsupportedHere(reason)
     if method == "awq" and model.dtype == torch.float32:
@@ -275,28 +311,24 @@ def _quantize(method: str, source, options, device: str, calibration):
         try:
             _fit_and_save(wrapped, calibration, extra, scratch, export)
             del wrapped, model
-            loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
-                export, device_map=device, output_loading_info=True,
-                quantization_config=_cpu_kernel(method, options) if device == "cpu" else None)
-            shipped, loading = loaded
+            if getattr(options, "modules", None):  # a mix: as its users load it
+                shipped, loading = load_mixed(export, device), {}
+            else:
+                loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
+                    export, device_map=device, output_loading_info=True,
+                    quantization_config=cpu_kernel(method, options) if device == "cpu"
+                    else None)
+                shipped, loading = loaded
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-    _ships_its_export(shipped, scratch, export)
-    _refuse_missing(method, loading)
-    _eager(shipped)
+    ships_its_export(shipped, scratch, export)
+    refuse_missing(method, loading)
+    eager_kernels(shipped)
     for name, module in shipped.named_modules():
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped.eval()
-
-
-def _eager(model) -> None:
-    """Its torch kernel compiles its dequantization at the first call, once per layer shape:
-    seconds of a C++ compiler per job, past torch's recompile limit (warned on stderr); the
-    eager function is what runs here."""
-    for module in model.modules():
-        module.__dict__.pop("dequantize_weight", None)
 
 
 def quantize_gptq_streamed(source, options: GptqOptions, device: str, calibration,
@@ -308,6 +340,9 @@ def quantize_gptq_streamed(source, options: GptqOptions, device: str, calibratio
     (``tests/test_streaming.py``)."""
     import torch
 
+    if options.modules:
+        raise UnsupportedHere("a GPTQ mix (per-module bits) is fitted resident only: its "
+                              "streamed fit is not checked yet")
     shapes = {name: (m.in_features, m.out_features)
               for name, m in source.empty_model().named_modules()
               if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
@@ -325,41 +360,8 @@ def quantize_gptq_streamed(source, options: GptqOptions, device: str, calibratio
         with heap_trimmed:  # (gptqmodel's pool threads keep what they free)
             _fit_and_save(wrapped, calibration, extra, directory, export)
     shutil.rmtree(config.offload_to_disk_path, ignore_errors=True)
-    return SavedQuantized(export, _cpu_kernel("gptq", options) if device == "cpu" else None,
-                          prepare=_eager)
-
-
-def _refuse_missing(method: str, loading: dict) -> None:
-    """A reload that left weights out, which transformers fills at random and says nothing
-    of (Falcon's layers, or one left unquantized), is no model to measure."""
-    missing = loading.get("missing_keys") or []
-    if missing:
-        raise UnsupportedHere(f"the saved {method} model reloads without {len(missing)} of "
-                              f"its weights ({sorted(missing)[0]}, ...)")
-
-
-def _ships_its_export(model, scratch: str, export: str) -> None:
-    """Make ``model.save_pretrained(directory)`` (the sweep's artifacts) write the checkpoint
-    gptqmodel saved, kept until the model goes. The loaded model holds its zero points in the
-    kernel's layout, and saving it writes them so (transformers reloads that as garbage: KL 5
-    on the demo model)."""
-    def save_pretrained(directory, **_):
-        shutil.copytree(export, directory, dirs_exist_ok=True)
-
-    model.save_pretrained = save_pretrained
-    weakref.finalize(model, shutil.rmtree, scratch, ignore_errors=True)
-
-
-def _cpu_kernel(method: str, options):
-    """The loading settings that pick gptqmodel's plain torch kernel on the CPU. The one it
-    picks by default repacks the weights at the first forward pass, and a model saved after
-    that (the sweep's artifacts) no longer loads."""
-    from transformers import AwqConfig, GPTQConfig
-    from transformers.utils.quantization_config import AwqBackend
-
-    if method == "gptq":
-        return GPTQConfig(bits=options.bits, backend="torch")
-    return AwqConfig(bits=options.bits, backend=AwqBackend.TORCH_AWQ)
+    return SavedQuantized(export, cpu_kernel("gptq", options) if device == "cpu" else None,
+                          prepare=eager_kernels)
 
 
 def quantize_gptq(source, options: GptqOptions, device: str, calibration):
@@ -386,9 +388,10 @@ gptq_backend = Backend(
     check=_check("gptq"),
     sizing=Sizing(selects=selects),
     capabilities=(
-        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
+        Calibrated(), Dequantizes(dequantize_gptq_layer), Savable(load=load_saved),
         StreamedFit(quantize_gptq_streamed, families=GPTQ_STREAMED_FAMILIES),
-        Lacks(Searchable, CALIBRATED_ALONE),
+        Searchable(MODULE_KEYS, proxy=ModuleAlone(rtn_proxy), proxy_is=PROXY,
+                   ships_as=SHIPS_AS, unexported_why=UNEXPORTED),
     ),
     description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "
                 "GPTQ format (optional: pip install 'quantdask[gptq]')",
@@ -402,7 +405,7 @@ awq_backend = Backend(
     check=_check("awq"),
     sizing=Sizing(selects=selects),
     capabilities=(
-        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
+        Calibrated(), Dequantizes(dequantize_packed_layer), Savable(load=load_saved),
         Lacks(Searchable, CALIBRATED_ALONE), Lacks(StreamedFit, AWQ_NOT_STREAMED),
     ),
     description="AWQ 4-bit activation-aware grouped weights fitted on calibration data, saved "

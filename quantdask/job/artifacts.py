@@ -91,7 +91,7 @@ def keep_artifact(model, tokenizer, backend, job, reference, device: str,
             saved = publish(local, settings, job.id)
             # The saved directory itself where it is local; a URL's from the same bytes.
             delta = None if before is None else reload_kl_delta(
-                before, saved or local, reference, job.eval.batch_size, device)
+                before, saved or local, reference, job.eval.batch_size, device, savable.load)
             kept = Artifact(artifact_uri=settings.location(job.id), artifact_bytes=size,
                             artifact_sha256=digest, artifact_kept=True, reload_kl_delta=delta)
         log.info("artifact saved to %s: %d bytes, sha256 %s%s", kept.artifact_uri, size,
@@ -159,12 +159,14 @@ def verify_kl(model, reference, batch_size: int, device: str) -> float:
 
 
 def reload_kl_delta(before: float, directory: str, reference, batch_size: int,
-                    device: str) -> float:
+                    device: str, load=None) -> float:
     """KL of the model reloaded from ``directory`` (see :func:`verify_kl`) minus ``before``,
-    the in-memory model's, measured (by the score phase) before it was saved."""
+    the in-memory model's, measured (by the score phase) before it was saved; reloaded with
+    ``load(directory, device)`` (``Savable.load``) or plain ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(directory, device_map=device)
+    reloaded = (load(directory, device) if load is not None
+                else AutoModelForCausalLM.from_pretrained(directory, device_map=device))
     reloaded.eval()
     after = verify_kl(reloaded, reference, batch_size, device)
     del reloaded

@@ -43,12 +43,13 @@ def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
     jobs = jobs.with_columns(runtime.fill_null(TORCH).alias("measured_in"))
     rows = []
     for (search,), part in jobs.group_by("search", maintain_order=True):
+        predicted = predicted_in(part["backend"][0])
         rows.append({
             "search": search, "jobs": part.height,
             "spearman": _spearman(part["predicted_kl"], part["kl_divergence"]),
-            "predicted_in": TORCH,
+            "predicted_in": predicted,
             "measured_in": ", ".join(sorted(set(part["measured_in"]))),
-            "proxy": bool((part["measured_in"] != TORCH).any()),
+            "proxy": predicted != TORCH or bool((part["measured_in"] != TORCH).any()),
             "measured_over_predicted": _median(part["kl_divergence"] / part["predicted_kl"]),
             "file": _file(part["backend"][0]),
         })
@@ -87,6 +88,20 @@ def agreement_line(row: dict) -> str:
             f"{proxy}; its mix: {row['file']}")
 
 
+def predicted_in(backend: str) -> str:
+    """Where a search of ``backend`` predicts: in torch, with the backend's own quantizer
+    (``torch``), a stated proxy of it (``Searchable.proxy``), or a proxy of the runtime its
+    jobs measure in (``OwnRuntime``)."""
+    from quantdask.backends import get_backend
+    from quantdask.backends.capabilities import OwnRuntime, Searchable
+
+    found = get_backend(backend)
+    searchable, runtime = found.has(Searchable), found.has(OwnRuntime)
+    if searchable is not None and searchable.proxy is not None:
+        return f"{TORCH}, {searchable.proxy_is}"
+    return TORCH if runtime is None else f"{TORCH}, a proxy for {runtime.runtime}"
+
+
 def _file(backend: str) -> str:
     """What a search's mix ships as: the file ``quantdask export allocation`` writes, or why
     there is none."""
@@ -96,6 +111,8 @@ def _file(backend: str) -> str:
     searchable = get_backend(backend).has(Searchable)
     if searchable is not None and searchable.export is not None:
         return "one file: quantdask export allocation RUN_DIR --search NAME --budget B --to DIR"
+    if searchable is not None and searchable.ships_as:
+        return searchable.ships_as
     why = searchable.unexported_why if searchable is not None else "not searchable"
     return f"not saved as a file: {why}"
 

@@ -199,7 +199,7 @@ class Prober:
         if options is None:
             size = sum(_state_bytes(self.model.get_submodule(m)) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
-        alone, layer_weights = backend.has(ModuleAlone), backend.has(Dequantizes)
+        alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
         if alone is None or layer_weights is None:
             raise ValueError(backend.refusal(ModuleAlone if alone is None else Dequantizes))
         size, swapped = 0, []
@@ -207,7 +207,8 @@ class Prober:
             for name in modules:
                 module = self.model.get_submodule(name)
                 quantized = alone.quantize(module, options)
-                size += _state_bytes(quantized, backend.sizing.stored_bytes)
+                size += getattr(quantized, "checkpoint_bytes", None) or _state_bytes(
+                    quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
                 weight = layer_weights.dequantize(quantized)
                 if weight is None:
                     raise ValueError(f"{backend.name}: no dequantized weight for {name}")

@@ -30,11 +30,12 @@ import polars as pl
 from distributed import Client, Future
 
 from quantdask.backends import BackendOptions, get_backend
-from quantdask.backends.capabilities import OwnRuntime, Searchable
+from quantdask.backends.capabilities import Searchable
 from quantdask.errors import SpecError
 from quantdask.records import AllocationRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
+from quantdask.search.agreement import predicted_in
 from quantdask.search.allocation import Allocation, allocate
 from quantdask.search.cells import ProbedCell, ProbedChunk
 from quantdask.search.probe_runs import ProbeRules, ProbeTask, Room, run_probe_tasks
@@ -279,7 +280,7 @@ def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunS
                                format=label, predicted_kl=role.predicted_kl,
                                predicted_bytes=role.predicted_bytes,
                                solver=allocation.solver if allocation else "uniform",
-                               predicted_in=_predicted_in(search),
+                               predicted_in=predicted_in(search.backend),
                                backend=search.backend,
                                config=json.dumps(job.options.as_dict(), sort_keys=True),
                                model_location=model.location)
@@ -292,13 +293,6 @@ def _embeddings(search: SearchSpec) -> bool:
     """Whether the search's backend makes the token embedding and output units too."""
     searchable = get_backend(search.backend).has(Searchable)
     return bool(searchable and searchable.embeddings)
-
-
-def _predicted_in(search: SearchSpec) -> str:
-    """Where the probes' prediction is made, against where its jobs measure (a proxy when
-    the backend measures in a runtime of its own)."""
-    runtime = get_backend(search.backend).has(OwnRuntime)
-    return "torch" if runtime is None else f"torch, a proxy for {runtime.runtime}"
 
 
 def _at_uniform_bytes(search: SearchSpec, probed: Probed, ties: list[list[str]],
