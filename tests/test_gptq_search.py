@@ -168,3 +168,30 @@ def test_a_gptq_search_fits_its_mix_and_ships_one_checkpoint_gptqmodel_loads(gpt
     assert abs(measured["kl"] - mixed["kl_divergence"]) <= 0.05 * mixed["kl_divergence"]
     # plain transformers cannot load a mixed GPTQ checkpoint (what the report says)
     assert "size mismatch" in measured["plain"] or "mismatch" in measured["plain"], measured
+
+
+def test_a_gptq_search_ties_what_vllm_fuses_unless_told_otherwise():
+    from quantdask.backends.gptq_mixed import FUSED
+    from quantdask.sweepfile.search import SearchSpec
+
+    units = [f"model.layers.{i}.{part}.{name}" for i in (0, 1) for part, names in
+             (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+              ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names]
+
+    def search(**extra):
+        return SearchSpec(name="mix", model="demo", backend="gptq", base={"group_size": 32},
+                          formats={"b4": {"bits": 4}, "b8": {"bits": 8}},
+                          budget={"bits_per_weight": 6.0}, **extra)
+
+    assert search().ties() == [list(names) for names in FUSED]
+    assert search().ties_in(units) == [
+        ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+         "model.layers.0.self_attn.v_proj"],
+        ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+        ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+         "model.layers.1.self_attn.v_proj"],
+        ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]]
+    assert search(tie=[]).ties_in(units) == []  # overridden: each linear its own
+    hqq = SearchSpec(name="mix", model="demo", backend="hqq", formats={"b4": {"bits": 4}},
+                     budget={"bits_per_weight": 6.0})
+    assert hqq.ties_in(units) == []  # a runtime that fuses nothing ties nothing

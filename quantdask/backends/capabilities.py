@@ -133,6 +133,9 @@ class Searchable(Capability):
     proxy: ModuleAlone | None = None
     proxy_is: str = ""
     ships_as: str = ""  # what the mix ships as without export (GPTQ: the job's checkpoint)
+    # The linears (last name parts) its runtime fuses within a layer, and so must take one
+    # format: a search ties them unless its ``tie`` says otherwise.
+    ties: tuple[tuple[str, ...], ...] = ()
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot be searched: {why}"

@@ -50,6 +50,7 @@ from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refu
 from quantdask.backends.gptq_mixed import (
     MODULE_KEYS,
     PROXY,
+    FUSED,
     SHIPS_AS,
     UNEXPORTED,
     dequantize_gptq_layer,
@@ -391,7 +392,7 @@ gptq_backend = Backend(
         Calibrated(), Dequantizes(dequantize_gptq_layer), Savable(load=load_saved),
         StreamedFit(quantize_gptq_streamed, families=GPTQ_STREAMED_FAMILIES),
         Searchable(MODULE_KEYS, proxy=ModuleAlone(rtn_proxy), proxy_is=PROXY,
-                   ships_as=SHIPS_AS, unexported_why=UNEXPORTED),
+                   ships_as=SHIPS_AS, unexported_why=UNEXPORTED, ties=FUSED),
     ),
     description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "
                 "GPTQ format (optional: pip install 'quantdask[gptq]')",

@@ -33,6 +33,10 @@ SHIPS_AS = ("one checkpoint, the verifying job's artifact (artifacts: {keep: don
 UNEXPORTED = ("a GPTQ mix is fitted on the calibration data, not written from the allocation: "
               "its checkpoint is the verifying job's artifact (artifacts: {keep: done})")
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""The linears vLLM runs as one fused layer (its ``qkv_proj`` and ``gate_up_proj``), which
+take one bits and group size: a GPTQ search ties them unless its ``tie`` says otherwise."""
+
 PROXY = "round-to-nearest at the same bits and group size, a proxy for GPTQ's fit"
 
 

@@ -9,7 +9,8 @@ units the formats are chosen for, the budget, and what to verify.
 Units are named after the model's modules: ``granularity: linear`` makes each linear of the
 decoder layers a unit (``model.layers.3.mlp.down_proj``), ``block`` each decoder layer's linears
 together (``model.layers.3``). ``tie`` lists module names (their last part) that take one
-format together within each layer (``[q_proj, k_proj, v_proj]``); ``fixed`` gives units a
+format together within each layer (``[q_proj, k_proj, v_proj]``; left out, those the backend's
+runtime fuses, GPTQ's q/k/v and gate/up for vLLM; ``[]`` ties none); ``fixed`` gives units a
 format: by full unit name, or by the last part of the name for every layer (``down_proj: b8``).
 The budget is the whole model's stored size: ``bits_per_weight`` of all its parameters, or
 ``bytes``. ``frontier`` adds budgets (bits per weight); ``candidates`` is how many allocations
@@ -54,7 +55,7 @@ class SearchSpec:
     budget: dict[str, float]
     base: dict[str, Any] = field(default_factory=dict)
     granularity: str = "linear"
-    tie: list[list[str]] = field(default_factory=list)
+    tie: list[list[str]] | None = None  # None: the backend's runtime ties (Searchable.ties)
     fixed: dict[str, str] = field(default_factory=dict)
     frontier: list[float] = field(default_factory=list)
     candidates: int = 1
@@ -105,18 +106,30 @@ class SearchSpec:
             raise SpecError("solver", f"must be {' or '.join(SOLVERS)}, got {self.solver!r}")
 
     def _check_tie_and_fixed(self) -> None:
-        require("tie", self.tie, list, "a list of lists of module names")
-        for i, names in enumerate(self.tie):
-            require(f"tie[{i}]", names, list, "a list of module names (q_proj, k_proj)")
-            if len(names) < 2 or not all(isinstance(n, str) and n for n in names):
-                raise SpecError(f"tie[{i}]", f"must name two or more modules, got {names!r}")
-        if self.tie and self.granularity != "linear":
-            raise SpecError("tie", "ties units of granularity: linear; a block is one unit")
+        if self.tie is not None:
+            self._check_tie()
         require("fixed", self.fixed, dict, "a mapping of unit name to format label")
         for unit, label in self.fixed.items():
             if label not in self.formats:
                 raise SpecError(f"fixed.{unit}", f"{label!r} is not one of the formats "
                                                  f"({', '.join(self.formats)})")
+
+    def _check_tie(self) -> None:
+        require("tie", self.tie, list, "a list of lists of module names ([] ties none)")
+        for i, names in enumerate(self.tie or []):
+            require(f"tie[{i}]", names, list, "a list of module names (q_proj, k_proj)")
+            if len(names) < 2 or not all(isinstance(n, str) and n for n in names):
+                raise SpecError(f"tie[{i}]", f"must name two or more modules, got {names!r}")
+        if self.tie and self.granularity != "linear":
+            raise SpecError("tie", "ties units of granularity: linear; a block is one unit")
+
+    def ties(self) -> list[list[str]]:
+        """The module names tied within each layer: ``tie`` as given, or, left out, those
+        the backend's runtime requires tied (``Searchable.ties``: the linears it fuses)."""
+        if self.tie is not None:
+            return self.tie
+        searchable = get_backend(self.backend).has(Searchable)
+        return [list(names) for names in (searchable.ties if searchable else ())]
 
     def _check_budgets(self) -> None:
         keyed("budget", self.budget, ("bits_per_weight", "bytes"),
@@ -162,7 +175,7 @@ class SearchSpec:
         groups: dict[tuple[str, int], list[str]] = {}
         for unit in units:
             layer, _, last = unit.rpartition(".")
-            for i, names in enumerate(self.tie):
+            for i, names in enumerate(self.ties()):
                 if last in names:
                     groups.setdefault((layer, i), []).append(unit)
         return [group for group in groups.values() if len(group) > 1]
