@@ -48,9 +48,9 @@ from quantdask.backends.capabilities import (
 )
 from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refusal
 from quantdask.backends.gptq_mixed import (
+    FUSED,
     MODULE_KEYS,
     PROXY,
-    FUSED,
     SHIPS_AS,
     UNEXPORTED,
     dequantize_gptq_layer,
