@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 import sys
 import threading
 import time
@@ -375,6 +376,20 @@ def test_every_frame_reads_back_and_each_done_job_has_its_phases(demo_run):
         qd.read_frame(run_dir, "phase")
 
 
+def llama_cpp_features() -> str | None:
+    """The CPU features llama.cpp was built with, asked of llama-cpp-python's own bindings
+    (imported here, as the environment record does not), or None where it is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+
+    return " ".join(part.split("=")[0].strip().split(" : ")[-1] for part in
+                    llama_cpp.llama_print_system_info().decode().split("|")
+                    if part.strip().endswith("= 1"))
+
+
 def test_each_session_records_the_environment_of_the_driver_and_every_worker(demo_run, cluster,
                                                                             capsys):
     from importlib.metadata import version
@@ -396,6 +411,9 @@ def test_each_session_records_the_environment_of_the_driver_and_every_worker(dem
         assert values["bitsandbytes"] == version("bitsandbytes")
         assert values["transformers"] == version("transformers")
         assert values["cuda"].startswith("none") and values["gpu"] == "no GPU visible"
+        features = llama_cpp_features()  # the build GGUF jobs run in: version, commit, flags
+        assert (values["llama.cpp"] == "not installed" if features is None else re.fullmatch(
+            rf"ggml \d+\.\d+\.\d+ \(\w+(-dirty)?\); {features}", values["llama.cpp"]))
     latest = latest_environment(env)
     assert latest["python"] == ".".join(map(str, sys.version_info[:3]))
     main(["status", str(run_dir)])

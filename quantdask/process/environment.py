@@ -36,8 +36,35 @@ def capture_environment() -> dict[str, str]:
            "python": platform.python_version(), "os": platform.platform(),
            "cpu": _cpu_model()}
     env.update({library: _version(library) for library in LIBRARIES})
+    env["llama.cpp"] = _llama_cpp_build()
     env.update(_cuda())
     return env
+
+
+@functools.cache
+def _llama_cpp_build() -> str:
+    """The llama.cpp build GGUF jobs run in: ggml's version and commit and the CPU features
+    it was compiled with, read from llama-cpp-python's own libraries (not imported: nothing
+    of it runs in a process that never measures a GGUF)."""
+    import ctypes
+    import importlib.util
+
+    found = importlib.util.find_spec("llama_cpp")
+    if found is None or not found.submodule_search_locations:
+        return NOT_INSTALLED
+    lib = Path(next(iter(found.submodule_search_locations))) / "lib"
+    try:
+        ggml = ctypes.CDLL(str(lib / "libggml-base.so"))
+        llama = ctypes.CDLL(str(lib / "libllama.so"))
+    except OSError as error:
+        return f"unknown ({error})"
+    for function in (ggml.ggml_version, ggml.ggml_commit, llama.llama_print_system_info):
+        function.restype = ctypes.c_char_p
+    features = " ".join(part.split("=")[0].strip().split(" : ")[-1] for part in
+                        llama.llama_print_system_info().decode().split("|")
+                        if part.strip().endswith("= 1"))
+    return (f"ggml {ggml.ggml_version().decode()} ({ggml.ggml_commit().decode()}); "
+            f"{features}")
 
 
 def _version(distribution: str) -> str:
