@@ -368,3 +368,45 @@ def test_a_torchao_search_verifies_its_mix_as_predicted(cluster, calibration, tm
     assert row["size_bytes"] == row["predicted_bytes"]  # the cells' bytes add up exactly
     allocation = read_frame(tmp_path / "run", "allocation").filter(pl.col("role") == "mixed")
     assert set(allocation["format"]) >= {"i8", "i4"}  # a real mix at this budget
+    # its int4 layers cannot be saved on the CPU: the export says why, writing nothing
+    from quantdask.search.export import export_allocation
+
+    with pytest.raises(SpecError, match="torchao cannot write this allocation.*int4 on the CPU"):
+        export_allocation(tmp_path / "run", "mix", 8.6, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_torchao_mix_of_int8_and_kept_modules_exports_as_a_checkpoint_transformers_loads(
+        tmp_path):
+    """torchao's per-module configs (FqnToConfig) through transformers' quantizer: the saved
+    checkpoint reloads with plain from_pretrained to the model the job measures, logit for
+    logit; int4 on the CPU is refused with the reason (torchao cannot save it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantdask.backends import get_backend
+    from quantdask.backends.torchao import INT4_UNSAVED, export_mix, quantize_torchao
+    from quantdask.errors import UnsupportedHere
+    from quantdask.process.model_source import load_model_source
+    from quantdask.sweepfile.sweep import expand_grid
+
+    torchao = get_backend("torchao")
+    [job] = [j for j in expand_grid(sweep_from_dict(sweep_dict())) if j.is_baseline]
+    layers = [f"model.layers.{i}.{part}" for i in range(4)
+              for part in ("self_attn.q_proj", "mlp.down_proj")]
+    options = torchao.normalize({"mode": "int8_weight_only", "modules": {
+        **{name: None for name in layers[::2]}}}, "options")
+    written = export_mix(job.model, options, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(written.parent, device_map="cpu").eval()
+    in_memory = quantize_torchao(load_model_source(job.model), options, "cpu").eval()
+    windows = torch.randint(0, 200, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(reloaded(windows).logits, in_memory(windows).logits)
+    kept = reloaded.get_submodule(layers[0]).weight
+    assert type(kept) is torch.nn.Parameter  # a kept module stays in full precision
+    assert type(reloaded.get_submodule(layers[1]).weight).__name__ == "Int8Tensor"
+    mixed = torchao.normalize({"mode": "int8_weight_only", "modules": {
+        layers[1]: {"mode": "int4_weight_only", "group_size": 32}}}, "options")
+    with pytest.raises(UnsupportedHere, match="int4 on the CPU"):
+        export_mix(job.model, mixed, tmp_path / "int4")
+    assert INT4_UNSAVED.startswith("torchao's int4")

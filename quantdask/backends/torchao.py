@@ -7,6 +7,7 @@ Install with ``pip install 'quantdask[torchao]'``. On a CPU, int4 uses torchao's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from quantdask.backends.base import (
     Backend,
@@ -193,6 +194,38 @@ def quantize_module(module, options: TorchaoOptions):
     return copy
 
 
+INT4_UNSAVED = ("torchao's int4 on the CPU (its Int4OpaqueTensor) has no save format: "
+                "transformers refuses to serialize it (checked on torchao 0.18, transformers "
+                "5.25); a mix of int8 and kept modules saves")
+
+
+def export_mix(model, options: TorchaoOptions, folder) -> Path:
+    """A torchao config of per-module formats written as a checkpoint plain transformers
+    loads (``Searchable.export``): the model loaded through transformers' own ``TorchAoConfig``
+    with torchao's ``FqnToConfig`` (each linear's config by full name, the others left as
+    they are), saved with safetensors into ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, TorchAoConfig
+
+    quantization = require_library(*TORCHAO)
+    configs: dict[str, object] = {"_default": None}  # a module not named stays as it is
+    config = AutoConfig.from_pretrained(model.location, trust_remote_code=model.trust_remote_code)
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(config)
+    for name in _targets(empty, options):
+        found = module_config(name, options)
+        if found is not None and found[0] != "int8_weight_only":
+            raise UnsupportedHere(INT4_UNSAVED)
+        if found is not None:
+            configs[name] = _config(quantization, found[0], found[1], "cpu", "")
+    quantized = AutoModelForCausalLM.from_pretrained(
+        model.location, device_map="cpu", trust_remote_code=model.trust_remote_code,
+        quantization_config=TorchAoConfig(quant_type=quantization.FqnToConfig(configs)))
+    target = Path(folder) / "model"
+    quantized.save_pretrained(target)
+    return target / "model.safetensors"
+
+
 def _linear() -> type:
     import torch
 
@@ -261,8 +294,6 @@ torchao_backend = Backend(
     check=check_torchao,
     sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes),
     capabilities=(Dequantizes(dequantize_layer), Savable(),
-                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS, unexported_why=(
-                      "quantdask does not write torchao's per-module configs (FqnToConfig) "
-                      "through transformers' quantizer yet"))),
+                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS, export=export_mix)),
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

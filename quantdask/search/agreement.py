@@ -110,7 +110,8 @@ def _file(backend: str) -> str:
 
     searchable = get_backend(backend).has(Searchable)
     if searchable is not None and searchable.export is not None:
-        return "one file: quantdask export allocation RUN_DIR --search NAME --budget B --to DIR"
+        return ("one file: quantdask export allocation RUN_DIR --search NAME --budget B --to DIR "
+                "(refused, with the reason, for a mix holding a format its backend cannot save)")
     if searchable is not None and searchable.ships_as:
         return searchable.ships_as
     why = searchable.unexported_why if searchable is not None else "not searchable"

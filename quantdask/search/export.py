@@ -18,7 +18,7 @@ import polars as pl
 
 from quantdask.backends import get_backend
 from quantdask.backends.capabilities import Searchable
-from quantdask.errors import SpecError
+from quantdask.errors import SpecError, UnsupportedHere
 from quantdask.store.run_store import RunStore, read_frame
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.words import Status
@@ -75,7 +75,11 @@ def export_allocation(run_dir: str | os.PathLike, search: str, budget: float,
     location = row["model_location"]
     model = (ModelSpec(path=location) if os.path.isdir(location)
              else ModelSpec(hub=location))
-    path = Path(searchable.export(model, options, to))
+    try:
+        path = Path(searchable.export(model, options, to))
+    except UnsupportedHere as refused:  # (this allocation's formats: torchao's int4 on a CPU)
+        raise SpecError("--search", f"{backend.name} cannot write this allocation as a file: "
+                                    f"{refused}") from refused
     return Exported(path, path.stat().st_size, search, row["job_id"],
                     row["budget_bits_per_weight"], candidate, row["predicted_kl"],
                     row["predicted_bytes"], _measured(run_dir, row["job_id"]))
