@@ -43,13 +43,14 @@ def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
     jobs = jobs.with_columns(runtime.fill_null(TORCH).alias("measured_in"))
     rows = []
     for (search,), part in jobs.group_by("search", maintain_order=True):
-        predicted = predicted_in(part["backend"][0])
+        proxy = proxy_of(part["backend"][0])
+        predicted = TORCH if proxy is None else f"{TORCH}, {proxy}"
         rows.append({
             "search": search, "jobs": part.height,
             "spearman": _spearman(part["predicted_kl"], part["kl_divergence"]),
             "predicted_in": predicted,
             "measured_in": ", ".join(sorted(set(part["measured_in"]))),
-            "proxy": predicted != TORCH or bool((part["measured_in"] != TORCH).any()),
+            "proxy": proxy is not None or bool((part["measured_in"] != TORCH).any()),
             "measured_over_predicted": _median(part["kl_divergence"] / part["predicted_kl"]),
             "file": _file(part["backend"][0]),
         })
@@ -88,17 +89,26 @@ def agreement_line(row: dict) -> str:
             f"{proxy}; its mix: {row['file']}")
 
 
-def predicted_in(backend: str) -> str:
-    """Where a search of ``backend`` predicts: in torch, with the backend's own quantizer
-    (``torch``), a stated proxy of it (``Searchable.proxy``), or a proxy of the runtime its
-    jobs measure in (``OwnRuntime``)."""
+def proxy_of(backend: str) -> str | None:
+    """The stated proxy a search of ``backend`` probes with (``Searchable.proxy_is``), or
+    None where it probes with the backend's own quantizer."""
     from quantdask.backends import get_backend
-    from quantdask.backends.capabilities import OwnRuntime, Searchable
+    from quantdask.backends.capabilities import Searchable
 
-    found = get_backend(backend)
-    searchable, runtime = found.has(Searchable), found.has(OwnRuntime)
-    if searchable is not None and searchable.proxy is not None:
-        return f"{TORCH}, {searchable.proxy_is}"
+    searchable = get_backend(backend).has(Searchable)
+    return searchable.proxy_is if searchable is not None and searchable.proxy else None
+
+
+def predicted_in(backend: str) -> str:
+    """Where a search of ``backend`` predicts (the allocation frame's ``predicted_in``): in
+    torch, with the backend's own quantizer, a stated proxy of it, or as a proxy of the
+    runtime its jobs measure in (``OwnRuntime``)."""
+    from quantdask.backends import get_backend
+    from quantdask.backends.capabilities import OwnRuntime
+
+    proxy, runtime = proxy_of(backend), get_backend(backend).has(OwnRuntime)
+    if proxy is not None:
+        return f"{TORCH}, {proxy}"
     return TORCH if runtime is None else f"{TORCH}, a proxy for {runtime.runtime}"
 
 
