@@ -32,7 +32,7 @@ def main() -> None:
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     sweep = dataclasses.replace(
-        load_demo_sweep(), tasks=None, gates=[], layer_stats=False,
+        load_demo_sweep(), tasks=None, gates=[], layer_stats=False, searches=[], calibration=None,
         speed=SpeedSettings(prompt_length=128, new_tokens=64, batch_sizes=sizes, warmup=1,
                             repeats=3))
     with tempfile.TemporaryDirectory() as run_dir, qd.start_cluster(workers=args.slots) as c:

@@ -21,6 +21,7 @@ DATA_DIR = os.fspath(resources.data_dir())
 DEMO_MODEL_DIR = os.fspath(resources.demo_model_dir())
 DEMO_EVAL_TEXT = os.fspath(resources.demo_eval_text())
 DEMO_SWEEP = os.fspath(resources.demo_sweep())
+DEMO_CALIBRATION_NAME = "calibration.txt"  # beside the eval text: the demo search's probes
 DEMO_TASKS_DIR = os.fspath(resources.demo_tasks_dir())
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vas", "pe", "nu", "dar", "si", "gol", "be",
@@ -111,6 +112,11 @@ def build_demo_model(out_dir: str = DEMO_MODEL_DIR, eval_path: str = DEMO_EVAL_T
     os.makedirs(os.path.dirname(eval_path), exist_ok=True)
     with open(eval_path, "w", encoding="utf-8") as f:
         f.write(generate_text(1_500, seed=seed + 1))
+    # The demo search's calibration text, beside the eval text: a third seed, so its probes
+    # predict on other windows than the jobs measure.
+    with open(os.path.join(os.path.dirname(eval_path), DEMO_CALIBRATION_NAME), "w",
+              encoding="utf-8") as f:
+        f.write(generate_text(300, seed=seed + 2))
     build_demo_task(os.path.join(DEMO_TASKS_DIR, "demo_facts"))
     return out_dir
 
@@ -141,25 +147,31 @@ metadata:
 
 
 def load_demo_sweep():
-    """The demo sweep (``DEMO_SWEEP``). Its task accuracy needs lm-evaluation-harness (the
-    ``tasks`` extra, which ``make demo`` installs): where that is missing, the sweep comes
-    without its tasks block and the gates on them, and a note says how to add them (the demo
-    runs everywhere the package does)."""
+    """The demo sweep (``DEMO_SWEEP``), less what this install cannot run, each with a line
+    saying what adds it (the demo runs everywhere the package does): its task accuracy and
+    the gates on it need lm-evaluation-harness (the ``tasks`` extra), its search hqq (the
+    ``hqq`` extra); ``make demo`` installs both."""
     import importlib.util
 
     import yaml
 
-    from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
+    from quantdask.backends.base import missing_library
+    from quantdask.backends.hqq import HQQ
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
     from quantdask.sweepfile.tasks import INSTALL_TASKS
 
-    if importlib.util.find_spec("lm_eval") is not None:
-        return load_sweep(DEMO_SWEEP)
     with open(DEMO_SWEEP, encoding="utf-8") as f:
         data = yaml.safe_load(f)
-    del data["tasks"], data["gates"]
-    print(f"quantdask: the demo's task accuracy and gates need lm-evaluation-harness: "
-          f"{INSTALL_TASKS}", flush=True)
-    return sweep_from_dict(data, root=os.path.dirname(DEMO_SWEEP))
+    if importlib.util.find_spec("lm_eval") is None:
+        del data["tasks"], data["gates"]
+        print(f"quantdask: the demo's task accuracy and gates need lm-evaluation-harness: "
+              f"{INSTALL_TASKS}", flush=True)
+    if missing_library(*HQQ) is not None:
+        # Dropped before anything runs: its calibration block serves only the search.
+        del data["searches"], data["calibration"]
+        print(f"quantdask: the demo's search (the mix of HQQ formats to ship under a size) "
+              f"needs hqq: pip install {HQQ[2]}; the demo runs without it", flush=True)
+    return sweep_from_dict(data, root=os.path.dirname(os.path.abspath(DEMO_SWEEP)))
 
 
 def build_demo_task(out_dir: str) -> str:

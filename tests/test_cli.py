@@ -84,12 +84,13 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]
     assert baseline.is_baseline and baseline.id.startswith("none-")
     assert out[1].split()[:2] == ["1", baseline.id]
-    # The header, 7 jobs, how the model's windows begin (eval.bos), a line on streaming
-    # (stream: auto) and the counts.
-    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 1 + 1
+    # The header, 7 jobs, how the model's windows begin (eval.bos), its search (whose jobs
+    # are made when it has probed), a line on streaming (stream: auto) and the counts.
+    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 1 + 1 + 1
     assert out[8] == ("eval windows of demo-llama (eval.bos: auto): the text cut as tokenized, "
                       "no BOS per window")
-    assert out[9].startswith("stream: demo-llama: its jobs stream where")
+    assert out[9].startswith("search mix: demo-llama, hqq formats b3g128, b3, b4 per linear")
+    assert out[10].startswith("stream: demo-llama: its jobs stream where")
     # Every config quantizes the demo model's linear layers but the output head: 90% of it.
     at = out[0].index("quantized")
     assert [line[at:].split()[0] for line in out[1:8]] == ["-"] + ["90%"] * 6

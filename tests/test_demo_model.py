@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from quantdask.demo_model import DEMO_SWEEP, generate_text
+from quantdask.demo_model import DEMO_CALIBRATION_NAME, DEMO_SWEEP, generate_text
 from quantdask.sweepfile.sweep_file import load_sweep
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,3 +38,29 @@ def test_recipe_builds_a_model_transformers_loads(tmp_path):
     assert len(ids) < 0.75 * len(text.encode("utf-8"))
     demo = load_sweep(DEMO_SWEEP).eval
     assert len(ids) >= demo.samples * demo.seq_len  # enough for the demo sweep's windows
+    # The demo search's calibration text: the seed + 2 text, as shipped beside the eval text.
+    calibration = (tmp_path / DEMO_CALIBRATION_NAME).read_text(encoding="utf-8")
+    assert calibration == generate_text(300, seed=2) == Path(
+        load_sweep(DEMO_SWEEP).calibration.text_path).read_text(encoding="utf-8")
+
+
+def test_the_demo_without_hqq_drops_its_search_and_says_what_it_needs(monkeypatch, capsys):
+    """A bare wheel has no hqq (an extra): the demo drops its search, and the calibration
+    block only the search reads, before anything runs, says in one line what adds it, and
+    keeps every config."""
+    import sys
+
+    from quantdask.demo_model import load_demo_sweep
+    from quantdask.sweepfile.sweep import expand_grid
+
+    shipped = load_demo_sweep()
+    assert [s.name for s in shipped.searches] == ["mix"] and shipped.calibration is not None
+    capsys.readouterr()
+    for module in ("hqq", "hqq.core", "hqq.core.quantize"):  # its import raises ImportError
+        monkeypatch.setitem(sys.modules, module, None)
+    sweep = load_demo_sweep()
+    assert not sweep.searches and sweep.calibration is None
+    said = [line for line in capsys.readouterr().out.splitlines() if "hqq" in line]
+    assert said == ["quantdask: the demo's search (the mix of HQQ formats to ship under a size) "
+                    "needs hqq: pip install 'quantdask[hqq]'; the demo runs without it"]
+    assert [j.id for j in expand_grid(sweep)] == [j.id for j in expand_grid(shipped)]

@@ -61,7 +61,9 @@ def test_every_extra_is_carried_or_left_out_with_its_reason():
 
 def test_the_bundle_and_the_tree_fit_one_device_call():
     bundle, tree = LOCK["archive"]["bytes"], gpu_bundle.tree_bytes()
-    assert tree < 8 * 2**20  # the tree travels with it: no stray data files
+    # the tree travels with it: no stray data files (8.4 MB: two tiny models, 5.4 MB of them,
+    # and the demo's eval and calibration texts)
+    assert tree < 9 * 2**20
     assert bundle + tree <= gpu_bundle.TARGET_MIB * 2**20 < gpu_bundle.CALL_LIMIT_MIB * 2**20
     # bitsandbytes' 15 native libraries (CUDA 11.8 to 13.2, ROCm, XPU) down to two.
     assert LOCK["libraries_kept"] == ["bitsandbytes/libbitsandbytes_cpu.so",

@@ -164,17 +164,35 @@ def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_p
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "building the demo model" not in demo.stdout  # it shipped
     assert "Dask dashboard: http://127.0.0.1:" in demo.stdout  # the local cluster: loopback
-    n_jobs = len(expand_grid(load_sweep(DEMO_SWEEP)))
+    results = read_results(work / "run")
+    n_jobs = results.height  # the configs' jobs and the search's (made once it has probed)
+    assert n_jobs > len(expand_grid(load_sweep(DEMO_SWEEP))) and set(results["status"]) == {
+        "done"}
     assert f"{n_jobs} jobs: {n_jobs} done, 0 failed, 0 skipped" in demo.stdout
     # What the report says, at the terminal (issue 39): task accuracy and the gates' verdict.
     assert "task accuracy (score ± standard error; recovery = " in demo.stdout
     assert f"gates: passed: all {n_jobs - 1} quantized configs meet every gate" in demo.stdout
-    results = read_results(work / "run")
-    assert results.height == n_jobs and set(results["status"]) == {"done"}
+    # It leads with its search's answer (issue 56), before the jobs' table: the mix to ship,
+    # the uniform format within the budget and the two at equal bytes, and why there is no file.
+    answer = ("answer: at 6.9 bits/weight (whole model; search mix, demo-llama), ship mix 6.9b "
+              "#1: KL ")
+    assert answer in demo.stdout and demo.stdout.index(answer) < demo.stdout.index(
+        "config_label")
+    assert "  uniform b3 (hqq 3b g64), the largest within the budget: KL " in demo.stdout
+    assert "  at equal bytes (6.890 bits/weight): mixed " in demo.stdout
+    assert "  its file: not saved as a file: " in demo.stdout
     report = work / "run" / "report.html"
     assert f"report: {report.resolve()}" in demo.stdout
     assert report.stat().st_size > 500_000  # the charts' JavaScript inlined
     assert "quantdask report: run" in report.read_text(encoding="utf-8")
+    # The report opens with it too, and shows the search (tests/test_search.py's run has no
+    # report of its own: this one covers it).
+    html = report.read_text(encoding="utf-8")
+    assert html.index(answer) < html.index("Mixed against uniform, by size")
+    for title in ("Sensitivity by depth and format", "Predicted against measured KL",
+                  "measured_over_predicted"):
+        assert title in html, title
+    assert "no search in this run" not in html
     # Every section filled: the demo's speed block gives the speed section its figures.
     assert "this sweep timed no generation" not in report.read_text(encoding="utf-8")
     assert "WARNING" not in demo.stderr  # notebook and kernel clean-up stay quiet

@@ -205,15 +205,38 @@ def test_a_rerun_probes_only_what_is_missing_and_picks_the_same_allocation(
     assert read_results(run_dir).height == results.height
 
 
-def test_the_report_shows_the_search(searched, tmp_path):
-    import quantdask as qd
+def test_the_answer_is_the_mix_that_measured_least_beside_the_uniform_within_its_budget(
+        searched):
+    """``search.answer`` from the run's records: per budget, the verified mix that measured
+    the least KL, the largest uniform format within the budget and the mix at its bytes (at
+    b2's, the least a unit takes, that is b2 everywhere: the uniform job itself), and why the
+    hqq mix is no file; the terminal's lines say the same."""
+    from quantdask.cli.summary import answer_lines
+    from quantdask.search.answer import search_answers
 
-    run_dir, _ = searched
-    html = qd.write_report(run_dir, tmp_path / "report.html").read_text(encoding="utf-8")
-    for title in ("Sensitivity by depth and format", "Mixed against uniform, by size",
-                  "Predicted against measured KL", "measured_over_predicted"):
-        assert title in html, title
-    assert "no search in this run" not in html
+    run_dir, results = searched
+    answers = search_answers(results, read_frame(run_dir, "allocation"), run_dir)
+    assert answers["budget_bits_per_weight"].to_list() == [7.2, 7.5]
+    by_id = {row["job_id"]: row for row in results.to_dicts()}
+    for row in answers.to_dicts():
+        mixed = results.filter((pl.col("search_role") == "mixed") & (
+            pl.col("search_budget_bits_per_weight") == row["budget_bits_per_weight"]))
+        assert mixed.height == 2 and row["ship_kl"] == mixed["kl_divergence"].min()
+        ship = by_id[row["ship_job_id"]]
+        assert (row["ship_label"], row["ship_kl_se"]) == (ship["config_label"], ship["kl_se"])
+        assert row["ship_bits_per_weight"] <= row["budget_bits_per_weight"]
+        # b3 stores 7.79 bits per weight, b2 6.69: b2 is the largest uniform within both
+        uniform = by_id[row["uniform_job_id"]]
+        assert (row["uniform_format"], row["uniform_config"]) == ("b2", "hqq 2b g32")
+        assert (row["uniform_label"], row["uniform_kl"]) == ("mix uniform b2",
+                                                             uniform["kl_divergence"])
+        assert row["equal_job_id"] == row["uniform_job_id"]
+        assert row["file"].startswith("not saved as a file") and "tag" in row["file"]
+    lines = answer_lines(run_dir, results)
+    assert len(lines) == 2 * 3 and lines[0].startswith(
+        "answer: at 7.2 bits/weight (whole model; search mix, demo), ship mix 7.2b #")
+    assert lines[1].startswith("  uniform b2 (hqq 2b g32), the largest within the budget: KL ")
+    assert lines[2].startswith("  its file: not saved as a file: ")
 
 
 def fragile_model(directory) -> str:

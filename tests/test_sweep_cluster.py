@@ -44,9 +44,11 @@ def reference_events(cluster, sweep) -> int:
 
 def demo_data() -> dict:
     """The demo sweep (data/demo_sweep.yaml) as data, its paths made absolute, each job scoring
-    16 of its task's questions instead of 160: no test here reads the task scores (the demo as
-    shipped runs whole in tests/test_install.py), and those questions cost seconds a job."""
+    16 of its task's questions instead of 160 and without its search: no test here reads the
+    task scores or the search (the demo as shipped runs whole in tests/test_install.py; a
+    search in tests/test_search.py), and those cost seconds a job."""
     data = yaml.safe_load(Path(DEMO_SWEEP).read_text())
+    del data["searches"], data["calibration"]
     data["models"][0]["path"] = DEMO_MODEL_DIR
     data["eval"]["text"] = DEMO_EVAL_TEXT
     data["tasks"].update(include_path=DEMO_TASKS_DIR, limit=16)

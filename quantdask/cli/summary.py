@@ -80,6 +80,16 @@ def gate_lines(results: pl.DataFrame) -> list[str]:
                        .splitlines())]
 
 
+def answer_lines(run_dir, results: pl.DataFrame) -> list[str]:
+    """Each search's answer (``search.answer``): the mix to ship at each budget, beside the
+    uniform format within it and the two at equal bytes, and its file; [] without a search."""
+    from quantdask.search import answer
+    from quantdask.store.run_store import read_frame
+
+    found = answer.search_answers(results, read_frame(run_dir, "allocation"), run_dir)
+    return answer.answer_lines(found)
+
+
 def search_lines(results: pl.DataFrame) -> list[str]:
     """Each search's predicted against measured KL (``search.agreement``), a line each."""
     from quantdask.search.agreement import agreement_line, prediction_agreement

@@ -13,6 +13,7 @@ import polars as pl
 
 from quantdask.report.charts import JOB_TOOLTIP, _empty
 from quantdask.search.agreement import agreement_line, prediction_agreement
+from quantdask.search.answer import answer_lines
 from quantdask.words import Status
 
 NO_SEARCH = "no search in this run (a sweep's searches: block adds one)"
@@ -100,6 +101,19 @@ def prediction_chart(results: pl.DataFrame) -> alt.TopLevelMixin:
     return alt.layer(diagonal, bars, points).properties(
         width=420, height=300, title=alt.TitleParams("Predicted against measured KL",
                                                      subtitle=said))
+
+
+def answer_markdown(answers: pl.DataFrame) -> str | None:
+    """The answers of :func:`quantdask.search.answer.search_answers` as the report's opening
+    Markdown: each answer's first line in bold, the rest as a list; None without one."""
+    blocks: list[str] = []
+    for line in answer_lines(answers):
+        text = line.strip().replace("_", "\\_").replace("*", "\\*")
+        if line.startswith(" ") and blocks:
+            blocks[-1] += f"\n- {text}"
+        else:
+            blocks.append(f"**{text}**\n")
+    return "\n\n".join(blocks) if blocks else None
 
 
 def agreement_table(results: pl.DataFrame) -> pl.DataFrame:
