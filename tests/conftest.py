@@ -59,9 +59,9 @@ leave_out_iri_checker()
 LONGEST_FIRST = ("test_multinode.py", "test_faults.py", "test_report.py", "test_gptq.py",
                  "test_install.py", "test_benchmarks.py", "test_handle.py", "test_search.py",
                  "test_gguf.py", "test_gptq_search.py", "test_gguf_search.py",
-                 "test_calibration.py", "test_tasks.py", "test_streaming.py",
-                 "test_for_people.py", "test_slot_memory.py", "test_sweep_cluster.py",
-                 "test_tasks_sweep.py",
+                 "test_gguf_experts.py", "test_calibration.py", "test_tasks.py",
+                 "test_streaming.py", "test_for_people.py", "test_slot_memory.py",
+                 "test_sweep_cluster.py", "test_tasks_sweep.py",
                  "test_quantized_size.py", "test_kl_exact.py", "test_operator.py",
                  "test_artifacts.py", "test_gptq_families.py")
 

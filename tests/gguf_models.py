@@ -10,10 +10,18 @@ from pathlib import Path
 
 
 def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int = 2,
-                       vocab: int = 512, seed: int = 0) -> Path:
+                       vocab: int = 512, seed: int = 0, experts: int = 0) -> Path:
+    """A tiny Llama; with ``experts``, a Mixtral of that many experts (2 per token), each of
+    FFN width ``ffn`` (transformers holds them fused, one 3-D tensor per projection)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     from quantdask.demo_model import generate_text
 
@@ -31,12 +39,14 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=ffn,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=False)
+    shape = dict(vocab_size=len(fast), hidden_size=hidden, intermediate_size=ffn,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=experts,
+                                              num_experts_per_tok=2, sliding_window=None))
+             if experts else LlamaForCausalLM(LlamaConfig(**shape)))
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.ones_like(param) if "norm" in name
@@ -128,3 +138,35 @@ def plain_figures(gguf: Path, checkpoint: Path, windows) -> dict[str, float]:
     return {"kl_divergence": float((ref.exp() * (ref - ours)).sum(-1).mean()),
             "perplexity": math.exp(float(nll.mean())),
             "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).double().mean())}
+
+
+def require_gguf() -> None:
+    """Skip the calling test module where the gguf extra or llama.cpp's converter (``quantdask
+    gguf-setup``) is missing."""
+    import pytest
+
+    pytest.importorskip("llama_cpp", reason="pip install 'quantdask[gguf]'")
+    from quantdask.gguf.source import missing_converter
+
+    if missing_converter():
+        pytest.skip(missing_converter(), allow_module_level=True)
+
+
+def gguf_search_sweep(folder: Path, calibration: str, name: str, model: str):
+    """A sweep of the model at ``folder`` (named ``model``): a search ``mix`` over Q2_K, Q4_K
+    and Q8_0 per unit at 5 bits per weight, the rest as Q4_K_M writes it, beside uniform
+    Q4_K_M, on 8 eval windows of its ``eval.txt``."""
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+
+    return sweep_from_dict({
+        "name": name, "models": [{"name": model, "path": str(folder)}],
+        "backends": [{"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
+        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 8,
+                 "batch_size": 4, "kl_top_k": "all"},
+        "calibration": {"text": calibration, "samples": 8, "seq_len": 128},
+        "searches": [{"name": "mix", "model": model, "backend": "gguf",
+                      "base": {"type": "Q4_K_M"},
+                      "formats": {"q2": {"tensor_type": "Q2_K"}, "q4": {"tensor_type": "Q4_K"},
+                                  "q8": {"tensor_type": "Q8_0"}},
+                      "budget": {"bits_per_weight": 5.0}, "windows": 8, "cells_per_task": 16}],
+        "seed": 0, "retries": 0})

@@ -21,7 +21,7 @@ from quantdask.gguf.quantize import quantize_gguf, tensor_types  # noqa: E402
 from quantdask.gguf.searched import given_types  # noqa: E402
 from quantdask.gguf.source import gguf_module  # noqa: E402
 from tests.conftest import calibration_file  # noqa: E402
-from tests.gguf_models import cached_f32, llama2_style_model  # noqa: E402
+from tests.gguf_models import cached_f32, gguf_search_sweep, llama2_style_model  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -110,23 +110,11 @@ def gguf_search(narrow_ffn, cluster, tmp_path_factory):
     """A GGUF search of the tiny Llama (Q2_K, Q4_K and Q8_0 per linear, the rest as Q4_K_M
     writes it) run on the cluster: its results and run folder."""
     import quantdask as qd
-    from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     folder, _ = narrow_ffn
     calibration = calibration_file(tmp_path_factory, 300, seed=11)
     run_dir = tmp_path_factory.mktemp("gguf-search") / "run"
-    sweep = sweep_from_dict({
-        "name": "gguf-search", "models": [{"name": "llama", "path": str(folder)}],
-        "backends": [{"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
-        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 8,
-                 "batch_size": 4, "kl_top_k": "all"},
-        "calibration": {"text": calibration, "samples": 8, "seq_len": 128},
-        "searches": [{"name": "mix", "model": "llama", "backend": "gguf",
-                      "base": {"type": "Q4_K_M"},
-                      "formats": {"q2": {"tensor_type": "Q2_K"}, "q4": {"tensor_type": "Q4_K"},
-                                  "q8": {"tensor_type": "Q8_0"}},
-                      "budget": {"bits_per_weight": 5.0}, "windows": 8, "cells_per_task": 16}],
-        "seed": 0, "retries": 0})
+    sweep = gguf_search_sweep(folder, calibration, "gguf-search", "llama")
     return qd.run_sweep(sweep, run_dir, cluster.client), run_dir
 
 

@@ -117,7 +117,9 @@ class Searchable(Capability):
     allocation is not exported, and the refusal and the report say why (``unexported_why``).
     ``embeddings``: the token embedding and the output are units of their own (a module each,
     or one where they share weights), which a uniform format covers too (its jobs then name
-    every unit's format).
+    every unit's format). ``experts``: a mixture-of-experts layer's fused experts are units,
+    one per projection with every expert in it, and their router is none
+    (``search.members``), as a runtime that stores them that way needs (GGUF).
 
     ``proxy`` (optional): what the probes quantize each module with instead of
     :class:`ModuleAlone`, for a backend whose module alone is not what the method makes of it
@@ -129,6 +131,9 @@ class Searchable(Capability):
     rest_bytes: Callable[..., int] | None = None
     export: Callable[..., Any] | None = None
     embeddings: bool = False  # the token embedding and output are units too (GGUF's types)
+    # Fused experts are members, one tensor per projection (GGUF's ffn_*_exps), and their
+    # routers none (search.members).
+    experts: bool = False
     unexported_why: str = "its verifying jobs measure the mix in memory only"
     proxy: ModuleAlone | None = None
     proxy_is: str = ""

@@ -48,6 +48,6 @@ gguf_backend = register_backend(Backend(
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module), Dequantizes(dequantize_module),
                   Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
-                             embeddings=True)),
+                             embeddings=True, experts=True)),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

@@ -87,8 +87,8 @@ def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],
     """What a searched file of ``model`` stores outside ``units``, as llama.cpp counts it:
     the token embedding and the output in :func:`rest_types` (as written), every other
     tensor F32 as converted (norms, biases outside the units)."""
-    inside = {f"{m}.{kind}" for modules in units.values() for m in modules
-              for kind in ("weight", "bias")}
+    inside = {f"{m}{kind}" for modules in units.values() for m in modules
+              for kind in (".weight", ".bias", "")}  # ("": a fused experts parameter)
     found: Any = model  # a transformers model
     embedding, output = found.get_input_embeddings(), found.get_output_embeddings()
     tied = output is None or output.weight is embedding.weight
@@ -156,15 +156,15 @@ def given_types(path: str | os.PathLike, options) -> TensorTypes:
     wanted: dict[str, str] = {}
     if options.tensor_type:
         wanted = {name: options.tensor_type for name, shape in shapes.items()
-                  if name.startswith("blk.") and len(shape) == 2}
+                  if name.startswith("blk.") and len(shape) in (2, 3) and quantized_here(name)}
     unknown = []
     for module, own in (options.modules or {}).items():
-        name = names.get_name(module)
-        if name is None or f"{name}.weight" not in shapes:
+        found = _tensors_of(module, names, shapes)
+        if not found:
             unknown.append(module)
-            continue
-        wanted[f"{name}.weight"] = "F32" if own is None else own.get(
-            "tensor_type") or options.tensor_type or "F32"
+        for name in found:
+            wanted[name] = "F32" if own is None else own.get(
+                "tensor_type") or options.tensor_type or "F32"
     if unknown:
         raise UnsupportedHere(f"the GGUF of this model has no tensor for modules "
                               f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} "
@@ -176,3 +176,31 @@ def given_types(path: str | os.PathLike, options) -> TensorTypes:
     output = written_type(wanted.pop("output.weight", output), row)
     return TensorTypes({name: written_type(kind, shapes[name][0])
                         for name, kind in wanted.items()}, wanted, embedding, output)
+
+
+# What llama.cpp's quantizer keeps as converted whatever it is told (``tensor_allows_quantization``
+# in src/llama-quant.cpp): routers, norms and a few small tensors, by name.
+_NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel",
+                    "per_layer_model_proj", "ssm_conv1d", "shortconv.conv.weight")
+
+
+def quantized_here(name: str) -> bool:
+    """Whether llama.cpp's quantizer may give GGUF tensor ``name`` a quantized type."""
+    return name.endswith("weight") and not any(part in name for part in _NEVER_QUANTIZED)
+
+
+def _tensors_of(module: str, names, shapes: dict[str, list[int]]) -> list[str]:
+    """The GGUF tensors holding member ``module`` (``search.members``): one, or, for fused
+    experts' gate and up projections, the two tensors llama.cpp's converter splits them into
+    (``ffn_gate_exps``, ``ffn_up_exps``) where the file has no fused ``ffn_gate_up_exps``;
+    [] where the file has none."""
+    import re
+
+    name = names.get_name(module)
+    if name is not None and f"{name}.weight" in shapes:
+        return [f"{name}.weight"]
+    layer = re.search(r"\.(\d+)\.", module)
+    if module.endswith(".experts.gate_up_proj") and layer:
+        split = [f"blk.{layer.group(1)}.ffn_{part}_exps.weight" for part in ("gate", "up")]
+        return split if all(part in shapes for part in split) else []
+    return []

@@ -57,17 +57,19 @@ def search_reference(model: ModelSpec, settings: EvalSettings, text: str) -> Ref
         return compute_reference(model, settings, text)
 
 
-def search_units(model: ModelSpec, granularity: str, embeddings: bool = False) -> SearchUnits:
-    """The search's units of ``model`` (name -> its linear modules; with ``embeddings`` the
-    token embedding and output too), each unit's weights and the model's parameter count,
-    read from the model as a probe builds it."""
+def search_units(model: ModelSpec, granularity: str, embeddings: bool = False,
+                 experts: bool = False) -> SearchUnits:
+    """The search's units of ``model`` (name -> its members: linear modules; with
+    ``embeddings`` the token embedding and output too, with ``experts`` fused experts) and
+    the model's parameter count, read from the model as a probe builds it."""
     from quantdask.process.model_source import count_parameters
     from quantdask.search.probes import linear_units
 
     with worker_task(WorkerTaskKind.SEARCH_UNITS, model.label):
         source, _ = cached_model_source(model)
         built = source.build("cpu")
-        return SearchUnits(linear_units(built, granularity, embeddings=embeddings),
+        return SearchUnits(linear_units(built, granularity, embeddings=embeddings,
+                                        experts=experts),
                            count_parameters(built))
 
 
@@ -117,5 +119,7 @@ def _layer(unit: str, module: str, prefix: str) -> int:
 
 
 def _weights(model, name: str) -> int:
-    """How many weights module ``name`` of ``model`` holds."""
-    return int(model.get_submodule(name).weight.numel())
+    """How many weights member ``name`` of ``model`` holds."""
+    from quantdask.search.members import member_weight
+
+    return int(member_weight(model, name).numel())

@@ -18,12 +18,13 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from quantdask.backends.capabilities import Dequantizes, ModuleAlone, Searchable
 from quantdask.measure.layers import decoder_layers
 from quantdask.measure.metrics import measure_quality
 from quantdask.measure.usage import stored_tensors
+from quantdask.search.members import member_bytes, member_weight, quantizable
 
 if TYPE_CHECKING:
     import torch
@@ -50,22 +51,28 @@ class CellMeasure:
 
 
 def linear_units(model: torch.nn.Module, granularity: str,
-                 skip: tuple[str, ...] = ("lm_head",), embeddings: bool = False
-                 ) -> dict[str, tuple[str, ...]]:
-    """The search's units, each the names of its linear modules: ``linear``, each linear of
-    the decoder layers; ``block``, each decoder layer's linears together (named by the
-    layer). Modules outside the decoder layers (the head) are not units, unless
+                 skip: tuple[str, ...] = ("lm_head",), embeddings: bool = False,
+                 experts: bool = False) -> dict[str, tuple[str, ...]]:
+    """The search's units, each the names of its members (``search.members``): ``linear``,
+    each linear of the decoder layers; ``block``, each decoder layer's linears together
+    (named by the layer). Modules outside the decoder layers (the head) are not units, unless
     ``embeddings``: then the token embedding and the output are a unit each (one, when they
-    share their weight)."""
+    share their weight). With ``experts``, each fused experts parameter is a member too (a
+    unit of its own at ``linear``) and their routers are none (``search.members``)."""
     import torch
     from transformers.pytorch_utils import Conv1D
+
+    from quantdask.search.members import fused_experts
 
     prefix, _ = decoder_layers(model)
     units: dict[str, tuple[str, ...]] = {}
     if embeddings:
         units.update({name: (name,) for name in embedding_modules(model)})
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear | Conv1D) or name in skip:
+    fused, routers = fused_experts(model, prefix) if experts else ([], set())
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear | Conv1D) and name not in routers]
+    for name in sorted([*linears, *fused], key=_in_model_order(model)):
+        if name in skip:
             continue
         index = layer_index(name, prefix)
         if index is None:
@@ -73,6 +80,18 @@ def linear_units(model: torch.nn.Module, granularity: str,
         unit = name if granularity == "linear" else f"{prefix}.{index}"
         units[unit] = (*units.get(unit, ()), name)
     return units
+
+
+def _in_model_order(model: torch.nn.Module):
+    """A sort key putting member names in the model's own order (its modules', then each
+    module's parameters')."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def key(name: str) -> tuple[int, int]:
+        if name in order:
+            return order[name], 0
+        return order[name.rpartition(".")[0]], 1
+    return key
 
 
 def embedding_modules(model: torch.nn.Module) -> list[str]:
@@ -168,7 +187,7 @@ class Prober:
         searchable = backend.has(Searchable) if backend is not None else None
         if searchable is not None and searchable.rest_bytes is not None and options is not None:
             return searchable.rest_bytes(self.model, units, options)
-        inside = sum(_state_bytes(self.model.get_submodule(m))
+        inside = sum(member_bytes(self.model, m, _state_bytes)
                      for modules in units.values() for m in modules)
         return _state_bytes(self.model) - inside
 
@@ -186,7 +205,7 @@ class Prober:
         """Where a probe of ``modules`` starts: the first decoder layer among them; None (the
         whole model) for the token embedding, the last layer for a module after them all."""
         embedding = self.model.get_input_embeddings()  # type: ignore[operator]
-        if any(self.model.get_submodule(m) is embedding for m in modules):
+        if any(member_weight(self.model, m) is embedding.weight for m in modules):
             return None
         return min(i if (i := layer_index(m, self.prefix)) is not None else len(self.layers) - 1
                    for m in modules)
@@ -195,9 +214,11 @@ class Prober:
               options: BackendOptions | None) -> CellMeasure:
         """Cell (``unit``, ``format``): each of ``modules`` quantized alone by ``backend``
         with ``options`` (None: kept, KL 0), its KL measured, the weights put back."""
+        from transformers.pytorch_utils import Conv1D
+
         began = time.perf_counter()
         if options is None:
-            size = sum(_state_bytes(self.model.get_submodule(m)) for m in modules)
+            size = sum(member_bytes(self.model, m, _state_bytes) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
         alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
         if alone is None or layer_weights is None:
@@ -205,22 +226,22 @@ class Prober:
         size, swapped = 0, []
         try:
             for name in modules:
-                module = self.model.get_submodule(name)
+                module, held = quantizable(self.model, name)
                 quantized = alone.quantize(module, options)
                 size += getattr(quantized, "checkpoint_bytes", None) or _state_bytes(
                     quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
                 weight = layer_weights.dequantize(quantized)
                 if weight is None:
                     raise ValueError(f"{backend.name}: no dequantized weight for {name}")
-                original = cast("torch.Tensor", module.weight).data
-                if weight.shape != original.shape:  # GPT-2's Conv1D stores (in, out)
+                original = held.data
+                if isinstance(module, Conv1D):  # stores (in, out): a square one too
                     weight = weight.t()
-                swapped.append((module, original))
-                module.weight.data = weight.to(dtype=original.dtype).contiguous()
+                swapped.append((held, original))
+                held.data = weight.to(dtype=original.dtype).reshape(original.shape).contiguous()
             kl, se = self.measure(self._first_layer(modules))
         finally:
-            for module, original in swapped:
-                module.weight.data = original
+            for held, original in swapped:
+                held.data = original
         return CellMeasure(unit, format, kl, se, size, time.perf_counter() - began)
 
 

@@ -136,7 +136,9 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
         return _run_one(client, f"search {search.name}: {what}", room, rules, f"{tag}-{what}",
                         watch, function, *args)
 
-    found = one("units", search_units, model, search.granularity, _embeddings(search))
+    searchable = get_backend(search.backend).has(Searchable)
+    found = one("units", search_units, model, search.granularity,
+                bool(searchable and searchable.embeddings), bool(searchable and searchable.experts))
     if found is None:
         return None
     units = found.result().units
