@@ -119,7 +119,8 @@ class Searchable(Capability):
     or one where they share weights), which a uniform format covers too (its jobs then name
     every unit's format). ``experts``: a mixture-of-experts layer's fused experts are units,
     one per projection with every expert in it, and their router is none
-    (``search.members``), as a runtime that stores them that way needs (GGUF).
+    (``search.members``), as a runtime that stores or runs them that way needs (GGUF's
+    ``ffn_*_exps``; vLLM's fused MoE kernel for GPTQ).
 
     ``proxy`` (optional): what the probes quantize each module with instead of
     :class:`ModuleAlone`, for a backend whose module alone is not what the method makes of it

@@ -56,6 +56,7 @@ from quantdask.backends.gptq_mixed import (
     dequantize_gptq_layer,
     dynamic_config,
     layer_formats,
+    mixable,
     rtn_proxy,
 )
 from quantdask.backends.gptq_process import logs_in, process_state_kept
@@ -219,7 +220,7 @@ def _check(method: str):
             return missing  # a model whose config is not here: the worker checks
         # (without the layer shapes, the family alone; the worker checks the widths)
         shapes = _shapes(facts, options)
-        return (shapes and unknown_modules(options, set(shapes), method)
+        return (shapes and unknown_modules(options, mixable(set(shapes), options), method)
                 or unsupported(method, options, facts.model_type, shapes))
     return check
 
@@ -246,7 +247,7 @@ def _fittable_model(method: str, source, options, device: str):
     model = source.build(device)
     shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
               if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
-    reason = (unknown_modules(options, set(shapes), method)
+    reason = (unknown_modules(options, mixable(set(shapes), options, model), method)
               or unsupported(method, options, model.config.model_type, shapes))
     if reason:
         raise UnsupportedHere(reason)
@@ -391,7 +392,7 @@ gptq_backend = Backend(
     capabilities=(
         Calibrated(), Dequantizes(dequantize_gptq_layer), Savable(load=load_saved),
         StreamedFit(quantize_gptq_streamed, families=GPTQ_STREAMED_FAMILIES),
-        Searchable(MODULE_KEYS, proxy=ModuleAlone(rtn_proxy), proxy_is=PROXY,
+        Searchable(MODULE_KEYS, proxy=ModuleAlone(rtn_proxy), proxy_is=PROXY, experts=True,
                    ships_as=SHIPS_AS, unexported_why=UNEXPORTED, ties=FUSED),
     ),
     description="GPTQ 2-8 bit grouped integer weights fitted on calibration data, saved in the "

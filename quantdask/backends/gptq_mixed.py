@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from quantdask.backends.packed import dequantize_packed_layer
-from quantdask.backends.per_module import module_format
+from quantdask.backends.per_module import expert_projections, module_format
 
 if TYPE_CHECKING:
     import torch
@@ -42,10 +42,35 @@ PROXY = "round-to-nearest at the same bits and group size, a proxy for GPTQ's fi
 
 def dynamic_config(options) -> dict[str, dict[str, int]] | None:
     """gptqmodel's ``dynamic`` for ``options.modules``: each module's full name (an exact
-    pattern, matched before any regex) to its bits and group size."""
+    pattern) to its bits and group size; a layer's fused experts (``search.members``) as a
+    pattern of the per-expert linears gptqmodel quantizes them as (defuser's
+    ``experts.3.gate_proj``), so every expert of the layer takes the same."""
     modules = options.modules or {}
-    return {name: dict(module_format(name, options, MODULE_KEYS) or {})
+    return {_dynamic_key(name): dict(module_format(name, options, MODULE_KEYS) or {})
             for name in sorted(modules)} or None
+
+
+def _dynamic_key(name: str) -> str:
+    """A module's ``dynamic`` key: its name, or for fused experts a positive pattern (``+:``)
+    matching each expert's linears."""
+    import re
+
+    experts = expert_projections(name)
+    if experts is None:
+        return name
+    module, projections = experts
+    return f"+:^{re.escape(module)}\\.\\d+\\.({'|'.join(projections)})$"
+
+
+def mixable(linears: set[str], options, model=None) -> set[str]:
+    """The names a GPTQ mix may give a format: ``linears``, and fused experts parameters
+    (``search.members``): ``model``'s, or, without it (at spec time, from the config alone),
+    each ``modules`` name that reads as one (the worker checks it on the model)."""
+    if model is None:
+        return linears | {name for name in options.modules or {} if expert_projections(name)}
+    return linears | {f"{owner}.{name}" for owner, module in model.named_modules()
+                      for name, weight in module.named_parameters(recurse=False)
+                      if weight.dim() == 3 and expert_projections(f"{owner}.{name}")}
 
 
 def layer_formats(options, names) -> dict[str, tuple[int, int]]:
@@ -104,8 +129,11 @@ def rtn_proxy(module: torch.nn.Module, options) -> torch.nn.Module:
         proxy.weight.copy_(_round_to_nearest(weight, options.bits, options.group_size))
         if bias is not None:
             proxy.bias.copy_(bias)
-    proxy.checkpoint_bytes = gptq_layer_bytes(  # type: ignore[assignment]
-        in_features, out_features, options.bits, options.group_size, bias is not None)
+    # fused experts (search.members) stack their experts' matrices: each is a layer stored
+    matrices = getattr(module, "matrices", 1)
+    proxy.checkpoint_bytes = matrices * gptq_layer_bytes(  # type: ignore[assignment]
+        in_features, out_features // matrices, options.bits, options.group_size,
+        bias is not None)
     return proxy
 
 

@@ -11,6 +11,7 @@ out taking the config's own value; null keeps that module unquantized.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from quantdask.backends.options import BackendOptions, option
@@ -90,3 +91,22 @@ def module_options(backend, options: BackendOptions, name: str) -> BackendOption
 
 def _given(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
+
+
+# transformers' fused experts parameters (each expert's projections stacked), and the
+# projections each holds: gate and up fused, or one.
+_FUSED = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<fused>gate_up_proj|gate_proj|up_proj|down_proj)$")
+_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def expert_projections(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """For a fused experts member (``model.layers.0.mlp.experts.gate_up_proj``): its experts
+    module and the per-expert projections it holds (``("gate_proj", "up_proj")``), the names
+    a runtime that keeps one linear per expert gives them (``experts.3.gate_proj``); else
+    None."""
+    found = _FUSED.match(name)
+    if found is None:
+        return None
+    fused = found.group("fused")
+    return found.group("experts"), _PROJECTIONS.get(fused, (fused,))

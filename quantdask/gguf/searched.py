@@ -196,11 +196,14 @@ def _tensors_of(module: str, names, shapes: dict[str, list[int]]) -> list[str]:
     [] where the file has none."""
     import re
 
+    from quantdask.backends.per_module import expert_projections
+
     name = names.get_name(module)
     if name is not None and f"{name}.weight" in shapes:
         return [f"{name}.weight"]
-    layer = re.search(r"\.(\d+)\.", module)
-    if module.endswith(".experts.gate_up_proj") and layer:
-        split = [f"blk.{layer.group(1)}.ffn_{part}_exps.weight" for part in ("gate", "up")]
-        return split if all(part in shapes for part in split) else []
-    return []
+    experts, layer = expert_projections(module), re.search(r"\.(\d+)\.", module)
+    if experts is None or layer is None:
+        return []
+    split = [f"blk.{layer.group(1)}.ffn_{part.removesuffix('_proj')}_exps.weight"
+             for part in experts[1]]
+    return split if all(part in shapes for part in split) else []

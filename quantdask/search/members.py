@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quantdask.backends.per_module import expert_projections
+
 if TYPE_CHECKING:
     import torch
-
 
 def fused_experts(model: torch.nn.Module, within: str) -> tuple[list[str], set[str]]:
     """The fused experts parameters of the modules under ``within`` (a decoder layers'
@@ -76,5 +77,9 @@ def quantizable(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, tor
                                bias=False, device="meta")
         rows.weight = torch.nn.Parameter(weight.detach().reshape(-1, weight.shape[-1]),
                                          requires_grad=False)
+        # the per-expert matrices it holds (gate and up are two each), for a format whose
+        # bytes count each matrix (GPTQ's group index)
+        found = expert_projections(name)
+        rows.matrices = int(weight.shape[0]) * (len(found[1]) if found else 1)  # type: ignore[assignment]
         return rows, weight
     return module, module.weight  # type: ignore[return-value]
