@@ -199,8 +199,8 @@ def test_a_gptq_search_ties_what_vllm_fuses_unless_told_otherwise():
 
 @pytest.fixture(scope="module")
 def gptq_moe_search(cluster, tmp_path_factory):
-    """A GPTQ search of a tiny Mixtral (4 experts; 3, 4 and 8 bits at group size 32, per
-    linear) with its artifacts kept."""
+    """A GPTQ search of a tiny Mixtral (4 experts; 4 and 8 bits at group size 32, per linear)
+    with its artifacts kept."""
     import quantdask as qd
     from quantdask.sweepfile.sweep_file import sweep_from_dict
     from tests.tiny_families import build_tiny
@@ -209,13 +209,13 @@ def gptq_moe_search(cluster, tmp_path_factory):
     sweep = sweep_from_dict(sweep_dict(
         name="gptq-moe", backends=[],
         models=[{"name": "moe", "path": str(build_tiny("mixtral", root / "mixtral"))}],
-        eval={"text": sweep_dict()["eval"]["text"], "seq_len": 64, "samples": 16,
+        eval={"text": sweep_dict()["eval"]["text"], "seq_len": 64, "samples": 8,
               "batch_size": 8},
         calibration={"text": calibration_file(tmp_path_factory, 300, seed=5), "samples": 8,
                      "seq_len": 64},
         searches=[{"name": "mix", "model": "moe", "backend": "gptq",
                    "base": {"group_size": 32},
-                   "formats": {"b3": {"bits": 3}, "b4": {"bits": 4}, "b8": {"bits": 8}},
+                   "formats": {"b4": {"bits": 4}, "b8": {"bits": 8}},
                    "budget": {"bits_per_weight": 16.0}, "windows": 8}],
         artifacts={"keep": "done", "to": str(root / "models"), "verify": True}, retries=0))
     return qd.run_sweep(sweep, root / "run", cluster.client), root
@@ -232,10 +232,13 @@ def test_a_gptq_search_of_a_moe_gives_all_of_a_layers_experts_one_format(gptq_mo
     assert set(results["status"]) == {"done"}, results.select(
         "config_label", "status", "error_message").rows()
     searched = results.filter(pl.col("search") == "mix")
+    assert {"mix uniform b4", "mix uniform b8", "mix 16b #1"} <= set(searched["config_label"])
     for row in searched.iter_rows(named=True):  # the experts counted as the checkpoint stores
         assert row["size_bytes"] == row["predicted_bytes"], row["config_label"]
+        # reloaded with GPTQModel.load, the uniform ones too: gptqmodel saves one linear per
+        # expert, which plain transformers (fused experts) leaves random
+        assert abs(row["reload_kl_delta"]) < 1e-3, row["config_label"]
     [mixed] = searched.filter(pl.col("config_label") == "mix 16b #1").to_dicts()
-    assert abs(mixed["reload_kl_delta"]) < 1e-3  # reloaded with GPTQModel.load
     allocation = read_frame(root / "run", "allocation").filter(
         pl.col("job_id") == mixed["job_id"])
     chosen = dict(allocation.select("unit", "format").unique().iter_rows())
@@ -243,7 +246,7 @@ def test_a_gptq_search_of_a_moe_gives_all_of_a_layers_experts_one_format(gptq_mo
             "model.layers.1.mlp.experts.down_proj"} <= set(chosen)
     # each expert's linears in the checkpoint hold the bits chosen for their layer's unit:
     # GPTQ packs (in x bits / 32) rows of codes
-    bits = {"b3": 3, "b4": 4, "b8": 8}
+    bits = {"b4": 4, "b8": 8}
     saved = Path(mixed["artifact_uri"])
     with safe_open(str(next(saved.glob("*.safetensors"))), "pt") as f:
         rows = {name.removesuffix(".qweight"): f.get_slice(name).get_shape()[0]
@@ -254,3 +257,20 @@ def test_a_gptq_search_of_a_moe_gives_all_of_a_layers_experts_one_format(gptq_mo
                                           64), (f"{experts}.down_proj", ("down_proj",), 128)):
             found = {rows[f"{experts}.{e}.{p}"] for e in range(4) for p in projections}
             assert found == {width * bits[chosen[unit]] // 32}, (unit, found)
+
+
+
+def test_loading_a_moe_checkpoint_leaves_transformers_as_it_was(gptq_moe_search):
+    """GPTQModel.load swaps transformers' Mixtral experts block for a per-expert one
+    process-wide (defuser); a worker puts it back, or its later jobs on Mixtral would build
+    another model than a fresh process does."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    from quantdask.backends.gptq_saved import load_saved
+
+    results, _ = gptq_moe_search
+    before = modeling_mixtral.MixtralSparseMoeBlock
+    [saved] = results.filter(pl.col("config_label") == "mix uniform b4")["artifact_uri"]
+    loaded = load_saved(saved, "cpu")
+    assert type(loaded.model.layers[0].mlp) is not before  # one linear per expert
+    assert modeling_mixtral.MixtralSparseMoeBlock is before

@@ -55,6 +55,7 @@ from quantdask.backends.gptq_mixed import (
     UNEXPORTED,
     dequantize_gptq_layer,
     dynamic_config,
+    fused_experts,
     layer_formats,
     mixable,
     rtn_proxy,
@@ -304,7 +305,9 @@ def _quantize(method: str, source, options, device: str, calibration):
         from gptqmodel.models.auto import MODEL_MAP
         from gptqmodel.models.base import BaseQModel
 
-        defuser.convert_model(model, cleanup_original=False)  # Mixtral's experts, one per layer
+        # Mixtral's experts, one linear each: so saved, they reload with GPTQModel.load only
+        per_expert = bool(fused_experts(model))
+        defuser.convert_model(model, cleanup_original=False)
         wrapped = MODEL_MAP.get(model.config.model_type, BaseQModel)(
             model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
             model_local_path=source.spec.location)
@@ -313,7 +316,7 @@ def _quantize(method: str, source, options, device: str, calibration):
         try:
             _fit_and_save(wrapped, calibration, extra, scratch, export)
             del wrapped, model
-            if getattr(options, "modules", None):  # a mix: as its users load it
+            if getattr(options, "modules", None) or per_expert:  # as its users load it
                 shipped, loading = load_mixed(export, device), {}
             else:
                 loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)

@@ -9,6 +9,9 @@ with a test of quantdask's as evidence, on a tiny local model of that family (``
 - GPTQ: quantized, saved, reloaded with plain ``from_pretrained`` in a fresh process, which
   measures the job's recorded KL (``tests/test_gptq.py``,
   ``test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measure_the_same``);
+  Mixtral, whose experts gptqmodel saves one linear each (transformers builds them fused, and
+  plain ``from_pretrained`` leaves them random), reloaded with ``GPTQModel.load`` to the
+  job's KL (``tests/test_gptq_search.py``, its MoE search);
 - AWQ: the same, and gptqmodel's scaling step alone (its scaling groups, its folding, random
   scales) leaves the logits as they were to float tolerance
   (``tests/test_gptq_families.py``): a scale folded into the wrong op is silently wrong;

@@ -67,10 +67,16 @@ def mixable(linears: set[str], options, model=None) -> set[str]:
     (``search.members``): ``model``'s, or, without it (at spec time, from the config alone),
     each ``modules`` name that reads as one (the worker checks it on the model)."""
     if model is None:
-        return linears | {name for name in options.modules or {} if expert_projections(name)}
-    return linears | {f"{owner}.{name}" for owner, module in model.named_modules()
-                      for name, weight in module.named_parameters(recurse=False)
-                      if weight.dim() == 3 and expert_projections(f"{owner}.{name}")}
+        return linears | {name for name in options.get("modules") or {} if expert_projections(name)}
+    return linears | fused_experts(model)
+
+
+def fused_experts(model) -> set[str]:
+    """The names of ``model``'s fused experts parameters (3-D: every expert of a projection),
+    which gptqmodel fits as one linear per expert (defuser)."""
+    return {f"{owner}.{name}" for owner, module in model.named_modules()
+            for name, weight in module.named_parameters(recurse=False)
+            if weight.dim() == 3 and expert_projections(f"{owner}.{name}")}
 
 
 def layer_formats(options, names) -> dict[str, tuple[int, int]]:

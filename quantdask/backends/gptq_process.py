@@ -14,6 +14,7 @@ import logging
 import os
 import pathlib
 import warnings
+from typing import Any
 
 log = logging.getLogger("quantdask.backends.gptq")
 
@@ -37,6 +38,7 @@ def process_state_kept():
     # C++ for 30 s on first use, for no gain on these layers.
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, (os.cpu_count() or 1) // 2)))
     os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+    classes = _transformers_patched_by_defuser()
     try:
         # Its news (a banner, tables per layer, progress bars, the saved config) is printed:
         # a worker's output is a log, and the job's own log says what was done.
@@ -58,6 +60,38 @@ def process_state_kept():
             root.removeHandler(handler)
         warnings.filters[:] = filters  # type: ignore[index]  # a list, typed as a Sequence
         dynamo.cache_size_limit = cache_limit
+        for module, name, value in classes:
+            setattr(module, name, value)
+
+
+def _transformers_patched_by_defuser() -> list[tuple[Any, str, Any]]:
+    """What gptqmodel's loader (through defuser) replaces in transformers process-wide, as it
+    is now: each mixture-of-experts family's fused experts block (Mixtral's
+    ``MixtralSparseMoeBlock`` becomes one linear per expert) and the checkpoint conversion
+    mapping. Left patched, every later ``from_pretrained`` of that family in the worker would
+    build another model than a fresh process does (per-expert linears, which bitsandbytes
+    then quantizes), so results would hang on which job ran before. [] without defuser."""
+    import importlib
+
+    try:
+        from defuser.model_registry import MODEL_CONFIG, PATCH
+        from transformers import conversion_mapping, modeling_utils
+    except ImportError:
+        return []
+    found = [(module, "get_checkpoint_conversion_mapping",
+              module.get_checkpoint_conversion_mapping)
+             for module in (conversion_mapping, modeling_utils)
+             if hasattr(module, "get_checkpoint_conversion_mapping")]
+    for family in MODEL_CONFIG.values():
+        for original, _ in family.get(PATCH.REPLACE_MODULE, []):
+            path, name = original.rsplit(".", 1)
+            try:  # (imported now, if not yet: to put back what the loader would patch)
+                module = importlib.import_module(path)
+            except Exception:  # noqa: BLE001 - a family this transformers lacks
+                continue
+            if hasattr(module, name):
+                found.append((module, name, getattr(module, name)))
+    return found
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """A fitted GPTQ or AWQ model saved and loaded back as its users load it: the checkpoint
 gptqmodel saved is what ships (``save_pretrained`` copies it), plain ``from_pretrained`` with
-gptqmodel's torch kernel on the CPU, and a mix (``gptq_mixed``) with ``GPTQModel.load``."""
+gptqmodel's torch kernel on the CPU, and a mix (``gptq_mixed``) or a mixture of experts with
+``GPTQModel.load``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import shutil
 import weakref
+from pathlib import Path
 from typing import Any
 
 from quantdask.errors import UnsupportedHere
@@ -54,11 +56,24 @@ def cpu_kernel(method: str, options):
     return AwqConfig(bits=options.bits, backend=AwqBackend.TORCH_AWQ)
 
 
-def is_mixed(directory: str) -> bool:
-    """Whether the checkpoint in ``directory`` is a GPTQ mix (a ``dynamic`` config)."""
+def loads_with_gptqmodel(directory: str) -> bool:
+    """Whether the checkpoint in ``directory`` loads only with ``GPTQModel.load``: a GPTQ mix
+    (a ``dynamic`` config), or a mixture-of-experts model gptqmodel saved with one linear per
+    expert, as its tensors' names say (defuser: transformers builds Mixtral's experts fused,
+    and plain ``from_pretrained`` leaves them random)."""
+    import re
+
+    from safetensors import safe_open
+
     with open(os.path.join(directory, "config.json")) as config:
         quantization = json.load(config).get("quantization_config") or {}
-    return bool(quantization.get("dynamic"))
+    if quantization.get("dynamic"):
+        return True
+    names: list[str] = []
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+    return any(re.search(r"\.experts\.\d+\.", name) for name in names)
 
 
 def load_mixed(directory: str, device: str) -> Any:
@@ -88,9 +103,10 @@ def load_mixed(directory: str, device: str) -> Any:
 
 
 def load_saved(directory: str, device: str) -> Any:
-    """A saved GPTQ or AWQ checkpoint reloaded as its users load it: a mix with
-    ``GPTQModel.load``, any other with plain ``from_pretrained`` (``Savable.load``)."""
-    if is_mixed(directory):
+    """A saved GPTQ or AWQ checkpoint reloaded as its users load it: with ``GPTQModel.load``
+    where only that loads it (:func:`loads_with_gptqmodel`), else with plain
+    ``from_pretrained`` (``Savable.load``)."""
+    if loads_with_gptqmodel(directory):
         from quantdask.backends.gptq_process import process_state_kept
 
         with process_state_kept():
