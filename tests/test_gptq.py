@@ -2,7 +2,7 @@
 families it cannot take refused in the plan and skipped on the worker, a sweep beside
 bitsandbytes, HQQ and AutoRound on the demo model and eight families on the real cluster, the
 saved models (the demo model's and the families') loaded by plain transformers in a fresh
-process and measured again there: the evidence ``quantdask.backends.gptq_families`` trusts a
+process and measured again there: the evidence ``quantdask.backends.gptq.families`` trusts a
 family on; and a worker's process left as it was."""
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_every_method_runs_beside_the_others_done_or_skipped_with_the_reason(met
         awq = row(results, model, "awq 4b g32")
         assert awq["status"] == "done" and 0 < awq["kl_divergence"] < 1, (model, awq)
     # The tiny Llama's attention (v_proj of 32 outputs) is no AWQ shape; the others fail in
-    # gptqmodel (quantdask.backends.gptq_families) or are not checked: skipped, why said.
+    # gptqmodel (quantdask.backends.gptq.families) or are not checked: skipped, why said.
     why = {"llama": "AWQ takes layers whose outputs are a multiple of 64",
            "gpt_neox": "checked on the families llama, mistral, gemma, qwen2, qwen3, not "
                        "'gpt_neox'",
@@ -227,7 +227,7 @@ for unquantized, saved in json.loads(sys.argv[2]):
 
 def test_saved_models_load_with_plain_transformers_in_a_fresh_process_and_measure_the_same(
         methods_run):
-    """The evidence a family is trusted on (quantdask.backends.gptq_families): each saved GPTQ
+    """The evidence a family is trusted on (quantdask.backends.gptq.families): each saved GPTQ
     and AWQ model, the demo model's and every family's, loads with plain ``from_pretrained``
     in a process that never ran gptqmodel's fit, and measures the KL its job recorded."""
     import torch
@@ -342,7 +342,7 @@ def test_a_packed_layers_weight_is_read_as_its_checkpoint_holds_it(methods_run):
     the bit, unpacked here by the format's arithmetic."""
     from transformers import AutoModelForCausalLM
 
-    from quantdask.backends.gptq_saved import cpu_kernel, eager_kernels
+    from quantdask.backends.gptq.saved import cpu_kernel, eager_kernels
     from quantdask.backends.packed import dequantize_packed_layer
 
     root, results, _ = methods_run

@@ -1,4 +1,4 @@
-"""The evidence in ``quantdask.backends.gptq_families`` read from gptqmodel's own code rather
+"""The evidence in ``quantdask.backends.gptq.families`` read from gptqmodel's own code rather
 than from a sweep (``tests/test_gptq.py`` has that): AWQ's scaling step alone, before any
 rounding, on a tiny model of each family, leaves the logits as they were where AWQ is trusted,
 and not where it is refused; and the Phi-3 model its GPTQ saves is not the one transformers
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quantdask.backends import get_backend
-from quantdask.backends.gptq_families import AWQ_FAMILIES, FAILS
+from quantdask.backends.gptq.families import AWQ_FAMILIES, FAILS
 from quantdask.errors import UnsupportedHere
 from tests.tiny_families import build_tiny, tiny_config
 
@@ -57,7 +57,7 @@ def test_awqs_scaling_alone_leaves_the_logits_where_awq_is_trusted(family, tmp_p
     as quantdask hands it over (Phi-3's MLP split, gptqmodel's wrapper of the family)."""
     import defuser
 
-    from quantdask.backends.gptq import _gptqmodel
+    from quantdask.backends.gptq.backend import _gptqmodel
 
     torch.manual_seed(0)
     model = tiny_model(family)
@@ -112,7 +112,7 @@ def test_gptqmodels_phi3_gptq_model_reloads_without_its_fused_mlp(tmp_path, monk
     """Refused (``FAILS``) because its quantization, let through, saves Phi-3's MLP as the
     gate_proj and up_proj gptqmodel split it into: transformers' Phi-3 reloads it without its
     gate_up_proj, which it would fill at random (quantdask refuses that reload)."""
-    import quantdask.backends.gptq as gptq
+    import quantdask.backends.gptq.backend as gptq
     from quantdask.measure.calibration import Calibration
     from quantdask.process.model_source import load_model_source
     from quantdask.sweepfile.model import ModelSpec

@@ -27,7 +27,7 @@ def test_a_proxy_cell_holds_round_to_nearest_weights_and_the_checkpoints_bytes()
     import torch
 
     from quantdask.backends import get_backend
-    from quantdask.backends.gptq_mixed import gptq_layer_bytes, rtn_proxy
+    from quantdask.backends.gptq.mixed import gptq_layer_bytes, rtn_proxy
 
     gptq = get_backend("gptq")
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ print(json.dumps({"kl": per_token.mean().item(), "plain": plain,
 def test_a_gptq_search_fits_its_mix_and_ships_one_checkpoint_gptqmodel_loads(gptq_search):
     import torch
 
-    from quantdask.backends.gptq_mixed import PROXY, SHIPS_AS
+    from quantdask.backends.gptq.mixed import PROXY, SHIPS_AS
     from quantdask.measure.reference import compute_reference
     from quantdask.report.search import agreement_table
     from quantdask.store.run_store import read_frame
@@ -171,7 +171,7 @@ def test_a_gptq_search_fits_its_mix_and_ships_one_checkpoint_gptqmodel_loads(gpt
 
 
 def test_a_gptq_search_ties_what_vllm_fuses_unless_told_otherwise():
-    from quantdask.backends.gptq_mixed import FUSED
+    from quantdask.backends.gptq.mixed import FUSED
     from quantdask.sweepfile.search import SearchSpec
 
     units = [f"model.layers.{i}.{part}.{name}" for i in (0, 1) for part, names in
@@ -266,7 +266,7 @@ def test_loading_a_moe_checkpoint_leaves_transformers_as_it_was(gptq_moe_search)
     another model than a fresh process does."""
     from transformers.models.mixtral import modeling_mixtral
 
-    from quantdask.backends.gptq_saved import load_saved
+    from quantdask.backends.gptq.saved import load_saved
 
     results, _ = gptq_moe_search
     before = modeling_mixtral.MixtralSparseMoeBlock

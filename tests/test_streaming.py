@@ -331,7 +331,7 @@ def test_a_streamed_job_skips_what_needs_the_model_resident_and_says_why(tmp_pat
            "gemma3_text, qwen2, qwen3, not 'gpt_neox'" in reason
 
 
-# The evidence for quantdask.backends.gptq_families.GPTQ_STREAMED_FAMILIES. (Whether it is
+# The evidence for quantdask.backends.gptq.families.GPTQ_STREAMED_FAMILIES. (Whether it is
 # installed, not an import: imported here, bitsandbytes would look on the Hub for a kernel.)
 @pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None,
                     reason="gptqmodel is not installed")

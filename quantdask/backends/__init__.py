@@ -12,7 +12,7 @@ from quantdask.backends.base import Backend
 from quantdask.backends.baseline import BASELINE, baseline_backend
 from quantdask.backends.bitsandbytes import bitsandbytes_backend
 from quantdask.backends.capabilities import Searchable
-from quantdask.backends.gptq import awq_backend, gptq_backend
+from quantdask.backends.gptq.backend import awq_backend, gptq_backend
 from quantdask.backends.hqq import hqq_backend
 from quantdask.backends.options import BackendOptions, Option, option
 from quantdask.backends.torchao import torchao_backend

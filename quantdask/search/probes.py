@@ -24,7 +24,7 @@ from quantdask.backends.capabilities import Dequantizes, ModuleAlone, Searchable
 from quantdask.measure.layers import decoder_layers
 from quantdask.measure.metrics import measure_quality
 from quantdask.measure.usage import stored_tensors
-from quantdask.search.members import member_bytes, member_weight, quantizable
+from quantdask.search.members import fused_experts, member_bytes, member_weight, quantizable
 
 if TYPE_CHECKING:
     import torch
@@ -61,8 +61,6 @@ def linear_units(model: torch.nn.Module, granularity: str,
     unit of its own at ``linear``) and their routers are none (``search.members``)."""
     import torch
     from transformers.pytorch_utils import Conv1D
-
-    from quantdask.search.members import fused_experts
 
     prefix, _ = decoder_layers(model)
     units: dict[str, tuple[str, ...]] = {}

@@ -9,11 +9,11 @@ config.json, packed ``qweight``/``qzeros``/``scales``) and load it back with pla
 
 gptqmodel ends the whole process (``os._exit``) when one of its pool threads meets an input it
 cannot take, so every shape and family it was not checked on is refused before it is called
-(the families and the evidence: ``quantdask.backends.gptq_families``): in the plan
+(the families and the evidence: ``quantdask.backends.gptq.families``): in the plan
 (``check``) and again on the worker (:class:`UnsupportedHere`, the job skipped with the
 reason). What it changes in the process (its environment, the root logger, printing, log
 files in the working directory) is put back after each job
-(``quantdask.backends.gptq_process``): later jobs on the worker see what they would have seen
+(``quantdask.backends.gptq.process``): later jobs on the worker see what they would have seen
 without it.
 """
 
@@ -46,8 +46,8 @@ from quantdask.backends.capabilities import (
     Searchable,
     StreamedFit,
 )
-from quantdask.backends.gptq_families import GPTQ_STREAMED_FAMILIES, family_refusal
-from quantdask.backends.gptq_mixed import (
+from quantdask.backends.gptq.families import GPTQ_STREAMED_FAMILIES, family_refusal
+from quantdask.backends.gptq.mixed import (
     FUSED,
     MODULE_KEYS,
     PROXY,
@@ -60,8 +60,8 @@ from quantdask.backends.gptq_mixed import (
     mixable,
     rtn_proxy,
 )
-from quantdask.backends.gptq_process import logs_in, process_state_kept
-from quantdask.backends.gptq_saved import (
+from quantdask.backends.gptq.process import logs_in, process_state_kept
+from quantdask.backends.gptq.saved import (
     cpu_kernel,
     eager_kernels,
     load_mixed,

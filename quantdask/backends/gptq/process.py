@@ -3,7 +3,7 @@
 Importing it sets environment variables for the whole process (cache folders, allocator
 settings), a dependency calls ``logging.basicConfig``, it prints its news to stdout and writes
 a log file per quantization into ``./logs`` of the working directory: the gptq and awq
-backends (``quantdask.backends.gptq``) run it inside these.
+backends (``quantdask.backends.gptq.backend``) run it inside these.
 """
 
 from __future__ import annotations

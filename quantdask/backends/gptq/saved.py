@@ -107,7 +107,7 @@ def load_saved(directory: str, device: str) -> Any:
     where only that loads it (:func:`loads_with_gptqmodel`), else with plain
     ``from_pretrained`` (``Savable.load``)."""
     if loads_with_gptqmodel(directory):
-        from quantdask.backends.gptq_process import process_state_kept
+        from quantdask.backends.gptq.process import process_state_kept
 
         with process_state_kept():
             return load_mixed(directory, device)
