@@ -1,40 +1,17 @@
-"""What each ``quantdask`` subcommand does, over the same library functions a notebook calls.
-
-Exit codes: 0 all jobs done or skipped (and every done job met the sweep's gates), 1 some job
-failed, 2 invalid input (nothing ran), 3 no job failed but a done job failed a gate.
-"""
+"""What each ``quantdask`` subcommand does, over the same library functions a notebook calls;
+a run ends with its closing summary (``cli.summary``) and exit code (``cli.exits``)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+from quantdask.cli.exits import EXIT_FAILED_JOBS
 from quantdask.cli.render import table
+from quantdask.cli.summary import print_gate_failures, print_protocol, print_summary
 from quantdask.errors import QuantdaskError, RunDirError, SpecError
 from quantdask.store.run_store import RunStore, default_run_dir
 from quantdask.words import BASELINE, PlanState, Status
-
-EXIT_FAILED_JOBS = 1
-EXIT_BAD_INPUT = 2
-EXIT_GATE_FAILED = 3
-
-
-def _gate_failures(results) -> int:
-    """Print the gates' verdict (``cli.summary.gate_lines``) and each done job that failed a
-    gate, with why; return the exit code it calls for."""
-    import polars as pl
-
-    from quantdask.cli.summary import gate_lines
-
-    for line in gate_lines(results):
-        print(line)
-    failing = results.filter(pl.col("gates_passed").eq(False)).to_dicts()
-    for row in failing:
-        reasons = "; ".join((row["gates_failed"] or "").splitlines())
-        print(f"gate failed: {row['job_id']} {row['model']} {row['config_label']}: {reasons}")
-    if failing:
-        print(f"{len(failing)} done jobs failed a gate (exit {EXIT_GATE_FAILED})")
-    return EXIT_GATE_FAILED if failing else 0
 
 
 def _security(args):
@@ -171,71 +148,7 @@ def _run(sweep, args) -> int:
         else:
             results = run_sweep(sweep, run_dir, cluster.client,
                                 on_progress=PlainLog().update)
-    return _print_summary(run_dir, results)
-
-
-def _print_summary(run_dir, results) -> int:
-    """The terminal summary of a finished run: each search's answer, every job's figures, the
-    protocol, the tasks, the counts, where the results and logs are, each job not done; the
-    exit code."""
-    import polars as pl
-
-    from quantdask.cli.summary import answer_lines
-    from quantdask.store.figures import with_quality_text
-    from quantdask.store.readers import read_attempts
-
-    for line in answer_lines(run_dir, results):  # the answer first, then the long tables
-        print(line)
-    rows = with_quality_text(results).sort(
-        pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
-        pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
-    # Each quality figure with its standard error; a KL that is only a bound says so.
-    print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
-                                   "bits_per_weight", "quantized_share", "ppl", "vs_baseline",
-                                   "kl", "top1", "wall_s"]))
-    _print_protocol(results)
-    _print_tasks(run_dir, results)
-    counts = {s: results.filter(pl.col("status") == s).height for s in Status}
-    attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
-    retried = attempts.filter(pl.col("status") == Status.FAILED).height
-    print(f"{results.height} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-          + f" ({retried} failed attempts in this run directory)")
-    for excluded in RunStore(run_dir).read_excluded_workers():
-        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    store = RunStore(run_dir)
-    print(f"results: {store.results_dir}  (python: quantdask.read_results({run_dir!r}))")
-    print(f"logs: {store.logs_dir}")
-    for row in results.filter(pl.col("status") != Status.DONE).to_dicts():
-        log_path = store.job_log_path(row["job_id"])
-        message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
-        print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
-              f"{row['error_class']}: {message} (log: {log_path})")
-    gated = _gate_failures(results)
-    if counts[Status.FAILED]:
-        print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
-        return EXIT_FAILED_JOBS
-    return gated
-
-
-def _print_protocol(results) -> None:
-    """How each model's eval windows began (eval.bos): the figures' protocol."""
-    from quantdask.store.figures import window_protocol
-
-    for line in window_protocol(results):
-        print(f"eval windows of {line}")
-
-
-def _print_tasks(run_dir: str, results) -> None:
-    """The task accuracy of this sweep's jobs, as the report's recovery table gives it, and
-    how well each search's predictions held."""
-    import polars as pl
-
-    from quantdask.cli.summary import search_lines, task_lines
-    from quantdask.store.readers import read_tasks
-
-    tasks = read_tasks(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
-    for line in [*task_lines(results, tasks), *search_lines(results)]:
-        print(line)
+    return print_summary(run_dir, results)
 
 
 def _write_report(run_dir: str, output: str | None = None) -> int:
@@ -375,11 +288,11 @@ def cmd_status(args) -> int:
                                      if c in frame.columns]))
     counts = frame.group_by("status").len().sort("status").rows()
     print(", ".join(f"{n} {status}" for status, n in counts) or "no jobs")
-    _print_protocol(RunStore(args.run_dir).read_results())
+    print_protocol(RunStore(args.run_dir).read_results())
     _print_environment(args.run_dir)
     for excluded in RunStore(args.run_dir).read_excluded_workers():
         print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
-    return _gate_failures(RunStore(args.run_dir).read_results())
+    return print_gate_failures(RunStore(args.run_dir).read_results())
 
 
 def _print_environment(run_dir: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import polars as pl
 
-from quantdask.cli.commands import EXIT_GATE_FAILED
+from quantdask.cli.exits import EXIT_GATE_FAILED
 from quantdask.cli.render import table
 from quantdask.errors import CompareError
 

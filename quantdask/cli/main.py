@@ -17,8 +17,6 @@ import sys
 from typing import NoReturn
 
 from quantdask.cli.commands import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED_JOBS,
     cmd_demo,
     cmd_logs,
     cmd_plan,
@@ -28,6 +26,7 @@ from quantdask.cli.commands import (
     cmd_status,
 )
 from quantdask.cli.compare import cmd_compare
+from quantdask.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED_JOBS
 from quantdask.cli.exports import cmd_export, cmd_export_allocation
 from quantdask.cli.gguf_setup import cmd_gguf_setup
 from quantdask.errors import (

@@ -1,5 +1,7 @@
-"""The closing summary's task accuracy and gates, in plain text: what the report's recovery
-table and gates banner say (``report.tasks``: the same functions, so the same numbers).
+"""The closing summary of a finished run, in plain text (:func:`print_summary`, with the exit
+code it calls for): each search's answer, every job's figures, the task accuracy and gates the
+report's recovery table and gates banner show (``report.tasks``: the same functions, so the
+same numbers), each search's predictions against its measurements.
 
 >>> print("\\n".join(task_lines(results, read_tasks(run_dir))))  # doctest: +SKIP
 task accuracy (score ± standard error; recovery = the share of the baseline's score kept):
@@ -12,8 +14,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from quantdask.cli.exits import EXIT_FAILED_JOBS, EXIT_GATE_FAILED
 from quantdask.cli.render import table
-from quantdask.words import NO_FILTER, Status
+from quantdask.store.run_store import RunStore
+from quantdask.words import BASELINE, NO_FILTER, Status
 
 if TYPE_CHECKING:
     import polars as pl
@@ -95,3 +99,83 @@ def search_lines(results: pl.DataFrame) -> list[str]:
     from quantdask.search.agreement import agreement_line, prediction_agreement
 
     return [agreement_line(row) for row in prediction_agreement(results).to_dicts()]
+
+
+def print_gate_failures(results) -> int:
+    """Print the gates' verdict (``cli.summary.gate_lines``) and each done job that failed a
+    gate, with why; return the exit code it calls for."""
+    import polars as pl
+
+    for line in gate_lines(results):
+        print(line)
+    failing = results.filter(pl.col("gates_passed").eq(False)).to_dicts()
+    for row in failing:
+        reasons = "; ".join((row["gates_failed"] or "").splitlines())
+        print(f"gate failed: {row['job_id']} {row['model']} {row['config_label']}: {reasons}")
+    if failing:
+        print(f"{len(failing)} done jobs failed a gate (exit {EXIT_GATE_FAILED})")
+    return EXIT_GATE_FAILED if failing else 0
+
+
+
+
+def print_summary(run_dir, results) -> int:
+    """The terminal summary of a finished run: each search's answer, every job's figures, the
+    protocol, the tasks, the counts, where the results and logs are, each job not done; the
+    exit code."""
+    import polars as pl
+
+    from quantdask.store.figures import with_quality_text
+    from quantdask.store.readers import read_attempts
+
+    for line in answer_lines(run_dir, results):  # the answer first, then the long tables
+        print(line)
+    rows = with_quality_text(results).sort(
+        pl.col("model"), pl.col("backend") != BASELINE, pl.col("bits_per_weight"),
+        pl.col("config_label"), descending=[False, False, True, False], nulls_last=True)
+    # Each quality figure with its standard error; a KL that is only a bound says so.
+    print(table(rows.to_dicts(), ["model", "config_label", "status", "attempts", "worker",
+                                   "bits_per_weight", "quantized_share", "ppl", "vs_baseline",
+                                   "kl", "top1", "wall_s"]))
+    print_protocol(results)
+    _print_tasks(run_dir, results)
+    counts = {s: results.filter(pl.col("status") == s).height for s in Status}
+    attempts = read_attempts(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
+    retried = attempts.filter(pl.col("status") == Status.FAILED).height
+    print(f"{results.height} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + f" ({retried} failed attempts in this run directory)")
+    for excluded in RunStore(run_dir).read_excluded_workers():
+        print(f"worker {excluded['worker']} taken out of rotation: {excluded['reason']}")
+    store = RunStore(run_dir)
+    print(f"results: {store.results_dir}  (python: quantdask.read_results({run_dir!r}))")
+    print(f"logs: {store.logs_dir}")
+    for row in results.filter(pl.col("status") != Status.DONE).to_dicts():
+        log_path = store.job_log_path(row["job_id"])
+        message = (row["error_message"] or "").splitlines()[0] if row["error_message"] else ""
+        print(f"{row['status']}: {row['job_id']} {row['config_label']} ({row['failure_class']}): "
+              f"{row['error_class']}: {message} (log: {log_path})")
+    gated = print_gate_failures(results)
+    if counts[Status.FAILED]:
+        print(f"{counts[Status.FAILED]} jobs failed; their logs are in {store.job_logs_dir}")
+        return EXIT_FAILED_JOBS
+    return gated
+
+
+def print_protocol(results) -> None:
+    """How each model's eval windows began (eval.bos): the figures' protocol."""
+    from quantdask.store.figures import window_protocol
+
+    for line in window_protocol(results):
+        print(f"eval windows of {line}")
+
+
+def _print_tasks(run_dir: str, results) -> None:
+    """The task accuracy of this sweep's jobs, as the report's recovery table gives it, and
+    how well each search's predictions held."""
+    import polars as pl
+
+    from quantdask.store.readers import read_tasks
+
+    tasks = read_tasks(run_dir).filter(pl.col("job_id").is_in(results["job_id"].to_list()))
+    for line in [*task_lines(results, tasks), *search_lines(results)]:
+        print(line)
