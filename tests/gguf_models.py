@@ -152,16 +152,17 @@ def require_gguf() -> None:
         pytest.skip(missing_converter(), allow_module_level=True)
 
 
-def gguf_search_sweep(folder: Path, calibration: str, name: str, model: str):
+def gguf_search_sweep(folder: Path, calibration: str, name: str, model: str,
+                      types: tuple[str, ...] = ("Q4_K_M",), samples: int = 8):
     """A sweep of the model at ``folder`` (named ``model``): a search ``mix`` over Q2_K, Q4_K
-    and Q8_0 per unit at 5 bits per weight, the rest as Q4_K_M writes it, beside uniform
-    Q4_K_M, on 8 eval windows of its ``eval.txt``."""
+    and Q8_0 per unit at 5 bits per weight, the rest as Q4_K_M writes it, beside the stock
+    ``types``, on ``samples`` eval windows of its ``eval.txt``."""
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     return sweep_from_dict({
         "name": name, "models": [{"name": model, "path": str(folder)}],
-        "backends": [{"backend": "gguf", "grid": {"type": ["Q4_K_M"]}}],
-        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": 8,
+        "backends": [{"backend": "gguf", "grid": {"type": list(types)}}],
+        "eval": {"text": str(folder / "eval.txt"), "seq_len": 128, "samples": samples,
                  "batch_size": 4, "kl_top_k": "all"},
         "calibration": {"text": calibration, "samples": 8, "seq_len": 128},
         "searches": [{"name": "mix", "model": model, "backend": "gguf",
