@@ -46,8 +46,9 @@ endif
 
 # Two pytest processes, a whole test file to each at a time (module-scoped clusters stay in one
 # process), the longest files first (tests/conftest.py): 277-303 s on one otherwise idle
-# 2-core machine late on 2026-12-04 (a clean clone 297.5 s; runs drift by 10%), where the
-# suite is CPU-bound (-n 3: no faster; 12 minutes with -n 4).
+# 2-core machine late on 2026-12-04; 405-466 s on 2026-12-06, after the GGUF and GPTQ
+# searches' end-to-end tests (over the 5-minute bar: RESULTS.md 16.2). The suite is CPU-bound
+# (-n 3: no faster; 12 minutes with -n 4).
 # scripts/suite_cpu.py says which tests and processes spend the CPU, and which wait
 # (benchmarks/RESULTS.md section 16).
 test: $(VENV)/.installed browser
