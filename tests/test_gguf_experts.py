@@ -91,6 +91,45 @@ def test_fused_experts_are_units_their_router_is_not_and_the_probe_holds_the_fil
     assert rest_bytes(model, units, options) == outside
 
 
+def test_only_experts_are_units_a_linear_router_is_none_transposed_experts_refused():
+    """Other families: a router that is a linear (one output per expert) stays out of the
+    units, a 3-D parameter that is no expert (a convolution) is no unit, and experts stored
+    (experts, in, out) are refused rather than quantized along the wrong axis."""
+    import types
+
+    import torch
+
+    from quantdask.errors import UnsupportedHere
+    from quantdask.search.probes import linear_units
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 6, 8))
+            self.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 3))
+
+    def layer():
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.gate = torch.nn.Linear(8, 4)  # the router: 4 experts
+        block.mlp.experts = Experts()
+        block.mlp.shared = torch.nn.Linear(8, 8)
+        block.conv = torch.nn.Conv1d(8, 8, 3)  # a 3-D weight, no expert
+        return block
+
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(num_hidden_layers=2)
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([layer(), layer()])
+    units = linear_units(model, "linear", experts=True)
+    assert set(units) == {f"model.layers.{i}.mlp.{name}" for i in (0, 1) for name in (
+        "experts.gate_up_proj", "experts.down_proj", "shared")}
+    assert "model.layers.0.mlp.gate" in linear_units(model, "linear")  # (without experts)
+    model.model.layers[1].mlp.experts.is_transposed = True  # (experts, in, out): GPT-OSS
+    with pytest.raises(UnsupportedHere, match="model.layers.1.mlp.experts"):
+        linear_units(model, "linear", experts=True)
+
+
 @pytest.fixture(scope="module")
 def moe_search(mixtral, cluster, tmp_path_factory):
     """A GGUF search of the tiny Mixtral (Q2_K, Q4_K, Q8_0 per unit) run on the cluster."""

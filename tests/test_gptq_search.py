@@ -244,6 +244,7 @@ def test_a_gptq_search_of_a_moe_gives_all_of_a_layers_experts_one_format(gptq_mo
     chosen = dict(allocation.select("unit", "format").unique().iter_rows())
     assert {"model.layers.0.mlp.experts.gate_up_proj",
             "model.layers.1.mlp.experts.down_proj"} <= set(chosen)
+    assert len(set(chosen.values())) > 1  # a mix: the checks below tell formats apart
     # each expert's linears in the checkpoint hold the bits chosen for their layer's unit:
     # GPTQ packs (in x bits / 32) rows of codes
     bits = {"b4": 4, "b8": 8}
@@ -264,13 +265,18 @@ def test_loading_a_moe_checkpoint_leaves_transformers_as_it_was(gptq_moe_search)
     """GPTQModel.load swaps transformers' Mixtral experts block for a per-expert one
     process-wide (defuser); a worker puts it back, or its later jobs on Mixtral would build
     another model than a fresh process does."""
+    from transformers import conversion_mapping, modeling_utils
     from transformers.models.mixtral import modeling_mixtral
 
     from quantdask.backends.gptq.saved import load_saved
 
     results, _ = gptq_moe_search
-    before = modeling_mixtral.MixtralSparseMoeBlock
+    modules = (modeling_mixtral, conversion_mapping, modeling_utils)
+    before = [dict(vars(module)) for module in modules]
     [saved] = results.filter(pl.col("config_label") == "mix uniform b4")["artifact_uri"]
     loaded = load_saved(saved, "cpu")
-    assert type(loaded.model.layers[0].mlp) is not before  # one linear per expert
-    assert modeling_mixtral.MixtralSparseMoeBlock is before
+    # one linear per expert in the model loaded, and transformers as it was
+    assert type(loaded.model.layers[0].mlp) is not modeling_mixtral.MixtralSparseMoeBlock
+    for module, was in zip(modules, before, strict=True):
+        now = vars(module)
+        assert {k for k in set(now) | set(was) if now.get(k) is not was.get(k)} == set(), module

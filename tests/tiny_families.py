@@ -8,7 +8,9 @@ differ from Llama in what a quantizer sees:
 - ``gpt2``: GPT-2's ``Conv1D`` projections, weights stored (in, out);
 - ``falcon``: ``FalconLinear``, a subclass of ``nn.Linear`` (bitsandbytes replaces exact
   ``nn.Linear`` only; torchao replaces it, then its forward hits an op torchao lacks);
-- ``mixtral``: mixture of experts, the experts fused 3-D parameters no backend quantizes;
+- ``mixtral``: mixture of experts, the experts fused 3-D parameters, which bitsandbytes, HQQ
+  and torchao leave in full precision (GPTQ fits them one linear per expert; a GGUF or GPTQ
+  search makes each a unit);
 - ``phi3``: fused ``qkv_proj`` and ``gate_up_proj``;
 - ``gemma``: tied input and output embeddings (a scaled embedding class);
 - ``qwen2_151k``: Qwen2's real 151,936-token vocabulary on a tiny body;

@@ -110,3 +110,11 @@ def expert_projections(name: str) -> tuple[str, tuple[str, ...]] | None:
         return None
     fused = found.group("fused")
     return found.group("experts"), _PROJECTIONS.get(fused, (fused,))
+
+
+def fused_expert_params(model) -> dict[str, Any]:
+    """``model``'s fused experts parameters by full name (3-D, every expert of a projection,
+    named as :func:`expert_projections` reads them), each with the module holding it."""
+    return {f"{owner}.{name}": module for owner, module in model.named_modules()
+            for name, weight in module.named_parameters(recurse=False)
+            if weight.dim() == 3 and expert_projections(f"{owner}.{name}")}

@@ -176,7 +176,11 @@ def quantize_module(module, options: TorchaoOptions):
     """One linear layer quantized alone as ``quantize_torchao`` quantizes it with
     ``options`` (a search's probe); ``module`` keeps its weight."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
+    if isinstance(module, Conv1D):  # (its jobs leave GPT-2's Conv1D as it is)
+        raise UnsupportedHere("torchao quantizes nn.Linear only: a Conv1D stays in full "
+                              "precision in its jobs")
     quantization = require_library(*TORCHAO)
     weight = module.weight.detach()
     reason = _unsupported_groups(options, {"the layer": weight.size(1)},

@@ -15,28 +15,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quantdask.backends.per_module import expert_projections
+from quantdask.backends.per_module import expert_projections, fused_expert_params
 
 if TYPE_CHECKING:
     import torch
 
 def fused_experts(model: torch.nn.Module, within: str) -> tuple[list[str], set[str]]:
-    """The fused experts parameters of the modules under ``within`` (a decoder layers'
-    prefix: ``model.layers``), by full name, and the names of their routers: a linear beside
-    the experts module (same parent) with one output per expert."""
+    """The fused experts parameters (``backends.per_module.fused_expert_params``) of the
+    decoder layers under ``within`` (``model.layers``), by full name, and the names of their
+    routers: a linear beside the experts module (same parent) with one output per expert
+    (Mixtral's router in transformers 5 is no linear: none then). Experts stored
+    (experts, in, out) (``is_transposed``: GPT-OSS, Llama-4) are refused: their rows are not
+    the runtime's."""
     import torch
+
+    from quantdask.errors import UnsupportedHere
 
     params, routers = [], set()
     modules = dict(model.named_modules())
-    for name, module in modules.items():
+    for name, owner in fused_expert_params(model).items():
         if not name.startswith(f"{within}."):
             continue
-        fused = [(p, t) for p, t in module.named_parameters(recurse=False) if t.dim() == 3]
-        if not fused:
-            continue
-        params += [f"{name}.{p}" for p, _ in fused]
-        experts = int(fused[0][1].shape[0])
-        parent = name.rpartition(".")[0]
+        if getattr(owner, "is_transposed", False):
+            raise UnsupportedHere(f"{name} stores its experts (experts, in, out), whose rows "
+                                  "are not the per-expert matrices a runtime quantizes: a "
+                                  "search of this family's experts is not built")
+        params.append(name)
+        experts = int(member_weight(model, name).shape[0])
+        parent = name.rsplit(".", 2)[0]  # the experts module's parent (its MLP)
         routers |= {other for other, linear in modules.items()
                     if other.rpartition(".")[0] == parent and isinstance(linear, torch.nn.Linear)
                     and linear.out_features == experts}

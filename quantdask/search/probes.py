@@ -232,10 +232,15 @@ class Prober:
                 if weight is None:
                     raise ValueError(f"{backend.name}: no dequantized weight for {name}")
                 original = held.data
-                if isinstance(module, Conv1D):  # stores (in, out): a square one too
-                    weight = weight.t()
+                if isinstance(module, Conv1D) and not isinstance(quantized, Conv1D):
+                    weight = weight.t()  # (out, in) of a layer stored (in, out), square too
+                if held.dim() == 3:  # fused experts, quantized as one linear of all their rows
+                    weight = weight.reshape(original.shape)
+                if weight.shape != original.shape:
+                    raise ValueError(f"{backend.name}: {name}'s weight came back "
+                                     f"{tuple(weight.shape)}, not {tuple(original.shape)}")
                 swapped.append((held, original))
-                held.data = weight.to(dtype=original.dtype).reshape(original.shape).contiguous()
+                held.data = weight.to(dtype=original.dtype).contiguous()
             kl, se = self.measure(self._first_layer(modules))
         finally:
             for held, original in swapped:

@@ -75,7 +75,9 @@ def search_key(sweep: Sweep, search: SearchSpec) -> str:
                for label, o in search.format_options().items()}
     identity = {"model": model.identity(), "backend": search.backend, "formats": formats,
                 "granularity": search.granularity,
-                "windows": probe_settings(sweep, search).identity()}
+                "windows": probe_settings(sweep, search).identity(),
+                # what the backend makes units (cells of other units are another search's)
+                "units": [_embeddings(search), _experts(search)]}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -136,9 +138,8 @@ def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
         return _run_one(client, f"search {search.name}: {what}", room, rules, f"{tag}-{what}",
                         watch, function, *args)
 
-    searchable = get_backend(search.backend).has(Searchable)
-    found = one("units", search_units, model, search.granularity,
-                bool(searchable and searchable.embeddings), bool(searchable and searchable.experts))
+    found = one("units", search_units, model, search.granularity, _embeddings(search),
+                _experts(search))
     if found is None:
         return None
     units = found.result().units
@@ -295,6 +296,12 @@ def _embeddings(search: SearchSpec) -> bool:
     """Whether the search's backend makes the token embedding and output units too."""
     searchable = get_backend(search.backend).has(Searchable)
     return bool(searchable and searchable.embeddings)
+
+
+def _experts(search: SearchSpec) -> bool:
+    """Whether the search's backend makes fused experts units (``search.members``)."""
+    searchable = get_backend(search.backend).has(Searchable)
+    return bool(searchable and searchable.experts)
 
 
 def _at_uniform_bytes(search: SearchSpec, probed: Probed, ties: list[list[str]],

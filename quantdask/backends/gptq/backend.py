@@ -54,7 +54,7 @@ from quantdask.backends.gptq.mixed import (
     UNEXPORTED,
     dequantize_gptq_layer,
     dynamic_config,
-    fused_experts,
+    expert_shapes,
     layer_formats,
     mixable,
     rtn_proxy,
@@ -67,11 +67,12 @@ from quantdask.backends.gptq.saved import (
     load_mixed,
     load_saved,
     refuse_missing,
+    refuse_unquantized_experts,
     ships_its_export,
 )
 from quantdask.backends.options import LM_HEAD
 from quantdask.backends.packed import dequantize_packed_layer
-from quantdask.backends.per_module import unknown_modules
+from quantdask.backends.per_module import fused_expert_params, unknown_modules
 from quantdask.errors import UnsupportedHere
 from quantdask.randomness import global_generators
 from quantdask.util import heap_trimmed, scratch_root
@@ -167,6 +168,7 @@ def _fittable_model(method: str, source, options, device: str):
     model = source.build(device)
     shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
               if selects(name, type(m), options) and isinstance(m, torch.nn.Linear)}
+    shapes |= expert_shapes(model)  # (fitted one linear per expert: checked as one)
     reason = (unknown_modules(options, mixable(set(shapes), options, model), method)
               or unsupported(method, options, model.config.model_type, shapes))
     if reason:
@@ -225,7 +227,7 @@ def _quantize(method: str, source, options, device: str, calibration):
         from gptqmodel.models.base import BaseQModel
 
         # Mixtral's experts, one linear each: so saved, they reload with GPTQModel.load only
-        per_expert = bool(fused_experts(model))
+        per_expert = bool(fused_expert_params(model))
         defuser.convert_model(model, cleanup_original=False)
         wrapped = MODEL_MAP.get(model.config.model_type, BaseQModel)(
             model, quantized=False, quantize_config=config, tokenizer=source.tokenizer,
@@ -248,6 +250,8 @@ def _quantize(method: str, source, options, device: str, calibration):
             raise
     ships_its_export(shipped, scratch, export)
     refuse_missing(method, loading)
+    if per_expert:
+        refuse_unquantized_experts(method, shipped)
     eager_kernels(shipped)
     for name, module in shipped.named_modules():
         if name in classes and hasattr(module, "qweight"):

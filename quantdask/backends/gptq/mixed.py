@@ -18,7 +18,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from quantdask.backends.packed import dequantize_packed_layer
-from quantdask.backends.per_module import expert_projections, module_format
+from quantdask.backends.per_module import (
+    expert_projections,
+    fused_expert_params,
+    module_format,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -68,15 +72,20 @@ def mixable(linears: set[str], options, model=None) -> set[str]:
     each ``modules`` name that reads as one (the worker checks it on the model)."""
     if model is None:
         return linears | {name for name in options.get("modules") or {} if expert_projections(name)}
-    return linears | fused_experts(model)
+    return linears | set(fused_expert_params(model))
 
 
-def fused_experts(model) -> set[str]:
-    """The names of ``model``'s fused experts parameters (3-D: every expert of a projection),
-    which gptqmodel fits as one linear per expert (defuser)."""
-    return {f"{owner}.{name}" for owner, module in model.named_modules()
-            for name, weight in module.named_parameters(recurse=False)
-            if weight.dim() == 3 and expert_projections(f"{owner}.{name}")}
+
+
+def expert_shapes(model) -> dict[str, tuple[int, int]]:
+    """(in, out) of one expert's linear in each of ``model``'s fused experts parameters, by
+    the parameter's name: what gptqmodel fits per expert, for the width checks."""
+    shapes = {}
+    for name in fused_expert_params(model):
+        experts, rows, row_length = model.get_parameter(name).shape
+        _, projections = expert_projections(name) or ("", ("",))
+        shapes[name] = (int(row_length), int(rows) // len(projections))
+    return shapes
 
 
 def layer_formats(options, names) -> dict[str, tuple[int, int]]:

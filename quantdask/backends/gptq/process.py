@@ -61,7 +61,13 @@ def process_state_kept():
         warnings.filters[:] = filters  # type: ignore[index]  # a list, typed as a Sequence
         dynamo.cache_size_limit = cache_limit
         for module, name, value in classes:
-            setattr(module, name, value)
+            if value is _ABSENT:
+                module.__dict__.pop(name, None)  # added by defuser: taken away
+            else:
+                setattr(module, name, value)
+
+
+_ABSENT = object()  # an attribute a module lacked before
 
 
 def _transformers_patched_by_defuser() -> list[tuple[Any, str, Any]]:
@@ -78,10 +84,11 @@ def _transformers_patched_by_defuser() -> list[tuple[Any, str, Any]]:
         from transformers import conversion_mapping, modeling_utils
     except ImportError:
         return []
-    found = [(module, "get_checkpoint_conversion_mapping",
-              module.get_checkpoint_conversion_mapping)
+    # its conversion mapping (set on both modules, and the original kept on the first)
+    found = [(module, name, getattr(module, name, _ABSENT))
              for module in (conversion_mapping, modeling_utils)
-             if hasattr(module, "get_checkpoint_conversion_mapping")]
+             for name in ("get_checkpoint_conversion_mapping",
+                          "orig_get_checkpoint_conversion_mapping")]
     for family in MODEL_CONFIG.values():
         for original, _ in family.get(PATCH.REPLACE_MODULE, []):
             path, name = original.rsplit(".", 1)

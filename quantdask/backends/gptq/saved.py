@@ -32,6 +32,18 @@ def refuse_missing(method: str, loading: dict) -> None:
                               f"its weights ({sorted(missing)[0]}, ...)")
 
 
+def refuse_unquantized_experts(method: str, model) -> None:
+    """A mixture of experts reloaded (``GPTQModel.load``) with an expert's linear not
+    quantized is not the model fitted: refused, naming it."""
+    import re
+
+    plain = [name for name, module in model.named_modules()
+             if re.search(r"\.experts\.\d+\.\w+_proj$", name) and not hasattr(module, "qweight")]
+    if plain:
+        raise UnsupportedHere(f"the saved {method} model reloads {len(plain)} experts' linears "
+                              f"unquantized ({plain[0]}, ...)")
+
+
 def ships_its_export(model, scratch: str, export: str) -> None:
     """Make ``model.save_pretrained(directory)`` (the sweep's artifacts) write the checkpoint
     gptqmodel saved, kept until the model goes. The loaded model holds its zero points in the
@@ -77,8 +89,10 @@ def loads_with_gptqmodel(directory: str) -> bool:
 
 
 def load_mixed(directory: str, device: str) -> Any:
-    """A GPTQ mix loaded as its users load it, ``GPTQModel.load`` (gptqmodel's plain torch
-    kernel on the CPU), in the checkpoint's own dtype: the transformers model inside."""
+    """A GPTQ checkpoint only gptqmodel loads (a mix, a mixture of experts:
+    :func:`loads_with_gptqmodel`) loaded as its users load it, ``GPTQModel.load``
+    (gptqmodel's plain torch kernel on the CPU), in the checkpoint's own dtype: the
+    transformers model inside."""
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
