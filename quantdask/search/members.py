@@ -20,6 +20,7 @@ from quantdask.backends.per_module import expert_projections, fused_expert_param
 if TYPE_CHECKING:
     import torch
 
+
 def fused_experts(model: torch.nn.Module, within: str) -> tuple[list[str], set[str]]:
     """The fused experts parameters (``backends.per_module.fused_expert_params``) of the
     decoder layers under ``within`` (``model.layers``), by full name, and the names of their
@@ -49,11 +50,18 @@ def fused_experts(model: torch.nn.Module, within: str) -> tuple[list[str], set[s
     return params, routers
 
 
+def _module(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """Member ``name`` as a module, or None where it is a parameter (fused experts)."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:  # not a module: a parameter
+        return None
+
+
 def member_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
     """Member ``name``'s weight: a module's ``weight``, or the fused experts parameter."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:  # not a module: a parameter
+    module = _module(model, name)
+    if module is None:
         return model.get_parameter(name)
     return module.weight  # type: ignore[return-value]
 
@@ -61,9 +69,8 @@ def member_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
 def member_bytes(model: torch.nn.Module, name: str, state_bytes) -> int:
     """What member ``name`` stores in full precision: its module's state
     (``state_bytes(module)``), or its parameter's bytes."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
+    module = _module(model, name)
+    if module is None:
         weight = model.get_parameter(name)
         return weight.numel() * weight.element_size()
     return state_bytes(module)
@@ -75,9 +82,8 @@ def quantizable(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, tor
     all their rows (sharing the parameter's memory) and the 3-D parameter."""
     import torch
 
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
+    module = _module(model, name)
+    if module is None:
         weight = model.get_parameter(name)
         rows = torch.nn.Linear(int(weight.shape[-1]), weight.numel() // int(weight.shape[-1]),
                                bias=False, device="meta")
