@@ -50,6 +50,8 @@ class WorkerTaskKind(StrEnum):
     SEARCH_UNITS = "search units"  # a search's units, read from its model
     SEARCH_REFERENCE = "search reference"  # a search's calibration reference
     PROBE = "probe"  # a chunk of a search's (unit, format) cells
+    FISHER_PASS = "fisher pass"  # a search's forward and backward pass over one batch
+    OFFSPRING = "offspring"  # a whole mix of a search's refinement, scored
     CONVERT = "convert"  # a model converted to a runtime's own format (a GGUF), once a sweep
 
 

@@ -32,7 +32,7 @@ def search_sweep(calibration: str, **search) -> dict:
         # head stay float32).
         "budget": {"bits_per_weight": 7.2}, "frontier": [7.5], "candidates": 2,
         "windows": 32, "cells_per_task": 10,
-        "tie": [["q_proj", "k_proj", "v_proj"]], **search}]
+        "tie": [["q_proj", "k_proj", "v_proj"]], "sensitivity": "kl", **search}]
     return data
 
 

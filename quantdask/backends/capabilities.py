@@ -122,6 +122,9 @@ class Searchable(Capability):
     (``search.members``), as a runtime that stores or runs them that way needs (GGUF's
     ``ffn_*_exps``; vLLM's fused MoE kernel for GPTQ).
 
+    ``score_mix``, ``scores_in`` and ``refine_why``: how a search's refinement scores a whole
+    mix (see the fields).
+
     ``proxy`` (optional): what the probes quantize each module with instead of
     :class:`ModuleAlone`, for a backend whose module alone is not what the method makes of it
     (GPTQ fits each layer on the outputs of those before it); ``proxy_is`` says what it is,
@@ -138,6 +141,14 @@ class Searchable(Capability):
     unexported_why: str = "its verifying jobs measure the mix in memory only"
     proxy: ModuleAlone | None = None
     proxy_is: str = ""
+    # A whole mix scored in the backend's own runtime, for a search's refinement:
+    # score_mix(model, options, windows, reference) -> QualityMeter (GGUF: the file written by
+    # llama.cpp's quantizer, run in llama.cpp; ``scores_in`` names it); without it the
+    # refinement scores in torch, every unit's probe weight swapped in. ``refine_why``: why a
+    # backend's mixes cannot be refined at all (a refinement is then refused).
+    score_mix: Callable[..., Any] | None = None
+    scores_in: str = "torch"
+    refine_why: str | None = None
     ships_as: str = ""  # what the mix ships as without export (GPTQ: the job's checkpoint)
     # The linears (last name parts) its runtime fuses within a layer, and so must take one
     # format: a search ties them unless its ``tie`` says otherwise.

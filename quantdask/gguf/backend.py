@@ -22,6 +22,7 @@ from quantdask.gguf.searched import (
     export_file,
     quantize_module,
     rest_bytes,
+    score_in_runtime,
 )
 from quantdask.gguf.source import missing_converter
 
@@ -48,6 +49,7 @@ gguf_backend = register_backend(Backend(
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module), Dequantizes(dequantize_module),
                   Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
-                             embeddings=True, experts=True)),
+                             embeddings=True, experts=True, score_mix=score_in_runtime,
+                             scores_in="llama.cpp")),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

@@ -137,6 +137,34 @@ def export_file(model, options: GgufOptions, folder: str | os.PathLike) -> Path:
     return out
 
 
+def score_in_runtime(model, options: GgufOptions, windows: torch.Tensor,
+                     reference: dict[str, torch.Tensor]):
+    """A searched config's mix scored in llama.cpp (``Searchable.score_mix``, a refinement's
+    offspring): the file llama.cpp's quantizer writes from the model converted (this
+    machine's conversion cache), its tensors' types checked, run on ``windows`` against
+    ``reference`` on this slot's threads (the config's device); a QualityMeter."""
+    import tempfile
+
+    import torch
+
+    from quantdask.gguf.conversion import converted
+    from quantdask.gguf.quantize import check_written, quantize_gguf, tensor_types
+    from quantdask.gguf.runtime import RuntimeDevice, llama_cpp_meter
+
+    if options.imatrix:
+        raise UnsupportedHere("a refinement scores mixes without an importance matrix (its "
+                              "formats are probed without one): leave imatrix out")
+    base = converted(model, "f32")
+    given = given_types(base, options)
+    threads = max(1, torch.get_num_threads())
+    with tempfile.TemporaryDirectory(prefix="quantdask-offspring-") as folder:
+        out = Path(folder) / "mix.gguf"
+        quantize_gguf(base, out, str(options.type), threads=threads, given=given)
+        check_written(tensor_types(out), given)
+        return llama_cpp_meter(out, windows, reference,
+                               RuntimeDevice(threads, options.device == "cuda"))
+
+
 def given_types(path: str | os.PathLike, options) -> TensorTypes:
     """The tensor types a searched config (``options.tensor_type``, ``options.modules``, the
     embedding's and output's) gives the tensors of the full-precision GGUF at ``path``, as

@@ -43,6 +43,7 @@ from quantdask.records.rows import (
     EnvironmentRow,
     LayerRow,
     PhaseRow,
+    RefinementRow,
     SampleRow,
     SensitivityRow,
     SessionRow,
@@ -58,7 +59,8 @@ __all__ = [
     "AllocationRow", "Artifact", "AttemptRow", "Calibrated", "Covered", "Ended", "FrameRow",
     "EnvironmentRow", "GateVerdict", "InRuntime", "LayerRow", "LayerWeights", "Loaded",
     "NotDone", "Peaks", "PhaseRecord", "PhaseRow", "Quality", "Quantized", "Record",
-    "Recorded", "ResultRow", "Row", "SampleRow", "Scored", "SearchedFor", "SensitivityRow",
+    "Recorded", "RefinementRow",
+    "ResultRow", "Row", "SampleRow", "Scored", "SearchedFor", "SensitivityRow",
     "SessionRow", "Span", "Speed", "SpeedAsRead", "SpeedRow", "Streamed", "TaskItemRow",
     "TaskRow", "TaskScores", "WindowRow", "WorkerTaskRow", "Where", "frame_rows",
 ]

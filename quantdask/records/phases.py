@@ -82,6 +82,8 @@ class SearchedFor(PhaseRecord):
     search_budget_bits_per_weight: float
     predicted_kl: float
     predicted_bytes: int
+    # how the prediction was made (the allocation frame's predicted_in; null: before methods)
+    predicted_in: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

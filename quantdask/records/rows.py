@@ -222,6 +222,37 @@ class SensitivityRow(FrameRow):
     error: str | None  # why the format cannot take the unit (then kl and bytes are null)
     worker: str | None
     seconds: float
+    # How the cell was scored: kl (its KL measured with the unit swapped in) or fisher (a
+    # second-order estimate from one backward pass per calibration batch, mapped to nats by a
+    # fit against the measured whole-model KLs of unit (all))
+    method: str = "kl"
+    # The method's own figure: the KL measured (kl), or the Fisher estimate in nats before the
+    # fit (fisher)
+    score: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RefinementRow(FrameRow):
+    """One row per (search, generation, candidate) of a search's refinement: a whole mix
+    scored by its KL measured on the refinement's calibration windows."""
+
+    search: str
+    search_key: str  # the search's key, plus the refinement's windows and seed
+    model: str
+    generation: int  # 0: the solver's allocation, the first parent
+    candidate: int  # 0: the generation's parent (re-scored only in generation 0)
+    parent: str  # the parent mix's hash (its formats, canonical JSON)
+    mix: str  # this mix's hash
+    formats: str  # unit -> format, canonical JSON
+    bytes: int  # the units' stored bytes (the budget counts these plus the rest)
+    kl: float  # its whole-model KL on the refinement windows (nats per token)
+    kl_se: float  # its standard error over the windows
+    kl_vs_parent: float  # its KL minus its parent's, window by window (paired)
+    kl_vs_parent_se: float  # that difference's standard error
+    window_kl: str  # each window's KL, a JSON list (the next generation's pairs)
+    measured_in: str  # torch (the probe model, every unit swapped in) or the runtime
+    worker: str | None
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)

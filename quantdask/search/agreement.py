@@ -45,6 +45,10 @@ def prediction_agreement(results: pl.DataFrame) -> pl.DataFrame:
     for (search,), part in jobs.group_by("search", maintain_order=True):
         proxy = proxy_of(part["backend"][0])
         predicted = TORCH if proxy is None else f"{TORCH}, {proxy}"
+        said = (part["predicted_in"].drop_nulls() if "predicted_in" in part.columns
+                else pl.Series([], dtype=pl.String))
+        if len(said) and FISHER_FIT in said[0]:
+            predicted = f"{predicted}, {FISHER_FIT}"
         rows.append({
             "search": search, "jobs": part.height,
             "spearman": _spearman(part["predicted_kl"], part["kl_divergence"]),
@@ -89,6 +93,9 @@ def agreement_line(row: dict) -> str:
             f"{proxy}; its mix: {row['file']}")
 
 
+FISHER_FIT = "from fisher scores fitted to each format's measured KL"
+
+
 def proxy_of(backend: str) -> str | None:
     """The stated proxy a search of ``backend`` probes with (``Searchable.proxy_is``), or
     None where it probes with the backend's own quantizer."""
@@ -99,17 +106,20 @@ def proxy_of(backend: str) -> str | None:
     return searchable.proxy_is if searchable is not None and searchable.proxy else None
 
 
-def predicted_in(backend: str) -> str:
+def predicted_in(backend: str, method: str = "kl") -> str:
     """Where a search of ``backend`` predicts (the allocation frame's ``predicted_in``): in
     torch, with the backend's own quantizer, a stated proxy of it, or as a proxy of the
-    runtime its jobs measure in (``OwnRuntime``)."""
+    runtime its jobs measure in (``OwnRuntime``); with ``method`` fisher, from Fisher scores
+    fitted to nats (``search.fisher``)."""
     from quantdask.backends import get_backend
     from quantdask.backends.capabilities import OwnRuntime
 
     proxy, runtime = proxy_of(backend), get_backend(backend).has(OwnRuntime)
     if proxy is not None:
-        return f"{TORCH}, {proxy}"
-    return TORCH if runtime is None else f"{TORCH}, a proxy for {runtime.runtime}"
+        where = f"{TORCH}, {proxy}"
+    else:
+        where = TORCH if runtime is None else f"{TORCH}, a proxy for {runtime.runtime}"
+    return where if method == "kl" else f"{where}, {FISHER_FIT}"
 
 
 def _file(backend: str) -> str:

@@ -83,7 +83,7 @@ def allocate(cells: Cells, budget_bytes: int, *, ties: Iterable[Sequence[str]] =
         raise SpecError("solver", f"must be auto, milp or fallback, got {solver!r}")
     if candidates < 1:
         raise SpecError("candidates", f"must be at least 1, got {candidates}")
-    groups = _groups(cells, ties, fixed or {})
+    groups = groups_of(cells, ties, fixed or {})
     least = sum(group.options[0][2] for group in groups)
     if least > budget_bytes:
         raise SpecError("budget", f"{budget_bytes:,} bytes is below the smallest allocation "
@@ -99,7 +99,7 @@ def allocate(cells: Cells, budget_bytes: int, *, ties: Iterable[Sequence[str]] =
             for rank, pick in enumerate(picks, start=1)]
 
 
-def _groups(cells: Cells, ties: Iterable[Sequence[str]], fixed: Mapping[str, str]
+def groups_of(cells: Cells, ties: Iterable[Sequence[str]], fixed: Mapping[str, str]
             ) -> list[_Group]:
     """The units merged by their ties (overlapping ties merge), each group's formats those
     every member can take (only the fixed one where a member is fixed)."""

@@ -24,6 +24,8 @@ class ProbedCell:
     bytes: int | None = None
     error: str | None = None
     seconds: float = 0.0
+    method: str = "kl"  # or fisher: then ``score`` is the Fisher estimate and ``kl`` the fit
+    score: float | None = None
 
     @classmethod
     def rest(cls, rest_bytes: int) -> ProbedCell:
@@ -47,7 +49,10 @@ class ProbedChunk:
 
 @dataclasses.dataclass(frozen=True)
 class SearchUnits:
-    """A model's units (name -> its linear modules) and its parameter count."""
+    """A model's units (name -> its linear modules), its parameter count, and each member's
+    (weights, in + out widths) for pricing (``search.pricing``)."""
 
     units: dict[str, tuple[str, ...]]
     param_count: int
+    shapes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    layers: int = 0  # the model's decoder layers

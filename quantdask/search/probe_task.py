@@ -5,6 +5,7 @@ model and calibration reference (the model built, the hidden states captured onc
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from quantdask.backends import get_backend
 from quantdask.errors import UnsupportedHere
 from quantdask.job.faults import inject_fault
+from quantdask.measure.layers import decoder_layers
 from quantdask.process.model_source import cached_model_source
 from quantdask.process.runtime import worker_task
 from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
@@ -20,29 +22,49 @@ from quantdask.sweepfile.search import ALL_UNITS
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
+    import torch
+
     from quantdask.backends.options import BackendOptions
     from quantdask.measure.reference import Reference
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.sweepfile.settings import EvalSettings
     from quantdask.words import FaultKind
 
-_kept: dict[str, Prober] = {}  # one prober per worker: the last model and reference probed
-_lock = threading.RLock()
+_built: dict[str, torch.nn.Module] = {}  # one full-precision model per worker, for probing
+_kept: dict[str, Prober] = {}  # its probers, by reference (the probes' and the refinement's)
+probe_lock = threading.RLock()  # one probe, pass or offspring at a time: they share the model
 
 
-def prober_for(model: ModelSpec, reference: Reference, batch_size: int) -> Prober:
-    """This worker's prober of ``model`` on ``reference``'s windows, made on a miss (the one
-    kept before it is dropped: a worker holds one full-precision model for probing)."""
+def kept_model(model: ModelSpec) -> torch.nn.Module:
+    """This worker's full-precision ``model`` as the probes build it, built on a miss (the one
+    kept before it is dropped, with its probers: a worker holds one model for probing)."""
     from quantdask.process.runtime import torch_device
 
-    with _lock:
-        prober = _kept.get(reference.key)
-        if prober is None:
+    key = json.dumps(model.identity(), sort_keys=True)
+    with probe_lock:
+        if key not in _built:
+            _built.clear()
             _kept.clear()
             device, _, _ = torch_device()
             source, _ = cached_model_source(model)
-            prober = Prober(source.build(device), reference.windows, reference.distribution,
-                            batch_size, device)
+            _built[key] = source.build(device)
+        return _built[key]
+
+
+def prober_for(model: ModelSpec, reference: Reference, batch_size: int) -> Prober:
+    """This worker's prober of ``model`` on ``reference``'s windows, made on a miss (at most
+    two are kept: the probes' windows and the refinement's)."""
+    from quantdask.process.runtime import torch_device
+
+    with probe_lock:
+        built = kept_model(model)
+        prober = _kept.get(reference.key)
+        if prober is None or prober.model is not built:
+            while len(_kept) >= 2:
+                _kept.pop(next(iter(_kept)))
+            device, _, _ = torch_device()
+            prober = Prober(built, reference.windows, reference.distribution, batch_size,
+                            device)
             _kept[reference.key] = prober
         prober.batch_size = batch_size  # half the last one's after running out of memory
         return prober
@@ -68,9 +90,19 @@ def search_units(model: ModelSpec, granularity: str, embeddings: bool = False,
     with worker_task(WorkerTaskKind.SEARCH_UNITS, model.label):
         source, _ = cached_model_source(model)
         built = source.build("cpu")
-        return SearchUnits(linear_units(built, granularity, embeddings=embeddings,
-                                        experts=experts),
-                           count_parameters(built))
+        units = linear_units(built, granularity, embeddings=embeddings, experts=experts)
+        return SearchUnits(units, count_parameters(built),
+                           {m: _shape(built, m) for members in units.values() for m in members},
+                           len(decoder_layers(built)[1]))
+
+
+def _shape(model, name: str) -> tuple[int, int]:
+    """Member ``name``'s (weights, in + out widths): what a Fisher capture keeps of it per
+    position (a fused experts parameter: its rows' length and all its rows)."""
+    from quantdask.search.members import member_weight
+
+    weight = member_weight(model, name)
+    return int(weight.numel()), int(weight.shape[-1]) + int(weight.numel() // weight.shape[-1])
 
 
 def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend: str,
@@ -88,7 +120,7 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
     chosen = get_backend(backend)
     # One probe at a time per worker (they swap weights of one shared model): its deadline
     # and its time start once it holds the worker's model.
-    with _lock, worker_task(WorkerTaskKind.PROBE, model.label):
+    with probe_lock, worker_task(WorkerTaskKind.PROBE, model.label):
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)
@@ -96,8 +128,8 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         for unit, modules, label in cells:
             cell = ProbedCell(
                 unit=unit, format=label,
-                layer=_layer(unit, modules[0], prober.prefix),
-                params=sum(_weights(prober.model, m) for m in modules),
+                layer=unit_layer(unit, modules[0], prober.prefix),
+                params=sum(unit_weights(prober.model, m) for m in modules),
                 worker=get_worker().address)
             try:
                 measured = prober.probe(unit, modules, label, chosen, formats[label])
@@ -111,14 +143,14 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         return ProbedChunk(probed, prober.rest_bytes(units, chosen, base))
 
 
-def _layer(unit: str, module: str, prefix: str) -> int:
+def unit_layer(unit: str, module: str, prefix: str) -> int:
     """A cell's decoder layer: -1 for every unit at once and for a module outside the
     layers (the token embedding, the output)."""
     found = None if unit == ALL_UNITS else layer_index(module, prefix)
     return -1 if found is None else found
 
 
-def _weights(model, name: str) -> int:
+def unit_weights(model, name: str) -> int:
     """How many weights member ``name`` of ``model`` holds."""
     from quantdask.search.members import member_weight
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from quantdask.backends.base import Backend
     from quantdask.backends.options import BackendOptions
+    from quantdask.measure.metrics import QualityMeter
 
 KEEP = "keep"
 """The format that leaves a unit in full precision (KL 0 by construction, not probed)."""
@@ -179,27 +180,25 @@ class Prober:
 
     def rest_bytes(self, units: dict[str, tuple[str, ...]], backend: Backend | None = None,
                    options: BackendOptions | None = None) -> int:
-        """What the model stores outside ``units`` (the head, the embeddings, the norms):
-        the part of its size no allocation changes; as ``backend``'s file with ``options``
-        stores it where the backend counts it (``Searchable.rest_bytes``)."""
-        searchable = backend.has(Searchable) if backend is not None else None
-        if searchable is not None and searchable.rest_bytes is not None and options is not None:
-            return searchable.rest_bytes(self.model, units, options)
-        inside = sum(member_bytes(self.model, m, _state_bytes)
-                     for modules in units.values() for m in modules)
-        return _state_bytes(self.model) - inside
+        """What the model stores outside ``units`` (:func:`rest_bytes`)."""
+        return rest_bytes(self.model, units, backend, options)
 
     def measure(self, first_layer: int | None = 0) -> tuple[float, float | None]:
         """The model's KL against the reference as it is now (mean, standard error), run from
         decoder layer ``first_layer`` (None: the whole model, from its embedding)."""
+        scores = self.meter(first_layer).scores()
+        return scores.kl_divergence, scores.kl_se
+
+    def meter(self, first_layer: int | None = 0) -> QualityMeter:
+        """The model as it is now measured against the reference (its meter), run from
+        decoder layer ``first_layer`` (None: the whole model)."""
         with self.starting_at(first_layer) if first_layer is not None else contextlib.nullcontext():
             meter = measure_quality(self.model, self.windows, self.reference, self.batch_size,
                                     self.device, on_batch=self._on_batch)
         self.batch = None
-        scores = meter.scores()
-        return scores.kl_divergence, scores.kl_se
+        return meter
 
-    def _first_layer(self, modules: tuple[str, ...]) -> int | None:
+    def first_layer(self, modules: tuple[str, ...]) -> int | None:
         """Where a probe of ``modules`` starts: the first decoder layer among them; None (the
         whole model) for the token embedding, the last layer for a module after them all."""
         embedding = self.model.get_input_embeddings()  # type: ignore[operator]
@@ -212,47 +211,82 @@ class Prober:
               options: BackendOptions | None) -> CellMeasure:
         """Cell (``unit``, ``format``): each of ``modules`` quantized alone by ``backend``
         with ``options`` (None: kept, KL 0), its KL measured, the weights put back."""
-        from transformers.pytorch_utils import Conv1D
-
         began = time.perf_counter()
         if options is None:
-            size = sum(member_bytes(self.model, m, _state_bytes) for m in modules)
+            size = sum(member_bytes(self.model, m, state_bytes) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
-        alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
-        if alone is None or layer_weights is None:
-            raise ValueError(backend.refusal(ModuleAlone if alone is None else Dequantizes))
-        size, swapped = 0, []
-        try:
-            for name in modules:
-                module, held = quantizable(self.model, name)
-                quantized = alone.quantize(module, options)
-                size += getattr(quantized, "checkpoint_bytes", None) or _state_bytes(
-                    quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
-                weight = layer_weights.dequantize(quantized)
-                if weight is None:
-                    raise ValueError(f"{backend.name}: no dequantized weight for {name}")
-                original = held.data
-                if isinstance(module, Conv1D) and not isinstance(quantized, Conv1D):
-                    weight = weight.t()  # (out, in) of a layer stored (in, out), square too
-                if held.dim() == 3:  # fused experts, quantized as one linear of all their rows
-                    weight = weight.reshape(original.shape)
-                if weight.shape != original.shape:
-                    raise ValueError(f"{backend.name}: {name}'s weight came back "
-                                     f"{tuple(weight.shape)}, not {tuple(original.shape)}")
-                swapped.append((held, original))
-                held.data = weight.to(dtype=original.dtype).contiguous()
-            kl, se = self.measure(self._first_layer(modules))
-        finally:
-            for held, original in swapped:
-                held.data = original
+        with swapped_in(self.model, [(m, options) for m in modules], backend) as size:
+            kl, se = self.measure(self.first_layer(modules))
         return CellMeasure(unit, format, kl, se, size, time.perf_counter() - began)
+
+
+@contextlib.contextmanager
+def swapped_in(model: torch.nn.Module, members: list[tuple[str, BackendOptions]],
+               backend: Backend, weigh=None) -> Iterator[int]:
+    """``model`` with each (member, options) of ``members`` quantized alone and swapped in
+    (``weigh``: :func:`swapped_weight`, or a cache of its results), yielding the bytes they
+    store; every weight put back after."""
+    weigh = weigh or swapped_weight
+    size, swapped = 0, []
+    try:
+        for name, options in members:
+            weight, held, stored = weigh(model, name, backend, options)
+            size += stored
+            swapped.append((held, held.data))
+            held.data = weight
+        yield size
+    finally:
+        for held, original in swapped:
+            held.data = original
+
+
+def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
+                   options: BackendOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Member ``name`` of ``model`` quantized alone by ``backend`` with ``options`` (its probe
+    quantizer: ``ModuleAlone`` or its stated proxy) and back in float: (the weight in the
+    layout and dtype of the parameter it replaces, that parameter, the bytes it stores). The
+    one quantization the probes, the Fisher scores and the refinement's offspring share."""
+    from transformers.pytorch_utils import Conv1D
+
+    alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
+    if alone is None or layer_weights is None:
+        raise ValueError(backend.refusal(ModuleAlone if alone is None else Dequantizes))
+    module, held = quantizable(model, name)
+    quantized = alone.quantize(module, options)
+    size = getattr(quantized, "checkpoint_bytes", None) or state_bytes(
+        quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
+    weight = layer_weights.dequantize(quantized)
+    if weight is None:
+        raise ValueError(f"{backend.name}: no dequantized weight for {name}")
+    original = held.data
+    if isinstance(module, Conv1D) and not isinstance(quantized, Conv1D):
+        weight = weight.t()  # (out, in) of a layer stored (in, out), square too
+    if held.dim() == 3:  # fused experts, quantized as one linear of all their rows
+        weight = weight.reshape(original.shape)
+    if weight.shape != original.shape:
+        raise ValueError(f"{backend.name}: {name}'s weight came back "
+                         f"{tuple(weight.shape)}, not {tuple(original.shape)}")
+    return weight.to(dtype=original.dtype).contiguous(), held, int(size)
+
+
+def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],
+               backend: Backend | None = None, options: BackendOptions | None = None) -> int:
+    """What ``model`` stores outside ``units`` (the head, the embeddings, the norms): the part
+    of its size no allocation changes; as ``backend``'s file with ``options`` stores it where
+    the backend counts it (``Searchable.rest_bytes``)."""
+    searchable = backend.has(Searchable) if backend is not None else None
+    if searchable is not None and searchable.rest_bytes is not None and options is not None:
+        return searchable.rest_bytes(model, units, options)
+    inside = sum(member_bytes(model, m, state_bytes)
+                 for modules in units.values() for m in modules)
+    return state_bytes(model) - inside
 
 
 def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _state_bytes(module: torch.nn.Module, stored_bytes=None) -> int:
+def state_bytes(module: torch.nn.Module, stored_bytes=None) -> int:
     """What a module's state stores, as the coverage phase counts a model's (``size_bytes``,
     with the backend's ``stored_bytes``)."""
     return sum(size for _, _, size in stored_tensors(module, stored_bytes))

@@ -38,6 +38,7 @@ from quantdask.records import (
     Quantized,
     Record,
     Recorded,
+    RefinementRow,
     SampleRow,
     Scored,
     SearchedFor,
@@ -107,6 +108,7 @@ SESSION_SCHEMA = schema_of((SessionRow,))
 ENVIRONMENT_SCHEMA = schema_of((EnvironmentRow,))
 SENSITIVITY_SCHEMA = schema_of((SensitivityRow,))
 ALLOCATION_SCHEMA = schema_of((AllocationRow,))
+REFINEMENT_SCHEMA = schema_of((RefinementRow,))
 SAMPLE_SCHEMA = schema_of((SampleRow,))
 WORKER_TASK_SCHEMA = schema_of((WorkerTaskRow,))
 
@@ -169,6 +171,8 @@ FRAMES: tuple[Frame, ...] = (
           ("search", "layer", "unit", "format"), SensitivityRow.optional_columns()),
     Frame("allocation", ALLOCATION_SCHEMA, "Allocation frame",
           ("search", "budget_bits_per_weight", "role", "candidate", "unit")),
+    Frame("refinement", REFINEMENT_SCHEMA, "Refinement frame",
+          ("search", "generation", "candidate"), RefinementRow.optional_columns()),
 )
 """Every frame of a run directory."""
 FRAME = {frame.name: frame for frame in FRAMES}

@@ -29,7 +29,7 @@ SPAN_SCHEMA: dict[str, pl.DataType] = {
 its ``label`` (its model)."""
 
 SEARCH_KINDS = (WorkerTaskKind.SEARCH_UNITS, WorkerTaskKind.SEARCH_REFERENCE,
-                WorkerTaskKind.PROBE)
+                WorkerTaskKind.PROBE, WorkerTaskKind.FISHER_PASS, WorkerTaskKind.OFFSPRING)
 """The tasks of a search's probing phase (before its jobs)."""
 
 

@@ -41,6 +41,24 @@ the units' errors add up to more than their sum)."""
 
 GRANULARITIES = ("linear", "block")
 SOLVERS = ("auto", "milp", "fallback")
+SENSITIVITIES = ("auto", "kl", "fisher")
+
+
+@dataclass(frozen=True)
+class Refine:
+    """A search's refinement (``refine:``): from the solver's allocation at the main budget,
+    ``generations`` rounds of ``offspring`` mutated mixes, each scored by its whole-model KL
+    on ``windows`` calibration windows (never the eval's); ``seed`` draws the mutations."""
+
+    generations: int = 4
+    offspring: int = 8
+    windows: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("generations", "offspring", "windows"):
+            positive_int(f"refine.{name}", getattr(self, name))
+        require("refine.seed", self.seed, int, "an integer")
 
 
 @dataclass(frozen=True)
@@ -62,8 +80,15 @@ class SearchSpec:
     windows: int = 16  # calibration windows each probe measures (from the calibration text)
     cells_per_task: int = 16  # (unit, format) cells one probe task measures
     solver: str = "auto"
+    # How cells are scored: kl (each measured with its unit swapped in), fisher (one backward
+    # pass per calibration batch, search.fisher) or auto (fisher where kl would cost more than
+    # AUTO_KL_SHARE of the search's work; search.pricing)
+    sensitivity: str = "auto"
+    fisher_tokens: int = 1024  # calibration positions a Fisher capture keeps, over all batches
+    refine: dict[str, Any] | None = None  # Refine's fields
     _options: dict[str, BackendOptions | None] = field(default_factory=dict, init=False,
                                                        repr=False, compare=False)
+    _refine: Refine | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and NAME.match(self.name)):
@@ -104,6 +129,29 @@ class SearchSpec:
         positive_int("cells_per_task", self.cells_per_task)
         if self.solver not in SOLVERS:
             raise SpecError("solver", f"must be {' or '.join(SOLVERS)}, got {self.solver!r}")
+        if self.sensitivity not in SENSITIVITIES:
+            raise SpecError("sensitivity", f"must be {', '.join(SENSITIVITIES)}, got "
+                                           f"{self.sensitivity!r}")
+        positive_int("fisher_tokens", self.fisher_tokens)
+        self._check_refine(backend)
+
+    def _check_refine(self, backend) -> None:
+        if self.refine is None:
+            return
+        keyed("refine", self.refine, ("generations", "offspring", "windows", "seed"),
+              "a mapping: {generations: G, offspring: N, windows: W}")
+        why = backend.has(Searchable).refine_why
+        if why is not None:
+            raise SpecError("refine", f"{self.backend} has no runtime scorer for a whole mix: "
+                                      f"{why}; drop refine")
+        if any(o is not None and getattr(o, "imatrix", None) for o in self._options.values()):
+            raise SpecError("refine", "offspring are scored without an importance matrix, as "
+                                      "the probes are: drop imatrix from the formats, or refine")
+        object.__setattr__(self, "_refine", Refine(**self.refine))
+
+    def refinement(self) -> Refine | None:
+        """The refinement's settings (None: no ``refine``)."""
+        return self._refine
 
     def _check_tie_and_fixed(self) -> None:
         if self.tie is not None:
@@ -209,6 +257,7 @@ class SearchRole:
     budget_bits_per_weight: float
     predicted_kl: float
     predicted_bytes: int
+    predicted_in: str | None = None  # how (``search.agreement.predicted_in``)
 
     @classmethod
     def column_names(cls) -> tuple[str, ...]:
@@ -217,7 +266,7 @@ class SearchRole:
 
     def columns(self) -> dict[str, Any]:
         return SearchedFor(self.search, self.role, self.candidate, self.budget_bits_per_weight,
-                           self.predicted_kl, self.predicted_bytes).columns()
+                           self.predicted_kl, self.predicted_bytes, self.predicted_in).columns()
 
 
 def check_searches(searches: list[SearchSpec], models: Iterable[str],

@@ -1,0 +1,114 @@
+"""What a search's scoring costs by method, from the model's shapes, before anything runs; and
+the method ``sensitivity: auto`` picks from it.
+
+Costs are counted in multiply-adds of weights by tokens (a window's forward is about its tokens
+times the model's weights): the part of the work that differs between the methods. Each cell's
+quantization is the same for both and is left out, as is attention's quadratic term.
+
+- ``kl``: each cell runs the calibration windows through the model from its unit's layer on
+  (``search.probes``): windows x seq_len x (the weights from that layer to the output).
+- ``fisher``: one forward and backward pass per batch (about 3 forwards of every window), then
+  each cell's dY = (Q(W) - W) x on the kept positions: fisher_tokens x the unit's weights.
+- both: each format on every unit at once, one whole forward each (the fit's and the
+  prediction check's); the verifying jobs, one eval forward each.
+
+``auto`` picks ``fisher`` where ``kl``'s cells would be more than :data:`AUTO_KL_SHARE` of the
+search's work (its cells, its whole-format measures and its verifying jobs), and ``kl``
+otherwise, or where a unit is no module (fused experts: a backward pass has no output of
+theirs to capture).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quantdask.errors import SpecError
+
+if TYPE_CHECKING:
+    from quantdask.search.cells import SearchUnits
+    from quantdask.sweepfile.search import SearchSpec
+    from quantdask.sweepfile.sweep import Sweep
+
+AUTO_KL_SHARE = 0.5
+"""``auto`` picks fisher where kl's cells would be more than this share of the search's work."""
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """The method a search scores its cells by, why, and each side's cost (multiply-adds;
+    see the module): ``kl`` and ``fisher`` the cells' by each method, ``shared`` the
+    whole-format measures' and the verifying jobs' (the same for both)."""
+
+    method: str
+    why: str
+    kl: float
+    fisher: float
+    shared: float
+
+
+def _layer(name: str) -> int | None:
+    found = re.search(r"\.(\d+)(\.|$)", name)
+    return int(found.group(1)) if found else None
+
+
+def cell_costs(sweep: Sweep, search: SearchSpec, units: SearchUnits
+               ) -> tuple[float, float, float]:
+    """(kl's cells, fisher's passes and cells, the work both share), in multiply-adds."""
+    from quantdask.search.probing import model_of, probe_settings
+
+    settings = probe_settings(sweep, search)
+    tokens = settings.samples * settings.seq_len
+    formats = [o for o in search.format_options().values() if o is not None]
+    weights = {u: sum(units.shapes.get(m, (0, 0))[0] for m in members)
+               for u, members in units.units.items()}
+    body = sum(weights.values())
+    layers = max(units.layers, 1)
+    kl = 0.0
+    for members in units.units.values():
+        index = _layer(members[0])
+        after = 1.0 if index is None else (layers - index) / layers
+        kl += len(formats) * tokens * (units.param_count - body + body * after)
+    fisher = 3 * tokens * units.param_count + len(formats) * min(
+        search.fisher_tokens, tokens) * body
+    evaluation = sweep.eval_for(model_of(sweep, search))
+    jobs = 2 * len(formats) + search.candidates * len(search.budgets() or (1,))
+    shared = (len(formats) * tokens + jobs * evaluation.samples * evaluation.seq_len
+              ) * units.param_count
+    return kl, fisher, shared
+
+
+def choose_method(sweep: Sweep, search: SearchSpec, units: SearchUnits) -> MethodChoice:
+    """The method ``search`` scores ``units``' cells by (see the module); an explicit
+    ``fisher`` on units that are no modules is a :class:`SpecError`."""
+    kl, fisher, shared = cell_costs(sweep, search, units)
+    parameters = [m for members in units.units.values() for m in members
+                  if _is_parameter(m)]
+    where = f"searches[{list(sweep.searches).index(search)}].sensitivity"
+    if parameters and search.sensitivity == "fisher":
+        raise SpecError(where, f"fisher captures each unit's output, and {parameters[0]} is a "
+                               "fused experts parameter with none: use kl (or auto)")
+    share = kl / (kl + shared) if kl + shared else 0.0
+    costs = (f"kl's cells {kl:.3g} multiply-adds, {share:.0%} of the search's work; fisher's "
+             f"passes and cells {fisher:.3g} ({fisher / kl if kl else 0:.2g}x kl's)")
+    if search.sensitivity != "auto":
+        return MethodChoice(search.sensitivity, f"as the search says ({costs})", kl, fisher,
+                            shared)
+    if parameters:
+        return MethodChoice("kl", f"auto: the model's fused experts are parameters, whose "
+                                  f"outputs a backward pass cannot capture ({costs})",
+                            kl, fisher, shared)
+    if share > AUTO_KL_SHARE:
+        return MethodChoice("fisher", f"auto: {costs}, over {AUTO_KL_SHARE:.0%}", kl, fisher,
+                            shared)
+    return MethodChoice("kl", f"auto: {costs}, within {AUTO_KL_SHARE:.0%}", kl, fisher,
+                        shared)
+
+
+def _is_parameter(member: str) -> bool:
+    """Whether a member is a fused experts parameter (``model.layers.0.mlp.experts.down_proj``,
+    no module of its own; ``search.members``)."""
+    from quantdask.backends.per_module import expert_projections
+
+    return expert_projections(member) is not None

@@ -1,0 +1,384 @@
+"""A search's cells scored on the cluster, the driver's side: its units, its calibration
+reference, and every (unit, format) cell, by the search's sensitivity method
+(``search.pricing.choose_method``):
+
+- ``kl``: chunks of ``cells_per_task`` cells, one task each, every cell measured with its unit
+  swapped in (``search.probe_task``);
+- ``fisher``: one forward and backward pass per batch of the calibration windows, one task each
+  (``search.fisher_task.fisher_pass``), then chunks of cells scored on those captures, and the
+  scores mapped to nats by each format's measured whole-model KL (``search.fisher.fit_ratio``).
+
+Either way each format is also measured on every unit at once (unit ``(all)``), by its KL.
+Each chunk's rows are written to the sensitivity frame as they arrive, atomically, so that a
+rerun scores only the cells not yet there; every task is retried by failure class
+(``search.probe_runs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import polars as pl
+from distributed import Client, Future
+
+from quantdask.backends import get_backend
+from quantdask.backends.capabilities import Searchable
+from quantdask.records import SensitivityRow
+from quantdask.run import LOG_CHANNEL
+from quantdask.run.stages import StageWatch
+from quantdask.search.cells import ProbedCell, ProbedChunk
+from quantdask.search.fisher import fit_ratio
+from quantdask.search.pricing import MethodChoice, choose_method
+from quantdask.search.probe_runs import ProbeRules, ProbeTask, Room, run_probe_tasks
+from quantdask.store.run_store import RunStore
+from quantdask.sweepfile.model import ModelSpec
+from quantdask.sweepfile.search import ALL_UNITS, SearchSpec
+from quantdask.sweepfile.settings import EvalSettings
+from quantdask.sweepfile.sweep import Sweep, search_fault_label
+
+log = logging.getLogger(LOG_CHANNEL)
+
+
+def probe_settings(sweep: Sweep, search: SearchSpec, windows: int | None = None
+                   ) -> EvalSettings:
+    """The probes' windows: ``search.windows`` (or ``windows``) windows of the calibration
+    text, as long as the eval's (or the calibration's, if shorter), measured as the eval
+    measures KL."""
+    calibration, evaluation = sweep.calibration, sweep.eval_for(model_of(sweep, search))
+    assert calibration is not None  # check_searches refuses a search without it
+    return EvalSettings(text=calibration.text, dataset=calibration.dataset,
+                        seq_len=min(calibration.seq_len, evaluation.seq_len),
+                        samples=windows or search.windows, batch_size=evaluation.batch_size,
+                        kl_top_k=evaluation.kl_top_k, kl_tail_samples=evaluation.kl_tail_samples,
+                        bos=evaluation.bos, root=calibration.root
+                        ).with_bos(evaluation.bos_token_id)
+
+
+def model_of(sweep: Sweep, search: SearchSpec) -> ModelSpec:
+    """The model ``search`` searches."""
+    return next(m for m in sweep.models if m.label == search.model)
+
+
+def search_key(sweep: Sweep, search: SearchSpec, method: str = "kl") -> str:
+    """What a cell's figures depend on: the model, the backend and each format's options, the
+    units' granularity, the probes' windows and the sensitivity method (with fisher, the
+    positions it keeps). Cells recorded under another key are stale."""
+    model = model_of(sweep, search)
+    formats = {label: (o.as_dict() if o is not None else None)
+               for label, o in search.format_options().items()}
+    identity = {"model": model.identity(), "backend": search.backend, "formats": formats,
+                "granularity": search.granularity,
+                "windows": probe_settings(sweep, search).identity(),
+                # what the backend makes units (cells of other units are another search's)
+                "units": [embeddings_are_units(search), experts_are_units(search)]}
+    if method != "kl":  # (a kl search keeps the key it had before methods existed)
+        identity["method"] = [method, search.fisher_tokens]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def embeddings_are_units(search: SearchSpec) -> bool:
+    """Whether the search's backend makes the token embedding and output units too."""
+    searchable = get_backend(search.backend).has(Searchable)
+    return bool(searchable and searchable.embeddings)
+
+
+def experts_are_units(search: SearchSpec) -> bool:
+    """Whether the search's backend makes fused experts units (``search.members``)."""
+    searchable = get_backend(search.backend).has(Searchable)
+    return bool(searchable and searchable.experts)
+
+
+@dataclass
+class Probed:
+    """A search's scored cells: unit -> format -> (predicted KL, bytes), the bytes outside the
+    units, the model's parameter count, the units' members, and how the cells were scored
+    (with fisher, each format's fit: nats per unit of score)."""
+
+    cells: dict[str, dict[str, tuple[float, int]]]
+    rest_bytes: int
+    param_count: int
+    units: dict[str, tuple[str, ...]]
+    method: MethodChoice | None = None
+    fits: dict[str, float] = dataclasses.field(default_factory=dict)
+    key: str = ""
+
+    @property
+    def method_name(self) -> str:
+        return self.method.method if self.method is not None else "kl"
+
+
+@dataclass
+class _Probing:
+    """One search's probing on the cluster: what its tasks share."""
+
+    sweep: Sweep
+    search: SearchSpec
+    store: RunStore
+    client: Client
+    room: Room
+    rules: ProbeRules
+    tag: str
+    watch: StageWatch
+
+    @property
+    def model(self) -> ModelSpec:
+        return model_of(self.sweep, self.search)
+
+    def one(self, what: str, function: Callable, *args) -> Future | None:
+        """One task of the search run to its end: its finished future, or None when
+        ``watch.stop`` ended it."""
+        task = ProbeTask(f"search {self.search.name}: {what}",
+                         lambda r, k, _: self.client.submit(function, *args,
+                                                            resources=r.resources, key=k,
+                                                            pure=False))
+        # Closed here, not when collected: it unsubscribes and cancels as it closes.
+        with contextlib.closing(run_probe_tasks(self.client, [task], self.room, self.rules,
+                                                f"{self.tag}-{what}", self.watch.stop,
+                                                self.watch.tick)) as finished:
+            return next((future for _, future in finished), None)
+
+    def faults(self, attempt: int) -> list:
+        """The sweep's injected faults for this search's tasks, for attempt ``attempt``."""
+        return [(f["attempt"], f["kind"]) for f in self.sweep.faults
+                if f["config"] == search_fault_label(self.search.name)
+                and f["attempt"] == attempt]
+
+    def run(self, tasks: list[ProbeTask], what: str, room: Room | None = None
+            ) -> Iterator[tuple[int, Future]]:
+        return run_probe_tasks(self.client, tasks, room or self.room, self.rules,
+                               f"{self.tag}-{what}", self.watch.stop, self.watch.tick)
+
+
+def probing_run(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
+                resources: dict[str, float] | None = None, watch: StageWatch | None = None
+                ) -> _Probing:
+    """What ``search``'s tasks share on the cluster: each holds ``resources`` (default: a
+    job's share of a GPU), its failures handled as a job's, under this driver's keys."""
+    watch = watch or StageWatch()
+    settings = probe_settings(sweep, search)
+    # This driver's own Dask keys, carrying its session's id (the time account's).
+    tag = f"search-{search.name}-{watch.run_id or 'direct'}-{uuid.uuid4().hex[:8]}"
+    return _Probing(sweep, search, store, client,
+                    Room(resources or {"GPU": 1.0 / sweep.jobs_per_gpu}, settings.batch_size),
+                    ProbeRules(sweep.retries, sweep.timeout_s, sweep.retry_backoff_s), tag,
+                    watch)
+
+
+def probe(sweep: Sweep, search: SearchSpec, store: RunStore, client: Client,
+          resources: dict[str, float] | None = None, watch: StageWatch | None = None
+          ) -> Probed | None:
+    """Every cell of ``search`` scored (see the module): those already in ``store`` read
+    back, the rest on the cluster (``probing_run``). None when ``watch.stop`` ended it
+    early."""
+    return probe_with(probing_run(sweep, search, store, client, resources, watch))
+
+
+def probe_with(run: _Probing) -> Probed | None:
+    """:func:`probe` on ``run``'s cluster."""
+    from quantdask.search.probe_task import search_reference, search_units
+
+    sweep, search, store, watch = run.sweep, run.search, run.store, run.watch
+    settings = probe_settings(sweep, search)
+    found = run.one("units", search_units, run.model, search.granularity,
+                    embeddings_are_units(search), experts_are_units(search))
+    if found is None:
+        return None
+    units = found.result()
+    method = choose_method(sweep, search, units)
+    log.info("search %s: sensitivity %s: %s", search.name, method.method, method.why)
+    key = search_key(sweep, search, method.method)
+    done = recorded(store, search.name, key)
+    every = tuple(m for modules in units.units.values() for m in modules)
+    per_unit = [(u, units.units[u], f) for u in units.units for f in search.formats]
+    whole = [(ALL_UNITS, every, f) for f, o in search.format_options().items() if o is not None]
+    todo = [(u, m, f) for u, m, f in per_unit + whole if (u, f) not in done]
+    if watch.progress is not None:
+        watch.progress.search_started(search.name, len(per_unit + whole),
+                                      len(per_unit + whole) - len(todo))
+    if todo:
+        reference = run.one("reference", search_reference, run.model, settings,
+                            settings.read_text())
+        if reference is None:
+            return None
+        if not _score_cells(run, key, reference, todo, units.units, method, done):
+            return None
+        done = recorded(store, search.name, key)
+    return _assembled(run, key, done, units, method)
+
+
+def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
+                 units: dict[str, tuple[str, ...]], method: MethodChoice,
+                 done: dict) -> bool:
+    """Score the cells ``todo`` (see the module), writing each chunk as it arrives; False
+    when ``watch.stop`` ended it."""
+    from quantdask.search.probe_task import probe_chunk
+
+    search, formats = run.search, run.search.format_options()
+    fisher = method.method == "fisher"
+    measured = [c for c in todo if not fisher or c[0] == ALL_UNITS]
+    scored = [c for c in todo if fisher and c[0] != ALL_UNITS]
+    chunks = list(_chunks(measured, search.cells_per_task))
+    tasks = [ProbeTask(f"search {search.name}: probe chunk {i + 1} of {len(chunks)}",
+                       lambda room, k, attempt, chunk=chunk: run.client.submit(
+                           probe_chunk, run.model, reference, room.batch_size, search.backend,
+                           formats, chunk, units, run.faults(attempt),
+                           resources=room.resources, key=k, pure=False))
+             for i, chunk in enumerate(chunks)]
+    captures: list[Future] = []
+    if scored:
+        tasks += _pass_tasks(run, reference, units, method)
+    for index, future in run.run(tasks, "probe"):
+        if index < len(chunks):
+            _write_chunk(run, key, chunks[index], future.result(), done)
+        else:
+            captures.append(future)
+    if run.watch.stop.is_set():
+        return False
+    if not scored:
+        return True
+    return _fisher_cells(run, key, captures, scored, units, done)
+
+
+def _pass_tasks(run: _Probing, reference: Future, units: dict[str, tuple[str, ...]],
+                method: MethodChoice) -> list[ProbeTask]:
+    """One forward and backward pass per batch of the calibration windows."""
+    from quantdask.search.fisher_task import fisher_pass
+
+    search, batch = run.search, run.room.batch_size
+    members = [m for modules in units.values() for m in modules]
+    batches = [(start, min(start + batch, search.windows))
+               for start in range(0, search.windows, batch)]
+    keep = math.ceil(search.fisher_tokens / len(batches))
+    return [ProbeTask(f"search {search.name}: fisher pass {i + 1} of {len(batches)}",
+                      lambda room, k, attempt, rows=rows, i=i: run.client.submit(
+                          fisher_pass, run.model, reference, rows, members, keep,
+                          _pass_seed(search, i), run.faults(attempt),
+                          resources=room.resources, key=k, pure=False))
+            for i, rows in enumerate(batches)]
+
+
+def _pass_seed(search: SearchSpec, index: int) -> int:
+    """The seed of pass ``index``'s sampled tokens and kept positions (the same on a rerun)."""
+    digest = hashlib.sha256(f"{search.name}-fisher-{index}".encode()).hexdigest()
+    return int(digest[:8], 16)
+
+
+def _fisher_cells(run: _Probing, key: str, captures: list[Future], cells: list,
+                  units: dict[str, tuple[str, ...]], done: dict) -> bool:
+    """The Fisher chunks, scored on every pass's capture."""
+    from quantdask.search.fisher_task import fisher_chunk
+
+    search, formats = run.search, run.search.format_options()
+    chunks = list(_chunks(cells, search.cells_per_task))
+    tasks = [ProbeTask(f"search {search.name}: fisher chunk {i + 1} of {len(chunks)}",
+                       lambda room, k, attempt, chunk=chunk: run.client.submit(
+                           fisher_chunk, run.model, captures, search.backend, formats, chunk,
+                           units, run.faults(attempt), resources=room.resources, key=k,
+                           pure=False))
+             for i, chunk in enumerate(chunks)]
+    for index, future in run.run(tasks, "fisher"):
+        _write_chunk(run, key, chunks[index], future.result(), done)
+    run.client.cancel(captures)  # the captures are large: let the workers drop them
+    return not run.watch.stop.is_set()
+
+
+def _assembled(run: _Probing, key: str, done: dict, units, method: MethodChoice) -> Probed:
+    """The recorded cells as the allocator takes them: a Fisher cell's score mapped to nats
+    by its format's fit (written back into its rows' ``kl``), a KL cell as measured."""
+    fits: dict[str, float] = {}
+    if method.method == "fisher":
+        fits = _fits(run.search, done)
+        _write_fitted(run, key, fits)
+    measured: dict[str, dict[str, tuple[float, int]]] = {u: {} for u in units.units}
+    for (unit, label), row in done.items():
+        if unit not in measured or row["bytes"] is None:
+            continue
+        kl = row["kl"]
+        if row["method"] == "fisher" and row["score"] is not None and label in fits:
+            kl = fits[label] * row["score"]
+        if kl is not None:
+            measured[unit][label] = (kl, row["bytes"])
+    return Probed(measured, int(done[("", "rest")]["bytes"]), units.param_count, units.units,
+                  method, fits, key)
+
+
+def _fits(search: SearchSpec, done: dict) -> dict[str, float]:
+    """Each quantized format's fit: its measured whole-model KL over its cells' summed
+    Fisher scores (``fisher.fit_ratio``); a format without both is left out."""
+    fits = {}
+    for label, options in search.format_options().items():
+        if options is None:
+            continue
+        whole = done.get((ALL_UNITS, label), {}).get("kl")
+        summed = math.fsum(row["score"] or 0.0 for (unit, f), row in sorted(done.items())
+                           if f == label and unit not in ("", ALL_UNITS)
+                           and row["method"] == "fisher")
+        ratio = fit_ratio(whole, summed)
+        if ratio is not None:
+            fits[label] = ratio
+    return fits
+
+
+def _write_fitted(run: _Probing, key: str, fits: dict[str, float]) -> None:
+    """Each Fisher chunk's rows with their fitted ``kl`` (the score times its format's fit;
+    the standard error left null: the score has none), rewritten where it differs."""
+    folder = run.store.frame_dir("sensitivity")
+    for path in sorted(folder.glob(f"{run.search.name}-{key}-*.parquet")):
+        rows = pl.read_parquet(path)
+        if "method" not in rows.columns or not (rows["method"] == "fisher").any():
+            continue
+        fitted = [{**row, "kl": (fits[row["format"]] * row["score"]
+                                 if row["format"] in fits and row["score"] is not None
+                                 else row["kl"])}
+                  for row in rows.iter_rows(named=True)]
+        if any(new["kl"] is not None and (old["kl"] is None or not math.isclose(
+                new["kl"], old["kl"], rel_tol=1e-12))
+               for new, old in zip(fitted, rows.iter_rows(named=True), strict=True)):
+            run.store.write_rows("sensitivity", path.stem, [SensitivityRow(**row)
+                                                            for row in fitted])
+
+
+def _write_chunk(run: _Probing, key: str, chunk: list, part: ProbedChunk, done: dict) -> None:
+    """A scored chunk's rows in the sensitivity frame, in a file of their own; the first
+    chunk also writes the bytes outside the units (a chunk on disk implies them)."""
+    search, model = run.search, run.model.label
+    if ("", "rest") not in done:
+        done[("", "rest")] = {"kl": 0.0, "bytes": part.rest_bytes, "method": "kl",
+                              "score": None}
+        run.store.write_rows("sensitivity", f"rest-{search.name}-{key}",
+                             [ProbedCell.rest(part.rest_bytes).row(search.name, key, model)])
+    rows = [cell.row(search.name, key, model) for cell in part.cells]
+    run.store.write_rows("sensitivity", _chunk_name(search.name, key, chunk), rows)
+    log.info("search %s: %d cells scored", search.name, len(rows))
+    if run.watch.progress is not None:
+        run.watch.progress.cells_probed(search.name, len(chunk))
+
+
+def recorded(store: RunStore, search: str, key: str) -> dict[tuple[str, str], dict]:
+    """The cells of ``search`` under ``key`` already recorded: (unit, format) -> its row
+    (``kl``, ``bytes``, ``method``, ``score``); the bytes outside the units under
+    ("", "rest")."""
+    frame = store.read("sensitivity").filter((pl.col("search") == search)
+                                              & (pl.col("search_key") == key))
+    return {(row["unit"], row["format"]): row for row in frame.iter_rows(named=True)}
+
+
+def _chunk_name(search: str, key: str, chunk: list) -> str:
+    """A chunk's file in the sensitivity frame: named by its cells, so that a rerun's chunks
+    (cut from the cells still missing) never replace an earlier run's."""
+    cells = json.dumps([(unit, label) for unit, _, label in chunk])
+    return f"{search}-{key}-{hashlib.sha256(cells.encode()).hexdigest()[:12]}"
+
+
+def _chunks(cells: list, size: int) -> Iterator[list]:
+    for start in range(0, len(cells), size):
+        yield cells[start:start + size]
+
