@@ -44,7 +44,7 @@ def sweep(work: Path, windows: int, seq_len: int):
 def on_slots(spec, work: Path, slots: int) -> tuple[float, int]:
     """Seconds to probe every cell on ``slots`` CPU slots, and the cells probed."""
     import quantdask as qd
-    from quantdask.search.searches import probe
+    from quantdask.search.probing import probe
     from quantdask.store.run_store import RunStore
 
     # One torch thread per slot: one slot computes on one core, as a GPU worker on one GPU (a
@@ -63,7 +63,7 @@ def in_process(spec) -> tuple[float, float, int]:
     from quantdask.measure.reference import compute_reference
     from quantdask.process.model_source import load_model_source
     from quantdask.search.probes import Prober, linear_units
-    from quantdask.search.searches import probe_settings
+    from quantdask.search.probing import probe_settings
 
     class FromTheStart(Prober):
         def measure(self, first_layer: int = 0):

@@ -308,7 +308,8 @@ def test_every_frames_schema_and_nullable_columns_come_from_its_row_type():
              "speed": records.SpeedAsRead, "phases": records.PhaseRow,
              "attempts": records.AttemptRow, "sessions": records.SessionRow,
              "samples": records.SampleRow, "sensitivity": records.SensitivityRow,
-             "allocation": records.AllocationRow, "task_items": records.TaskItemRow,
+              "allocation": records.AllocationRow, "refinement": records.RefinementRow,
+             "task_items": records.TaskItemRow,
              "environment": records.EnvironmentRow}
     assert set(typed) | {"results"} == set(FRAME)
     for name, row_type in typed.items():
@@ -319,7 +320,7 @@ def test_every_frames_schema_and_nullable_columns_come_from_its_row_type():
         assert frame.optional == row_type.optional_columns(), name
     assert FRAME["speed"].derived == ("baseline_decode_tokens_per_s", "decode_speedup",
                                       "prefill_speedup")
-    assert FRAME["sensitivity"].optional == ("kl", "kl_se", "bytes", "error", "worker")
+    assert FRAME["sensitivity"].optional == ("kl", "kl_se", "bytes", "error", "worker", "score")
     assert FRAME["attempts"].schema["started_at"] == pl.Datetime("us", "UTC")
 
 

@@ -211,7 +211,7 @@ def _score(run: _Probing, probed: Probed, key: str, generation: int,
             f"search {search.name}: refinement generation {generation}, offspring {index}",
             lambda room, k, attempt, mix=mix, options=options: run.client.submit(
                 score_mix, run.model, reference, room.batch_size, search.backend, formats,
-                mix, probed.units, options, run.faults(attempt), resources=room.resources,
+                mix, probed.units, options, run.faults(attempt, "refine"), resources=room.resources,
                 key=k, pure=False)))
     for task_index, future in run.run(tasks, f"refine-g{generation}"):
         index, mix = mixes[task_index]

@@ -30,6 +30,7 @@ from quantdask.search.agreement import predicted_in
 from quantdask.search.allocation import Allocation, allocate
 from quantdask.search.probing import (
     Probed,
+    check_windows,
     embeddings_are_units,
     model_of,
     probe_with,
@@ -52,6 +53,8 @@ def run_searches(sweep: Sweep, store: RunStore, client: Client,
     ``probe_runs.ProbeFailed`` when a task failed past the sweep's retries."""
     watch = watch or StageWatch()
     jobs: list[Job] = []
+    for search in sweep.searches:  # what the sweep file and the model's tokenizer refuse
+        check_windows(sweep, search)
     for search in sweep.searches:
         baseline = next((job for job in placed or [] if job.is_baseline
                          and job.model.label == search.model), None)

@@ -233,7 +233,9 @@ class Sweep:
         require("faults", self.faults, (list, tuple), "a list of fault mappings")
         labels = {"baseline"} | {get_backend(b.backend).config_label(o)
                                  for b in self.backends for o in b.option_sets()}
-        labels |= {search_fault_label(search.name) for search in self.searches}
+        labels |= {label for search in self.searches
+                   for label in (search_fault_label(search.name),
+                                 f"{search_fault_label(search.name)}:refine")}
         models = {m.label for m in self.models}
         for i, fault in enumerate(self.faults):
             where = f"faults[{i}]"
