@@ -168,3 +168,28 @@ def test_a_paired_difference_has_the_standard_error_of_its_windows():
     assert mean == pytest.approx(0.5) and se == pytest.approx(0.0)
     mean, se = paired([1.0, 3.0], [0.0, 0.0])
     assert mean == pytest.approx(2.0) and se == pytest.approx(1.0)
+
+
+def test_the_plan_prices_the_units_the_workers_find(tmp_path):
+    """The driver's units from the model's shapes (meta device) are the ones a worker reads
+    from the built model, with their weights; fisher costs a fraction of kl on them."""
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.search.pricing import cell_costs, price_lines, units_from_facts
+    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+    from tests.test_refine_search import refine_sweep
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(open(DEMO_EVAL_TEXT).read())
+    sweep = sweep_from_dict(refine_sweep(str(calibration)))
+    search = sweep.searches[0]
+    facts = model_facts(expand_grid(sweep)[0])
+    priced = units_from_facts(search, facts)
+    model = load_model_source(ModelSpec(path=DEMO_MODEL_DIR)).build("cpu")
+    assert priced.units == linear_units(model, "linear")
+    assert priced.shapes == {m: (model.get_submodule(m).weight.numel(), 0)
+                             for members in priced.units.values() for m in members}
+    kl, fisher, shared = cell_costs(sweep, search, priced)
+    assert 0 < fisher < kl and shared > 0
+    lines = price_lines(sweep, search, facts)
+    assert "84 cells" in lines[0] and "sensitivity fisher: as the search says" in lines[1]

@@ -144,7 +144,8 @@ def test_a_gguf_search_writes_its_allocation_into_one_file_measured_in_llama_cpp
     # the file holds the allocation's types, tensor by tensor (down_proj's rows of 640 in
     # llama.cpp's fallback), the token embedding and the output among its units
     allocation = read_frame(run_dir, "allocation").filter(pl.col("job_id") == mixed["job_id"])
-    assert {p.split(", from")[0] for p in allocation["predicted_in"]} == {"torch, a proxy for llama.cpp"}
+    predicted = {p.split(", from")[0] for p in allocation["predicted_in"]}
+    assert predicted == {"torch, a proxy for llama.cpp"}
     kinds = {"q2": "Q2_K", "q4": "Q4_K", "q8": "Q8_0"}
     expected = Counter(written_type(kinds[row["format"]], 640 if "down_proj" in row["unit"]
                                     else 256) for row in allocation.iter_rows(named=True))

@@ -281,7 +281,8 @@ def test_plan_json_before_anything_ran(write_sweep, tmp_path, capsys):
     memory = {j["config_label"]: j["est_device_mem_bytes"] for j in jobs}
     for job in jobs:
         assert job["memory_from"] == "checkpoint size and config"
-        assert job["est_duration_s"] is None and job["duration_from"] == "nothing run yet"
+        # no history: priced from the model's shapes at this machine's rate (plan.shape_prices)
+        assert job["est_duration_s"] > 0 and job["duration_from"].startswith("shapes: ")
         assert re.fullmatch(r"(none|bitsandbytes|torchao)-[0-9a-f]{16}", job["job_id"])
     # By hand: the 3,482,128-byte float32 checkpoint, the eval's logits 8 x 32 x 320 vocab x
     # 4 bytes x 3 copies = 983,040, and 20% headroom.

@@ -104,7 +104,7 @@ def test_the_refined_mix_is_verified_beside_the_one_shot_mix(refined):
     budget = allocation.filter(pl.col("role") == "mixed")["budget_bytes"][0]
     assert row["size_bytes"] <= budget
     assert "fisher" in row["predicted_in"]
-    chosen = dict(allocation.filter((pl.col("role") == "refined")).select("unit", "format")
+    chosen = dict(allocation.filter(pl.col("role") == "refined").select("unit", "format")
                   .iter_rows())
     if best is not None:
         assert chosen == json.loads(best)
@@ -172,3 +172,14 @@ def test_refine_on_a_backend_without_a_runtime_scorer_is_refused(calibration):
     register_backend(unscored)
     with pytest.raises(SpecError, match="refine: hqq-unscored has no runtime scorer"):
         sweep_from_dict(refine_sweep(calibration, backend="hqq-unscored"))
+
+
+def test_a_budget_below_the_least_is_refused_before_any_task(cluster, calibration, tmp_path):
+    """The bytes follow from the shapes: 2 bits per unit weight at least, the embeddings and
+    head in float32, refused before the units are read or a cell probed."""
+    data = refine_sweep(calibration, budget={"bits_per_weight": 3.0}, refine=None)
+    with pytest.raises(SpecError, match=r"searches\[0\]\.budget: 3 bits per weight is below "
+                                        r"the least demo can take"):
+        run_sweep(sweep_from_dict(data), tmp_path / "run", cluster.client)
+    tasks = tmp_path / "run" / "worker_tasks"
+    assert not tasks.exists() or read_frame(tmp_path / "run", "worker_tasks").height == 0

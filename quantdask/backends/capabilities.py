@@ -146,6 +146,12 @@ class Searchable(Capability):
     # llama.cpp's quantizer, run in llama.cpp; ``scores_in`` names it); without it the
     # refinement scores in torch, every unit's probe weight swapped in. ``refine_why``: why a
     # backend's mixes cannot be refined at all (a refinement is then refused).
+    # The fewest bits per weight a format's options can store a unit in (a lower bound: no
+    # scales, no fallback), for refusing a budget below the least before anything runs;
+    # None: the options' ``bits``. rest_bits: what the weights outside the units store per
+    # weight at least (None: the model's loaded dtype).
+    least_bits: Callable[[Any], float | None] | None = None
+    rest_bits: int | None = None
     score_mix: Callable[..., Any] | None = None
     scores_in: str = "torch"
     refine_why: str | None = None

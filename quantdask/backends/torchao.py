@@ -298,6 +298,9 @@ torchao_backend = Backend(
     check=check_torchao,
     sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes),
     capabilities=(Dequantizes(dequantize_layer), Savable(),
-                  ModuleAlone(quantize_module), Searchable(MODULE_KEYS, export=export_mix)),
+                  ModuleAlone(quantize_module), Searchable(
+                      MODULE_KEYS, export=export_mix,
+                      least_bits=lambda o: {"int4_weight_only": 4, "int8_weight_only": 8}.get(
+                          str(o.mode)))),
     description="torchao weight-only int8 / int4 (optional: pip install 'quantdask[torchao]')",
 )

@@ -73,6 +73,22 @@ def slot_memory_lines(client) -> list[str]:
             for (limit, terminate), slots in by_limit.items()]
 
 
+def _search_prices(sweep) -> list[str]:
+    """Each search's description and its price from the model's shapes (``search.pricing``)."""
+    from quantdask.plan.model_facts import model_facts
+    from quantdask.search.pricing import check_budget_from_shapes, price_lines
+    from quantdask.sweepfile.sweep import expand_grid
+
+    jobs = expand_grid(sweep) if sweep.searches else []
+    lines = []
+    for search in sweep.searches:
+        job = next(j for j in jobs if j.model.label == search.model)
+        facts = model_facts(job)
+        check_budget_from_shapes(sweep, search, facts)
+        lines += [search.describe(), *price_lines(sweep, search, facts)]
+    return lines
+
+
 def cmd_plan(args) -> int:
     import json
 
@@ -108,8 +124,8 @@ def cmd_plan(args) -> int:
     for model in sweep.models:
         print(f"eval windows of {model.label} (eval.bos: {sweep.eval.bos}): "
               f"{bos_text(sweep.eval_for(model).bos_token_id)}")
-    for search in sweep.searches:
-        print(search.describe())
+    for line in _search_prices(sweep):
+        print(line)
     for line in stream_lines(plan, sweep.stream):
         print(line)
     work = (f"; about {format_duration(float(known.sum()))} of job time for the {len(known)} "

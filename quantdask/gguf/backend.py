@@ -20,6 +20,7 @@ from quantdask.gguf.phases import GGUF_PHASES
 from quantdask.gguf.searched import (
     dequantize_module,
     export_file,
+    least_bits,
     quantize_module,
     rest_bytes,
     score_in_runtime,
@@ -50,6 +51,6 @@ gguf_backend = register_backend(Backend(
                   ModuleAlone(quantize_module), Dequantizes(dequantize_module),
                   Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
                              embeddings=True, experts=True, score_mix=score_in_runtime,
-                             scores_in="llama.cpp")),
+                             scores_in="llama.cpp", least_bits=least_bits, rest_bits=32)),
     description="llama.cpp's GGUF types, quantized and measured in llama.cpp (optional: "
                 f"pip install {INSTALL})"))

@@ -42,6 +42,17 @@ def rest_types(options: GgufOptions, tied: bool) -> tuple[str, str]:
 _LINEAR: list[type] = []  # the module class, made on first use (torch loads lazily)
 
 
+def least_bits(options: GgufOptions) -> float | None:
+    """The bits per weight ``options.tensor_type`` stores at least (its block's, before any
+    fallback to a larger type on rows it does not divide)."""
+    from quantdask.gguf.tensors import block
+
+    if options.tensor_type is None:
+        return None
+    weights, size = block(str(options.tensor_type))
+    return 8 * size / weights
+
+
 def gguf_linear(data, tensor_type: str, bias: torch.Tensor | None) -> torch.nn.Module:
     """A module's weight as a GGUF tensor: ``data`` its bytes (rows of blocks), the type
     written, and its bias, if any, in float (a GGUF keeps 1-D tensors F32)."""

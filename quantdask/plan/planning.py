@@ -8,7 +8,8 @@ their model's reference in it too). "Here" means this machine: whether it has a 
 decides the device-dependent checks, so plan on the machine (or kind of machine) the workers
 run on. Each job gets the device-memory estimate the scheduler places it by
 (``placement.estimate_device_memory``), a duration from earlier runs in the run directory (the
-same job, else the same model and backend, else the same model), and the reason it cannot run
+same job, else the same model and backend, else the same model; with none, from the model's
+shapes at this machine's matmul rate: ``plan.shape_prices``), and the reason it cannot run
 here when a backend's check, or an earlier run of the same job, says so. Lengths the model
 cannot take are refused first (``lengths.check_lengths``); each row names the most positions
 its model takes (null: its family sets no hard limit) and the phase that sets the job's peak.
@@ -34,6 +35,7 @@ from quantdask.plan.placement import (
     streamed_estimate,
     unstreamable_model,
 )
+from quantdask.plan.shape_prices import job_seconds
 from quantdask.sweepfile.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
 
@@ -96,6 +98,8 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
         reason = f"skipped when it last ran: {skipped[job.id]}"
     memory = estimate_device_memory(job, model, done, phases)
     duration, duration_basis = _duration(job, done)
+    if duration is None:
+        duration, duration_basis = job_seconds(job, model)
     return {"order": order, "job_id": job.id, "model": job.model.label,
             "backend": job.backend, "config_label": job.config_label,
             "priority": job.priority, "state": state, "reason": reason,

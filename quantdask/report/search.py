@@ -46,6 +46,31 @@ def sensitivity_chart(sensitivity: pl.DataFrame) -> alt.Chart | alt.VConcatChart
     return alt.vconcat(*panels).properties(title="Sensitivity by depth and format")
 
 
+def refinement_chart(refinement: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
+    """Per refined search: each scored mix's KL on the refinement windows by generation
+    (points, with error bars), and the best so far (the line): the fitness per generation."""
+    if refinement.is_empty():
+        return _empty("no refinement in this run (a search's refine: block adds one)")
+    scored = refinement.with_columns((pl.col("kl") - pl.col("kl_se")).alias("kl_low"),
+                                     (pl.col("kl") + pl.col("kl_se")).alias("kl_high"))
+    panels = []
+    for (search,), part in scored.group_by("search", maintain_order=True):
+        best = (part.group_by("generation").agg(pl.col("kl").min()).sort("generation")
+                .with_columns(pl.col("kl").cum_min().alias("best")))
+        base = alt.Chart(part).encode(x=alt.X("generation:O", title="generation"))
+        tooltip = ["generation:Q", "candidate:Q", alt.Tooltip("kl:Q", format=".4g"),
+                   alt.Tooltip("kl_se:Q", format=".2g", title="standard error"),
+                   alt.Tooltip("kl_vs_parent:Q", format="+.3g", title="against its parent"),
+                   alt.Tooltip("bytes:Q", format=","), "measured_in:N", "worker:N"]
+        bars = base.mark_rule(opacity=0.4).encode(y="kl_low:Q", y2="kl_high:Q")
+        points = base.mark_point(filled=True, size=50).encode(
+            y=alt.Y("kl:Q", title="KL on the refinement windows"), tooltip=tooltip)
+        line = alt.Chart(best).mark_line(color="black").encode(x="generation:O", y="best:Q")
+        panels.append(alt.layer(bars, points, line).properties(
+            width=420, height=240, title=f"search {search}: whole mixes scored, best so far"))
+    return alt.vconcat(*panels).properties(title="Refinement: fitness per generation")
+
+
 def search_frontier_chart(results: pl.DataFrame, allocation: pl.DataFrame
                           ) -> alt.Chart | alt.VConcatChart:
     """Per search: KL against bits per weight; the probes' prediction for each verified

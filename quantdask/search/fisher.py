@@ -182,7 +182,7 @@ def fisher_score(model: torch.nn.Module, captures: list[Captured], modules: list
     from transformers.pytorch_utils import Conv1D
 
     total, positions = 0.0, 0
-    delta = delta.float()
+    delta = delta.detach().float()
     for captured in captures:
         positions += captured.positions
         batch = 0.0

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from quantdask.errors import SpecError
 
 if TYPE_CHECKING:
+    from quantdask.backends.base import ModelFacts
     from quantdask.search.cells import SearchUnits
     from quantdask.sweepfile.search import SearchSpec
     from quantdask.sweepfile.sweep import Sweep
@@ -112,3 +113,90 @@ def _is_parameter(member: str) -> bool:
     from quantdask.backends.per_module import expert_projections
 
     return expert_projections(member) is not None
+
+
+def units_from_facts(search: SearchSpec, facts: ModelFacts) -> SearchUnits:
+    """The search's units as the driver reads them from the model's shapes (``ModelFacts``:
+    the model built on the meta device), for pricing before anything runs: the linears of
+    the decoder layers (per layer at ``block``), the token embedding where the backend makes
+    it a unit, each with its weights."""
+    from quantdask.search.cells import SearchUnits
+    from quantdask.search.probing import embeddings_are_units
+
+    units: dict[str, tuple[str, ...]] = {}
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, kind, count in facts.weight_modules:
+        layer = _layer(name)
+        is_embedding = kind.__name__ == "Embedding"
+        if is_embedding and embeddings_are_units(search) and layer is None:
+            units[name], shapes[name] = (name,), (count, 0)
+        elif layer is not None and kind.__name__ in ("Linear", "Conv1D"):
+            unit = name if search.granularity == "linear" else _layer_name(name)
+            units[unit] = (*units.get(unit, ()), name)
+            shapes[name] = (count, 0)
+    return SearchUnits(units, facts.param_count, shapes, facts.layers)
+
+
+def _layer_name(name: str) -> str:
+    found = re.search(r"^(.*?\.\d+)(\.|$)", name)
+    return found.group(1) if found else name
+
+
+def price_lines(sweep: Sweep, search: SearchSpec, facts: ModelFacts) -> list[str]:
+    """What the plan says of ``search``'s cost before it runs: its cells, each method's
+    multiply-adds and seconds at this machine's rate (one thread), and the method it uses."""
+    from quantdask.plan.shape_prices import multiply_adds_per_s
+
+    if not facts.param_count:
+        return [f"search {search.name}: its model's shapes are unknown here; priced when its "
+                "units are read on a worker"]
+    units = units_from_facts(search, facts)
+    cells = len(units.units) * len(search.formats)
+    choice = choose_method(sweep, search, units)
+    rate = multiply_adds_per_s()
+    return [f"search {search.name}: {len(units.units)} units x {len(search.formats)} formats "
+            f"= {cells} cells; by kl about {choice.kl / rate:,.0f} s, by fisher about "
+            f"{choice.fisher / rate:,.0f} s, and {choice.shared / rate:,.0f} s both share "
+            f"(whole formats, verifying jobs), on one thread at {rate:.2g} multiply-adds/s "
+            "(quantizing each cell, the same for both, not counted)",
+            f"search {search.name}: sensitivity {choice.method}: {choice.why}"]
+
+
+def check_budget_from_shapes(sweep: Sweep, search: SearchSpec, facts: ModelFacts) -> None:
+    """Refuse, before anything runs, a budget below the least the model could take: every
+    unit at its format's fewest bits (``Searchable.least_bits``, a lower bound) and the
+    weights outside the units at their fewest (``Searchable.rest_bits``, else the loaded
+    dtype). A budget above that bound but below the bytes as probed is still refused, after
+    the probes (``searches.check_budgets``), with the exact figure."""
+    from quantdask.backends import get_backend
+    from quantdask.backends.capabilities import Searchable
+
+    if not facts.param_count:
+        return
+    searchable = get_backend(search.backend).has(Searchable)
+    assert searchable is not None  # SearchSpec refuses an unsearchable backend
+    bits = []
+    for options in search.format_options().values():
+        if options is None:
+            bits.append(float(facts.loaded_bits))
+            continue
+        found = (searchable.least_bits(options) if searchable.least_bits is not None
+                 else options.get("bits"))
+        if found is None:
+            return  # a format whose least is unknown here: checked after the probes
+        bits.append(float(found))
+    units = units_from_facts(search, facts)
+    inside = sum(count for count, _ in units.shapes.values())
+    rest_bits = searchable.rest_bits or facts.loaded_bits
+    least = (inside * min(bits) + (facts.param_count - inside) * rest_bits) / 8
+    budgets = [8 * search.budget["bytes"] / facts.param_count] if "bytes" in search.budget \
+        else []
+    for budget in [*budgets, *search.budgets()]:
+        if budget * facts.param_count / 8 < least:
+            where = f"searches[{list(sweep.searches).index(search)}].budget"
+            raise SpecError(where, f"{budget:g} bits per weight is below the least "
+                                   f"{search.model} can take with these formats, at least "
+                                   f"{8 * least / facts.param_count:.3f} (every unit at "
+                                   f"{min(bits):g} bits, the {facts.param_count - inside:,} "
+                                   f"weights outside the units at {rest_bits}): raise it or "
+                                   "offer smaller formats")

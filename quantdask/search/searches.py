@@ -23,11 +23,13 @@ import logging
 from distributed import Client
 
 from quantdask.errors import SpecError
+from quantdask.plan.model_facts import model_facts
 from quantdask.records import AllocationRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
 from quantdask.search.agreement import predicted_in
 from quantdask.search.allocation import Allocation, allocate
+from quantdask.search.pricing import check_budget_from_shapes
 from quantdask.search.probing import (
     Probed,
     check_windows,
@@ -53,7 +55,10 @@ def run_searches(sweep: Sweep, store: RunStore, client: Client,
     ``probe_runs.ProbeFailed`` when a task failed past the sweep's retries."""
     watch = watch or StageWatch()
     jobs: list[Job] = []
-    for search in sweep.searches:  # what the sweep file and the model's tokenizer refuse
+    for search in sweep.searches:  # what the sweep file, the shapes and the tokenizer refuse
+        model_jobs = [job for job in placed or [] if job.model.label == search.model]
+        if model_jobs:
+            check_budget_from_shapes(sweep, search, model_facts(model_jobs[0]))
         check_windows(sweep, search)
     for search in sweep.searches:
         baseline = next((job for job in placed or [] if job.is_baseline
