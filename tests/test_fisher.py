@@ -193,3 +193,15 @@ def test_the_plan_prices_the_units_the_workers_find(tmp_path):
     assert 0 < fisher < kl and shared > 0
     lines = price_lines(sweep, search, facts)
     assert "84 cells" in lines[0] and "sensitivity fisher: as the search says" in lines[1]
+
+
+def test_an_offspring_moves_past_formats_of_the_same_bytes():
+    """Two formats a runtime writes alike (GGUF's Q2_K and Q3_K on 576-wide rows, both Q4_0)
+    are one step: an offspring always changes some unit's bytes."""
+    cells = {f"model.layers.{u}.mlp.up_proj": {"q2": (0.3, 100), "q3": (0.2, 100),
+                                               "q4": (0.1, 200)} for u in range(4)}
+    parent = dict.fromkeys(cells, "q2")
+    rng = random.Random(1)
+    for _ in range(20):
+        child = mutate(parent, cells, 10_000, rng)
+        assert child is not None and mix_bytes(child, cells) > mix_bytes(parent, cells)

@@ -3,11 +3,16 @@ format, allocates one format per unit under byte budgets, and hands the sweep th
 verify its picks.
 
 - ``searches``: the driver's side, registered as a stage that runs before the sweep's jobs
-  (``run.stages``): probe, allocate, make the verifying jobs.
-- ``probe_runs``: the probe tasks on the cluster, retried and placed as jobs are.
+  (``run.stages``): score, allocate, refine, make the verifying jobs.
+- ``pricing``: what is known before anything runs (each method's cost from the shapes, the
+  method ``auto`` picks, the budgets and windows refused there).
+- ``probing``: the cells scored on the cluster by ``kl`` or ``fisher``, written as they arrive.
+- ``probe_runs``: the search's tasks on the cluster, retried and placed as jobs are.
 - ``allocation``: the allocator (pure: cells in, an allocation out).
-- ``probe_task`` and ``probes``: the worker's side, a chunk of (unit, format) cells measured
-  against the model's reference.
+- ``refine``: whole mixes mutated and scored over the cluster, EvoPress's way.
+- the worker's side: ``probe_task`` and ``probes`` (a chunk of cells measured against the
+  model's reference), ``fisher`` and ``fisher_task`` (one backward pass per calibration batch,
+  and cells scored on its capture), ``refine_task`` (a whole mix scored).
 
 Its sweep-file block is ``sweepfile.search`` (every block of the file lives with the file's
 model); its frames are the store's ``sensitivity`` and ``allocation``; its report section is

@@ -1,5 +1,7 @@
-"""What a search's scoring costs by method, from the model's shapes, before anything runs; and
-the method ``sensitivity: auto`` picks from it.
+"""What is known of a search before anything runs, from the sweep file, the model's shapes and
+its tokenizer: what its scoring costs by method, the method ``sensitivity: auto`` picks, and
+the mistakes refused there (a budget below the least the shapes allow, windows the calibration
+text cannot fill).
 
 Costs are counted in multiply-adds of weights by tokens (a window's forward is about its tokens
 times the model's weights): the part of the work that differs between the methods. Each cell's
@@ -200,3 +202,33 @@ def check_budget_from_shapes(sweep: Sweep, search: SearchSpec, facts: ModelFacts
                                    f"{min(bits):g} bits, the {facts.param_count - inside:,} "
                                    f"weights outside the units at {rest_bits}): raise it or "
                                    "offer smaller formats")
+
+
+def check_windows(sweep: Sweep, search: SearchSpec) -> None:
+    """Refuse, before any task, a search whose probe or refinement windows the calibration
+    text cannot fill (read with the model's tokenizer on the driver; a hub model's is not
+    fetched here)."""
+    from quantdask.measure.metrics import text_ids
+    from quantdask.search.probing import model_of, probe_settings
+
+    model = model_of(sweep, search)
+    refinement = search.refinement()
+    asked = [("windows", search.windows)]
+    if refinement is not None:
+        asked.append(("refine.windows", refinement.windows))
+    field, windows = max(asked, key=lambda pair: pair[1])
+    if model.hub:
+        return
+    from transformers import AutoTokenizer
+
+    settings = probe_settings(sweep, search, windows)
+    tokenizer = AutoTokenizer.from_pretrained(model.location,
+                                              trust_remote_code=model.trust_remote_code)
+    tokens = len(text_ids(tokenizer, settings.read_text(), settings.bos_token_id))
+    body = settings.seq_len - (settings.bos_token_id is not None)
+    if tokens < body * windows:
+        where = f"searches[{list(sweep.searches).index(search)}].{field}"
+        raise SpecError(where, f"{windows} windows of {settings.seq_len} tokens need "
+                               f"{body * windows:,} tokens of the calibration text, which holds "
+                               f"{tokens:,}: lower it to {tokens // max(body, 1)} or give a "
+                               "longer calibration text")

@@ -31,7 +31,6 @@ from distributed import Client, Future
 
 from quantdask.backends import get_backend
 from quantdask.backends.capabilities import Searchable
-from quantdask.errors import SpecError
 from quantdask.records import SensitivityRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
@@ -83,35 +82,6 @@ def search_key(sweep: Sweep, search: SearchSpec, method: str = "kl") -> str:
     if method != "kl":  # (a kl search keeps the key it had before methods existed)
         identity["method"] = [method, search.fisher_tokens]
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def check_windows(sweep: Sweep, search: SearchSpec) -> None:
-    """Refuse, before any task, a search whose probe or refinement windows the calibration
-    text cannot fill (read with the model's tokenizer on the driver; a hub model's is not
-    fetched here)."""
-    from quantdask.measure.metrics import text_ids
-
-    model = model_of(sweep, search)
-    refinement = search.refinement()
-    asked = [("windows", search.windows)]
-    if refinement is not None:
-        asked.append(("refine.windows", refinement.windows))
-    field, windows = max(asked, key=lambda pair: pair[1])
-    if model.hub:
-        return
-    from transformers import AutoTokenizer
-
-    settings = probe_settings(sweep, search, windows)
-    tokenizer = AutoTokenizer.from_pretrained(model.location,
-                                              trust_remote_code=model.trust_remote_code)
-    tokens = len(text_ids(tokenizer, settings.read_text(), settings.bos_token_id))
-    body = settings.seq_len - (settings.bos_token_id is not None)
-    if tokens < body * windows:
-        where = f"searches[{list(sweep.searches).index(search)}].{field}"
-        raise SpecError(where, f"{windows} windows of {settings.seq_len} tokens need "
-                               f"{body * windows:,} tokens of the calibration text, which holds "
-                               f"{tokens:,}: lower it to {tokens // max(body, 1)} or give a "
-                               "longer calibration text")
 
 
 def embeddings_are_units(search: SearchSpec) -> bool:

@@ -86,20 +86,32 @@ def mutate(parent: Mapping[str, str], cells: Cells, budget_bytes: int, rng: rand
     for group in groups:
         labels = [label for label, _, _ in group.options]
         position.append(labels.index(parent[group.units[0]]))
-    up = [i for i, group in enumerate(groups) if position[i] < len(group.options) - 1]
+
+    def moved(i: int, step: int) -> int | None:
+        """Group ``i``'s next format in bytes (``step`` +1: up, -1: down), skipping those
+        of the same bytes (formats a runtime writes alike: GGUF's fallbacks)."""
+        options, at = groups[i].options, position[i]
+        size = options[at][2]
+        found = next((j for j in (range(at + 1, len(options)) if step > 0
+                                  else range(at - 1, -1, -1))
+                      if options[j][2] != size), None)
+        return found
+
+    up = [i for i in range(len(groups)) if moved(i, +1) is not None]
     if not up:
         return None
     raised = rng.choice(up)
-    position[raised] += 1
+    position[raised] = moved(raised, +1)  # type: ignore[assignment]
 
     def size() -> int:
         return sum(group.options[p][2] for group, p in zip(groups, position, strict=True))
 
     while size() > budget_bytes:
-        down = [i for i, p in enumerate(position) if p > 0 and i != raised]
+        down = [i for i in range(len(groups)) if i != raised and moved(i, -1) is not None]
         if not down:
             return None
-        position[rng.choice(down)] -= 1
+        lowered = rng.choice(down)
+        position[lowered] = moved(lowered, -1)  # type: ignore[assignment]
     return {unit: group.options[p][0] for group, p in zip(groups, position, strict=True)
             for unit in group.units}
 

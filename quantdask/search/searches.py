@@ -29,10 +29,9 @@ from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
 from quantdask.search.agreement import predicted_in
 from quantdask.search.allocation import Allocation, allocate
-from quantdask.search.pricing import check_budget_from_shapes
+from quantdask.search.pricing import check_budget_from_shapes, check_windows
 from quantdask.search.probing import (
     Probed,
-    check_windows,
     embeddings_are_units,
     model_of,
     probe_with,
