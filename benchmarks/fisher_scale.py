@@ -57,8 +57,9 @@ def main() -> None:
     from quantdask.cluster.local import start_cluster
     from quantdask.measure.reference import compute_reference
     from quantdask.process.model_source import load_model_source
+    from quantdask.search.identity import probe_settings
     from quantdask.search.probes import Prober, linear_units
-    from quantdask.search.probing import probe, probe_settings
+    from quantdask.search.probing import probe
     from quantdask.store.run_store import RunStore, read_frame
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 

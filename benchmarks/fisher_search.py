@@ -63,8 +63,8 @@ def kl_sample(args, run_dir, count: int) -> list[tuple[str, str, float, float, f
     from quantdask.backends import get_backend
     from quantdask.measure.reference import compute_reference
     from quantdask.process.model_source import load_model_source
+    from quantdask.search.identity import probe_settings
     from quantdask.search.probes import Prober
-    from quantdask.search.probing import probe_settings
     from quantdask.store.run_store import read_frame
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 

@@ -62,8 +62,8 @@ def in_process(spec) -> tuple[float, float, int]:
     from quantdask.backends import get_backend
     from quantdask.measure.reference import compute_reference
     from quantdask.process.model_source import load_model_source
+    from quantdask.search.identity import probe_settings
     from quantdask.search.probes import Prober, linear_units
-    from quantdask.search.probing import probe_settings
 
     class FromTheStart(Prober):
         def measure(self, first_layer: int = 0):

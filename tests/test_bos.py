@@ -168,7 +168,7 @@ def test_calibration_windows_and_speed_prompts_start_with_one_bos(independent):
 
 
 def test_a_searchs_probe_windows_follow_the_same_rule(bos_model, tmp_path_factory):
-    from quantdask.search.probing import probe_settings, search_key
+    from quantdask.search.identity import probe_settings, search_key
     from tests.conftest import calibration_file
     from tests.test_search import search_sweep
 

@@ -85,16 +85,21 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     assert baseline.is_baseline and baseline.id.startswith("none-")
     assert out[1].split()[:2] == ["1", baseline.id]
     # The header, 7 jobs, how the model's windows begin (eval.bos), its search (whose jobs
-    # are made when it has probed), a line on streaming (stream: auto) and the counts.
-    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 1 + 1 + 1
+    # are made when it has probed) with its price by method and the method it uses, a line on
+    # streaming (stream: auto) and the counts.
+    assert "baseline" in out[1] and len(out) == 1 + 7 + 1 + 3 + 1 + 1
     assert out[8] == ("eval windows of demo-llama (eval.bos: auto): the text cut as tokenized, "
                       "no BOS per window")
     assert out[9].startswith("search mix: demo-llama, hqq formats b3g128, b3, b4 per linear")
-    assert out[10].startswith("stream: demo-llama: its jobs stream where")
+    assert out[10].startswith("search mix: 28 units x 3 formats = 84 cells; by kl about ")
+    assert out[11].startswith("search mix: sensitivity ")
+    assert out[12].startswith("stream: demo-llama: its jobs stream where")
     # Every config quantizes the demo model's linear layers but the output head: 90% of it.
     at = out[0].index("quantized")
     assert [line[at:].split()[0] for line in out[1:8]] == ["-"] + ["90%"] * 6
-    assert out[-1] == "7 jobs: 7 to run, 0 finished, 0 unsupported here"
+    # no history yet: every job priced from its shapes (plan.shape_prices)
+    assert out[-1].startswith("7 jobs: 7 to run, 0 finished, 0 unsupported here; about ")
+    assert out[-1].endswith("of job time for the 7 with an estimate")
     assert not (tmp_path / "runs").exists()
 
 

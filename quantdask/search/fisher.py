@@ -99,11 +99,8 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
     began = time.perf_counter()
     batch = windows[rows[0]:rows[1]].to(device)
     size, length = int(batch.shape[0]), int(batch.shape[1])
-    generator = torch.Generator().manual_seed(seed)
-    predicted = size * (length - 1)
-    chosen = torch.randperm(predicted, generator=generator)[:min(keep, predicted)].sort().values
-    flat = chosen // (length - 1) * length + chosen % (length - 1)  # index into size x length
-    flat = flat.to(device)
+    generator, predicted = torch.Generator().manual_seed(seed), size * (length - 1)
+    flat = _kept_positions(size, length, keep, generator).to(device)
     inputs: dict[str, torch.Tensor] = {}
     input_of: dict[str, str] = {}
     grads2: dict[str, torch.Tensor] = {}
@@ -143,21 +140,39 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
             if name in modules:
                 hooks.append(module.register_forward_pre_hook(pre_hook(name)))
             hooks.append(module.register_forward_hook(forward_hook(name)))
-        with torch.enable_grad():
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            log_probs = torch.log_softmax(logits, dim=-1).reshape(predicted, -1)
-            with torch.no_grad():
-                drawn = torch.multinomial(log_probs.exp().cpu(), 1, generator=generator)
-            loss = log_probs.gather(-1, drawn.to(log_probs.device)).sum()
-            loss.backward()
+        _sampled_log_likelihood(model, batch, generator).backward()
     finally:
         for hook in hooks:
             hook.remove()
     for name in modules:
-        grads2.setdefault(name, torch.zeros(len(chosen), _out_width(model, name)))
+        grads2.setdefault(name, torch.zeros(len(flat), _out_width(model, name)))
     seen_inputs.clear()
-    return Captured(rows, predicted, len(chosen), input_of, inputs, grads2,
+    return Captured(rows, predicted, len(flat), input_of, inputs, grads2,
                     time.perf_counter() - began)
+
+
+def _kept_positions(size: int, length: int, keep: int, generator) -> torch.Tensor:
+    """``keep`` of a batch's predicted positions (each window's all but its last), drawn
+    uniformly without replacement, as indices into its size x length positions."""
+    import torch
+
+    predicted = size * (length - 1)
+    chosen = torch.randperm(predicted, generator=generator)[:min(keep, predicted)].sort().values
+    return chosen // (length - 1) * length + chosen % (length - 1)
+
+
+def _sampled_log_likelihood(model: torch.nn.Module, batch: torch.Tensor, generator
+                            ) -> torch.Tensor:
+    """The log-likelihood, summed, of one token drawn from the model's own distribution at
+    each predicted position of ``batch`` (see the module), with its graph."""
+    import torch
+
+    with torch.enable_grad():
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        log_probs = torch.log_softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
+        with torch.no_grad():
+            drawn = torch.multinomial(log_probs.exp().cpu(), 1, generator=generator)
+        return log_probs.gather(-1, drawn.to(log_probs.device)).sum()
 
 
 def embedding_name(model: torch.nn.Module) -> str:
@@ -166,12 +181,13 @@ def embedding_name(model: torch.nn.Module) -> str:
 
 
 def _out_width(model: torch.nn.Module, name: str) -> int:
+    import torch
     from transformers.pytorch_utils import Conv1D
 
-    module = model.get_submodule(name)
-    if isinstance(module, Conv1D):
-        return int(module.weight.shape[1])
-    return int(module.weight.shape[0])
+    weight = model.get_submodule(name).weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[1] if isinstance(model.get_submodule(name), Conv1D)
+               else weight.shape[0])
 
 
 def fisher_score(model: torch.nn.Module, captures: list[Captured], modules: list[str],

@@ -59,7 +59,7 @@ def _layer(name: str) -> int | None:
 def cell_costs(sweep: Sweep, search: SearchSpec, units: SearchUnits
                ) -> tuple[float, float, float]:
     """(kl's cells, fisher's passes and cells, the work both share), in multiply-adds."""
-    from quantdask.search.probing import model_of, probe_settings
+    from quantdask.search.identity import model_of, probe_settings
 
     settings = probe_settings(sweep, search)
     tokens = settings.samples * settings.seq_len
@@ -123,7 +123,7 @@ def units_from_facts(search: SearchSpec, facts: ModelFacts) -> SearchUnits:
     the decoder layers (per layer at ``block``), the token embedding where the backend makes
     it a unit, each with its weights."""
     from quantdask.search.cells import SearchUnits
-    from quantdask.search.probing import embeddings_are_units
+    from quantdask.search.identity import embeddings_are_units
 
     units: dict[str, tuple[str, ...]] = {}
     shapes: dict[str, tuple[int, int]] = {}
@@ -190,7 +190,13 @@ def check_budget_from_shapes(sweep: Sweep, search: SearchSpec, facts: ModelFacts
     units = units_from_facts(search, facts)
     inside = sum(count for count, _ in units.shapes.values())
     rest_bits = searchable.rest_bits or facts.loaded_bits
-    least = (inside * min(bits) + (facts.param_count - inside) * rest_bits) / 8
+    # The weights known to be outside the units (norms, the head or embeddings left out):
+    # at most the parameter count's rest (a head tied to the embedding is listed twice);
+    # any other weight (fused experts, no module of their own) may be a unit's.
+    members = {m for found in units.units.values() for m in found}
+    outside = min(sum(count for name, _, count in facts.weight_modules if name not in members),
+                  facts.param_count - inside)
+    least = ((facts.param_count - outside) * min(bits) + outside * rest_bits) / 8
     budgets = [8 * search.budget["bytes"] / facts.param_count] if "bytes" in search.budget \
         else []
     for budget in [*budgets, *search.budgets()]:
@@ -199,8 +205,8 @@ def check_budget_from_shapes(sweep: Sweep, search: SearchSpec, facts: ModelFacts
             raise SpecError(where, f"{budget:g} bits per weight is below the least "
                                    f"{search.model} can take with these formats, at least "
                                    f"{8 * least / facts.param_count:.3f} (every unit at "
-                                   f"{min(bits):g} bits, the {facts.param_count - inside:,} "
-                                   f"weights outside the units at {rest_bits}): raise it or "
+                                   f"{min(bits):g} bits, the {outside:,} weights outside the "
+                                   f"units at {rest_bits}): raise it or "
                                    "offer smaller formats")
 
 
@@ -209,7 +215,7 @@ def check_windows(sweep: Sweep, search: SearchSpec) -> None:
     text cannot fill (read with the model's tokenizer on the driver; a hub model's is not
     fetched here)."""
     from quantdask.measure.metrics import text_ids
-    from quantdask.search.probing import model_of, probe_settings
+    from quantdask.search.identity import model_of, probe_settings
 
     model = model_of(sweep, search)
     refinement = search.refinement()
@@ -232,3 +238,10 @@ def check_windows(sweep: Sweep, search: SearchSpec) -> None:
                                f"{body * windows:,} tokens of the calibration text, which holds "
                                f"{tokens:,}: lower it to {tokens // max(body, 1)} or give a "
                                "longer calibration text")
+
+
+def captured_bytes(search: SearchSpec, found: SearchUnits) -> int:
+    """What the Fisher captures hold in all, at most: ``fisher_tokens`` positions of each
+    member's input and output widths in float32 (inputs shared by several units, q/k/v, are
+    kept once: fewer in fact)."""
+    return 4 * search.fisher_tokens * sum(widths for _, widths in found.shapes.values())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -29,71 +30,26 @@ from dataclasses import dataclass
 import polars as pl
 from distributed import Client, Future
 
-from quantdask.backends import get_backend
-from quantdask.backends.capabilities import Searchable
 from quantdask.records import SensitivityRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
-from quantdask.search.cells import ProbedCell, ProbedChunk
+from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
 from quantdask.search.fisher import fit_ratio
-from quantdask.search.pricing import MethodChoice, choose_method
+from quantdask.search.identity import (
+    embeddings_are_units,
+    experts_are_units,
+    model_of,
+    probe_settings,
+    search_key,
+)
+from quantdask.search.pricing import MethodChoice, captured_bytes, choose_method
 from quantdask.search.probe_runs import ProbeRules, ProbeTask, Room, run_probe_tasks
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.search import ALL_UNITS, SearchSpec
-from quantdask.sweepfile.settings import EvalSettings
-from quantdask.sweepfile.sweep import Sweep, search_fault_label
+from quantdask.sweepfile.sweep import DEVICE_MEMORY, Sweep, search_fault_label
 
 log = logging.getLogger(LOG_CHANNEL)
-
-
-def probe_settings(sweep: Sweep, search: SearchSpec, windows: int | None = None
-                   ) -> EvalSettings:
-    """The probes' windows: ``search.windows`` (or ``windows``) windows of the calibration
-    text, as long as the eval's (or the calibration's, if shorter), measured as the eval
-    measures KL."""
-    calibration, evaluation = sweep.calibration, sweep.eval_for(model_of(sweep, search))
-    assert calibration is not None  # check_searches refuses a search without it
-    return EvalSettings(text=calibration.text, dataset=calibration.dataset,
-                        seq_len=min(calibration.seq_len, evaluation.seq_len),
-                        samples=windows or search.windows, batch_size=evaluation.batch_size,
-                        kl_top_k=evaluation.kl_top_k, kl_tail_samples=evaluation.kl_tail_samples,
-                        bos=evaluation.bos, root=calibration.root
-                        ).with_bos(evaluation.bos_token_id)
-
-
-def model_of(sweep: Sweep, search: SearchSpec) -> ModelSpec:
-    """The model ``search`` searches."""
-    return next(m for m in sweep.models if m.label == search.model)
-
-
-def search_key(sweep: Sweep, search: SearchSpec, method: str = "kl") -> str:
-    """What a cell's figures depend on: the model, the backend and each format's options, the
-    units' granularity, the probes' windows and the sensitivity method (with fisher, the
-    positions it keeps). Cells recorded under another key are stale."""
-    model = model_of(sweep, search)
-    formats = {label: (o.as_dict() if o is not None else None)
-               for label, o in search.format_options().items()}
-    identity = {"model": model.identity(), "backend": search.backend, "formats": formats,
-                "granularity": search.granularity,
-                "windows": probe_settings(sweep, search).identity(),
-                # what the backend makes units (cells of other units are another search's)
-                "units": [embeddings_are_units(search), experts_are_units(search)]}
-    if method != "kl":  # (a kl search keeps the key it had before methods existed)
-        identity["method"] = [method, search.fisher_tokens]
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def embeddings_are_units(search: SearchSpec) -> bool:
-    """Whether the search's backend makes the token embedding and output units too."""
-    searchable = get_backend(search.backend).has(Searchable)
-    return bool(searchable and searchable.embeddings)
-
-
-def experts_are_units(search: SearchSpec) -> bool:
-    """Whether the search's backend makes fused experts units (``search.members``)."""
-    searchable = get_backend(search.backend).has(Searchable)
-    return bool(searchable and searchable.experts)
 
 
 @dataclass
@@ -144,6 +100,14 @@ class _Probing:
                                                 f"{self.tag}-{what}", self.watch.stop,
                                                 self.watch.tick)) as finished:
             return next((future for _, future in finished), None)
+
+    def task(self, what: str, function: Callable, args: Callable[[Room, int], tuple]
+             ) -> ProbeTask:
+        """A task of the search: ``function`` on ``args(room, attempt)``, in its room."""
+        def submit(room: Room, key: str, attempt: int) -> Future:
+            return self.client.submit(function, *args(room, attempt),
+                                      resources=room.resources, key=key, pure=False)
+        return ProbeTask(f"search {self.search.name}: {what}", submit)
 
     def faults(self, attempt: int, part: str = "") -> list:
         """The sweep's injected faults for this search's tasks, for attempt ``attempt``
@@ -210,29 +174,29 @@ def probe_with(run: _Probing) -> Probed | None:
                             settings.read_text())
         if reference is None:
             return None
-        if not _score_cells(run, key, reference, todo, units.units, method, done):
+        if not _score_cells(run, key, reference, todo, units, method, done):
             return None
         done = recorded(store, search.name, key)
     return _assembled(run, key, done, units, method)
 
 
 def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
-                 units: dict[str, tuple[str, ...]], method: MethodChoice,
-                 done: dict) -> bool:
+                 found: SearchUnits, method: MethodChoice, done: dict) -> bool:
     """Score the cells ``todo`` (see the module), writing each chunk as it arrives; False
     when ``watch.stop`` ended it."""
     from quantdask.search.probe_task import probe_chunk
 
-    search, formats = run.search, run.search.format_options()
+    search, formats, units = run.search, run.search.format_options(), found.units
     fisher = method.method == "fisher"
     measured = [c for c in todo if not fisher or c[0] == ALL_UNITS]
     scored = [c for c in todo if fisher and c[0] != ALL_UNITS]
     chunks = list(_chunks(measured, search.cells_per_task))
-    tasks = [ProbeTask(f"search {search.name}: probe chunk {i + 1} of {len(chunks)}",
-                       lambda room, k, attempt, chunk=chunk: run.client.submit(
-                           probe_chunk, run.model, reference, room.batch_size, search.backend,
-                           formats, chunk, units, run.faults(attempt),
-                           resources=room.resources, key=k, pure=False))
+    def probe_args(room: Room, attempt: int, chunk: list) -> tuple:
+        return (run.model, reference, room.batch_size, search.backend, formats, chunk, units,
+                run.faults(attempt))
+
+    tasks = [run.task(f"probe chunk {i + 1} of {len(chunks)}", probe_chunk,
+                      functools.partial(probe_args, chunk=chunk))
              for i, chunk in enumerate(chunks)]
     captures: list[Future] = []
     if scored:
@@ -246,7 +210,7 @@ def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
         return False
     if not scored:
         return True
-    return _fisher_cells(run, key, captures, scored, units, done)
+    return _fisher_cells(run, key, captures, scored, found, done)
 
 
 def _pass_tasks(run: _Probing, reference: Future, units: dict[str, tuple[str, ...]],
@@ -259,11 +223,12 @@ def _pass_tasks(run: _Probing, reference: Future, units: dict[str, tuple[str, ..
     batches = [(start, min(start + batch, search.windows))
                for start in range(0, search.windows, batch)]
     keep = math.ceil(search.fisher_tokens / len(batches))
-    return [ProbeTask(f"search {search.name}: fisher pass {i + 1} of {len(batches)}",
-                      lambda room, k, attempt, rows=rows, i=i: run.client.submit(
-                          fisher_pass, run.model, reference, rows, members, keep,
-                          _pass_seed(search, i), run.faults(attempt),
-                          resources=room.resources, key=k, pure=False))
+    def pass_args(room: Room, attempt: int, rows: tuple[int, int], index: int) -> tuple:
+        return (run.model, reference, rows, members, keep, _pass_seed(search, index),
+                run.faults(attempt))
+
+    return [run.task(f"fisher pass {i + 1} of {len(batches)}", fisher_pass,
+                     functools.partial(pass_args, rows=rows, index=i))
             for i, rows in enumerate(batches)]
 
 
@@ -274,19 +239,28 @@ def _pass_seed(search: SearchSpec, index: int) -> int:
 
 
 def _fisher_cells(run: _Probing, key: str, captures: list[Future], cells: list,
-                  units: dict[str, tuple[str, ...]], done: dict) -> bool:
-    """The Fisher chunks, scored on every pass's capture."""
+                  found: SearchUnits, done: dict) -> bool:
+    """The Fisher chunks, scored on every pass's capture: each holds the captures too, so
+    their bytes are added to its device memory where placement counts it."""
     from quantdask.search.fisher_task import fisher_chunk
 
-    search, formats = run.search, run.search.format_options()
+    search, formats, units = run.search, run.search.format_options(), found.units
+    captured = captured_bytes(search, found)
+    log.info("search %s: the Fisher captures hold about %s (%d positions x each unit's in + "
+             "out widths, float32)", search.name, f"{captured:,} bytes", search.fisher_tokens)
+    room = run.room
+    if DEVICE_MEMORY in room.resources:
+        room = Room({**room.resources,
+                     DEVICE_MEMORY: room.resources[DEVICE_MEMORY] + captured},
+                    room.batch_size)
     chunks = list(_chunks(cells, search.cells_per_task))
-    tasks = [ProbeTask(f"search {search.name}: fisher chunk {i + 1} of {len(chunks)}",
-                       lambda room, k, attempt, chunk=chunk: run.client.submit(
-                           fisher_chunk, run.model, captures, search.backend, formats, chunk,
-                           units, run.faults(attempt), resources=room.resources, key=k,
-                           pure=False))
+    def chunk_args(room: Room, attempt: int, chunk: list) -> tuple:
+        return (run.model, captures, search.backend, formats, chunk, units, run.faults(attempt))
+
+    tasks = [run.task(f"fisher chunk {i + 1} of {len(chunks)}", fisher_chunk,
+                      functools.partial(chunk_args, chunk=chunk))
              for i, chunk in enumerate(chunks)]
-    for index, future in run.run(tasks, "fisher"):
+    for index, future in run.run(tasks, "fisher", room):
         _write_chunk(run, key, chunks[index], future.result(), done)
     run.client.cancel(captures)  # the captures are large: let the workers drop them
     return not run.watch.stop.is_set()

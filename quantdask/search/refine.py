@@ -18,6 +18,7 @@ generation and the parent) and scores only those not recorded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from quantdask.backends import BackendOptions, get_backend
 from quantdask.records import RefinementRow
 from quantdask.run import LOG_CHANNEL
 from quantdask.search.allocation import Cells, groups_of
-from quantdask.search.probe_runs import ProbeTask
+from quantdask.search.probe_runs import Room
 
 if TYPE_CHECKING:
     from distributed import Future
@@ -135,8 +136,8 @@ def refine(run: _Probing, probed: Probed, start: dict[str, str], budget_bytes: i
            ties: Sequence[Sequence[str]], fixed: Mapping[str, str]) -> Refined | None:
     """Refine ``start`` within ``budget_bytes`` (see the module); None when ``watch.stop``
     ended it."""
+    from quantdask.search.identity import probe_settings
     from quantdask.search.probe_task import search_reference
-    from quantdask.search.probing import probe_settings
 
     search = run.search
     settings = search.refinement()
@@ -155,8 +156,8 @@ def refine(run: _Probing, probed: Probed, start: dict[str, str], budget_bytes: i
                                 windows.read_text())
             if reference is None:
                 return None
-        if missing and not _score(run, probed, key, generation, missing, parent, reference,
-                                  done):
+        if missing and reference is not None and not _score(
+                run, probed, key, generation, missing, parent, reference, done):
             return None
         return [_scored(done[(generation, mix_hash(m))], probed) for m in mixes]
 
@@ -216,15 +217,14 @@ def _score(run: _Probing, probed: Probed, key: str, generation: int,
     from quantdask.search.refine_task import score_mix
 
     search, formats = run.search, run.search.format_options()
-    tasks = []
-    for index, mix in mixes:
-        options = mix_options(search, probed.units, mix)
-        tasks.append(ProbeTask(
-            f"search {search.name}: refinement generation {generation}, offspring {index}",
-            lambda room, k, attempt, mix=mix, options=options: run.client.submit(
-                score_mix, run.model, reference, room.batch_size, search.backend, formats,
-                mix, probed.units, options, run.faults(attempt, "refine"), resources=room.resources,
-                key=k, pure=False)))
+
+    def mix_args(room: Room, attempt: int, mix: dict[str, str]) -> tuple:
+        return (run.model, reference, room.batch_size, search.backend, formats, mix,
+                probed.units, mix_options(search, probed.units, mix),
+                run.faults(attempt, "refine"))
+
+    tasks = [run.task(f"refinement generation {generation}, offspring {index}", score_mix,
+                      functools.partial(mix_args, mix=mix)) for index, mix in mixes]
     for task_index, future in run.run(tasks, f"refine-g{generation}"):
         index, mix = mixes[task_index]
         found = future.result()
