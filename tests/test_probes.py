@@ -145,3 +145,19 @@ def test_families_probe_from_their_layers_as_the_whole_model_does(family, tmp_pa
         kl, _ = whole_model_kl(source, reference, units, unit, 2)
         assert cell.kl == pytest.approx(kl, rel=1e-4), unit
     assert prober.measure(0)[0] == pytest.approx(0, abs=1e-9)
+
+
+def test_a_whole_format_swapped_in_layer_by_layer_measures_what_all_at_once_does(demo):
+    """Every unit swapped in as its layer runs (one layer's quantized copy at a time) gives
+    the figures of every unit swapped in at once, and the same bytes."""
+    from quantdask.search.probes import swapped_in
+
+    _, prober, _ = demo
+    units = linear_units(prober.model, "linear")
+    members = [(m, options(2)) for modules in units.values() for m in modules]
+    meter, size = prober.whole(members, HQQ)
+    with swapped_in(prober.model, members, HQQ) as at_once:
+        kl, _ = prober.measure(None)
+    assert meter.scores().kl_divergence == pytest.approx(kl, rel=1e-6) and kl > 0
+    assert size == at_once
+    assert prober.measure(None)[0] == pytest.approx(0.0, abs=1e-9)  # every weight put back

@@ -215,9 +215,53 @@ class Prober:
         if options is None:
             size = sum(member_bytes(self.model, m, state_bytes) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
-        with swapped_in(self.model, [(m, options) for m in modules], backend) as size:
-            kl, se = self.measure(self.first_layer(modules))
+        members = [(m, options) for m in modules]
+        if len({layer_index(m, self.prefix) for m in modules}) > 1:  # the whole model's
+            meter, size = self.whole(members, backend)
+            scores = meter.scores()
+            kl, se = scores.kl_divergence, scores.kl_se
+        else:
+            with swapped_in(self.model, members, backend) as size:
+                kl, se = self.measure(self.first_layer(modules))
         return CellMeasure(unit, format, kl, se, size, time.perf_counter() - began)
+
+    def whole(self, members: list[tuple[str, BackendOptions]], backend: Backend, weigh=None
+              ) -> tuple[QualityMeter, int]:
+        """The model with every (member, options) of ``members`` swapped in, measured whole
+        from its embedding, and the bytes they store. A decoder layer's members are swapped
+        in as the layer starts and put back as it ends, every window in one batch: the model
+        never holds more than one layer's quantized copy (a 1.5B model's would double its
+        memory), and each layer is quantized once."""
+        by_layer: dict[int | None, list[tuple[str, BackendOptions]]] = {}
+        for name, options in members:
+            by_layer.setdefault(layer_index(name, self.prefix), []).append((name, options))
+        sizes: dict[str, int] = {}
+        held: list = []
+
+        def enter(index: int):
+            def hook(module, args, kwargs=None):
+                held.append(swapped_in(self.model, by_layer[index], backend, weigh))
+                sizes[f"layer {index}"] = held[-1].__enter__()
+            return hook
+
+        def leave(module, args, output):
+            held.pop().__exit__(None, None, None)
+
+        hooks = []
+        for index in (i for i in by_layer if i is not None):
+            hooks.append(self.layers[index].register_forward_pre_hook(enter(index)))
+            hooks.append(self.layers[index].register_forward_hook(leave))
+        batch, self.batch_size = self.batch_size, int(self.windows.size(0))
+        try:
+            with swapped_in(self.model, by_layer.get(None, []), backend, weigh) as outside:
+                meter = self.meter(None)
+        finally:
+            self.batch_size = batch
+            for hook in hooks:
+                hook.remove()
+            while held:
+                held.pop().__exit__(None, None, None)
+        return meter, outside + sum(sizes.values())
 
 
 @contextlib.contextmanager

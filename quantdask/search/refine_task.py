@@ -19,7 +19,7 @@ from quantdask.backends.capabilities import Searchable
 from quantdask.job.faults import inject_fault
 from quantdask.process.runtime import worker_task
 from quantdask.search.probe_task import probe_lock, prober_for
-from quantdask.search.probes import swapped_in, swapped_weight
+from quantdask.search.probes import swapped_weight
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
@@ -91,9 +91,7 @@ def _in_torch(model: ModelSpec, reference: Reference, batch_size: int, backend: 
     prober = prober_for(model, reference, batch_size)
     members = [(m, formats[label]) for unit, label in chosen.items()
                if formats[label] is not None for m in units[unit]]
-    with swapped_in(prober.model, members, backend, weigh=_cached_weight):  # type: ignore[arg-type]
-        return prober.meter(prober.first_layer(tuple(m for m, _ in members))
-                            if members else 0)
+    return prober.whole(members, backend, weigh=_cached_weight)[0]  # type: ignore[arg-type]
 
 
 def _cached_weight(model: torch.nn.Module, name: str, backend: Backend,
