@@ -4,7 +4,7 @@ like Qwen2.5-1.5B (28 layers, hidden 1536, ffn 8960, 12 heads / 2 KV heads, voca
 2-slot LocalCluster, and kl's cost beside it, from a few kl cells timed in this process.
 
     .venv/bin/python -m benchmarks.fisher_scale [--layers 28] [--windows 16] [--seq-len 128]
-        [--fisher-tokens 512] [--kl-cells 3] [--slots 2]
+        [--fisher-tokens 512] [--kl-cells 3] [--slots 2] [--batch 2]
 
 What is timed: ``search.probing.probe`` end to end (the units, the calibration reference, the
 passes, every cell and each format on every unit at once), the cluster started apart; no
@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--fisher-tokens", type=int, default=512)
     parser.add_argument("--kl-cells", type=int, default=3)
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2,
+                        help="windows per forward and backward pass (a pass of 4 windows of "
+                             "128 holds ~4 GB of activations beside the model's 6.2 GB)")
     args = parser.parse_args()
 
     import polars as pl
@@ -70,7 +73,8 @@ def main() -> None:
         print(f"model built and saved in {time.perf_counter() - began:.0f} s")
         text = str(folder / "calibration.txt")
         data = {"name": "scale", "models": [{"name": "qwen-shaped", "path": str(folder)}],
-                "eval": {"text": text, "seq_len": args.seq_len, "samples": 4, "batch_size": 4},
+                "eval": {"text": text, "seq_len": args.seq_len, "samples": 4,
+                         "batch_size": args.batch},
                 "calibration": {"text": text, "samples": args.windows, "seq_len": args.seq_len},
                 "searches": [{"name": "mix", "model": "qwen-shaped", "backend": "gguf",
                               "base": {"type": "Q4_K_M"},

@@ -29,6 +29,7 @@ batch's sum. Units that read the same input tensor (q, k and v) keep it once.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,8 +105,9 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
     inputs: dict[str, torch.Tensor] = {}
     input_of: dict[str, str] = {}
     grads2: dict[str, torch.Tensor] = {}
-    # id of an input tensor -> (its key, the tensor: held, so that no later tensor takes its id)
-    seen_inputs: dict[int, tuple[str, torch.Tensor]] = {}
+    # id of an input tensor -> (its key, a weak reference: a later tensor that takes a freed
+    # one's id is no longer it; holding the inputs themselves would keep them all alive)
+    seen_inputs: dict[int, tuple[str, weakref.ref]] = {}
     hooks = []
 
     def rows_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,9 +116,9 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
     def pre_hook(name: str):
         def hook(module, args):
             held = args[0]
-            key = seen_inputs.get(id(held), (None, None))[0]
-            if key is None:
-                key, seen_inputs[id(held)] = name, (name, held)
+            key, alive = seen_inputs.get(id(held), (None, None))
+            if key is None or alive is None or alive() is not held:
+                key, seen_inputs[id(held)] = name, (name, weakref.ref(held))
                 captured = rows_of(held.detach())
                 inputs[key] = captured if captured.dtype == torch.long else captured.float().cpu()
             input_of[name] = key
