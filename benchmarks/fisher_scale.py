@@ -54,7 +54,12 @@ def main() -> None:
                              "128 holds ~4 GB of activations beside the model's 6.2 GB)")
     args = parser.parse_args()
 
+    import logging
+
     import polars as pl
+
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("quantdask.driver").setLevel(logging.INFO)
 
     from quantdask.backends import get_backend
     from quantdask.cluster.local import start_cluster

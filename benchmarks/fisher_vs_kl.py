@@ -61,7 +61,7 @@ def main() -> None:
         calibration.write_text(generate_text(1500, seed=12))
         paths = {"demo": DEMO_MODEL_DIR, "fragile": fragile_model(scratch / "fragile"),
                  "deep": None}
-        budgets = {"demo": 7.2, "fragile": 7.2, "deep": 3.0}
+        budgets = {"demo": 7.2, "fragile": 7.2, "deep": 5.0}
         for label in args.models.split(","):
             path = paths[label] or deep_model(scratch / "deep")
             runs = {}

@@ -98,10 +98,11 @@ def test_the_time_account_holds_the_probes_beside_the_jobs(searched, cluster):
     run_dir, results = searched
     tasks, attempts = read_worker_tasks(run_dir), read_attempts(run_dir)
     kinds = tasks.group_by("kind").len().sort("kind")
-    # The units, the search's reference, 12 chunks of at most 10 of the 115 cells, and the
-    # model's reference for its jobs (its windows part and the task joining the parts).
+    # The units, the search's reference, 12 chunks of at most 10 of the 112 unit cells and
+    # one per whole format (3), and the model's reference for its jobs (its windows part and
+    # the task joining the parts).
     counts = dict(kinds.iter_rows())
-    assert (counts["search units"], counts["search reference"], counts["probe"]) == (1, 1, 12)
+    assert (counts["search units"], counts["search reference"], counts["probe"]) == (1, 1, 15)
     assert counts["reference"] >= 2 and set(tasks["status"]) == {"done"}
     names = {str(w["name"]) for w in cluster.client.scheduler_info()["workers"].values()}
     assert set(tasks["worker"]) <= names

@@ -156,12 +156,67 @@ def price_lines(sweep: Sweep, search: SearchSpec, facts: ModelFacts) -> list[str
     cells = len(units.units) * len(search.formats)
     choice = choose_method(sweep, search, units)
     rate = multiply_adds_per_s()
+    quantizing = quantize_seconds(search, units)
     return [f"search {search.name}: {len(units.units)} units x {len(search.formats)} formats "
-            f"= {cells} cells; by kl about {choice.kl / rate:,.0f} s, by fisher about "
-            f"{choice.fisher / rate:,.0f} s, and {choice.shared / rate:,.0f} s both share "
-            f"(whole formats, verifying jobs), on one thread at {rate:.2g} multiply-adds/s "
-            "(quantizing each cell, the same for both, not counted)",
+            f"= {cells} cells; by kl about {choice.kl / rate + quantizing:,.0f} s, by fisher "
+            f"about {choice.fisher / rate + quantizing:,.0f} s, each with {quantizing:,.0f} s "
+            f"of quantizing (timed here on a {TIMED_ROWS} x {TIMED_ROWS} linear per format), "
+            f"and {choice.shared / rate + quantizing:,.0f} s more both share (whole formats, "
+            f"verifying jobs' forwards); one thread at {rate:.2g} multiply-adds/s",
             f"search {search.name}: sensitivity {choice.method}: {choice.why}"]
+
+
+TIMED_ROWS = 1024
+"""The side of the linear :func:`quantize_seconds` times each format on."""
+
+
+def quantize_seconds(search: SearchSpec, units: SearchUnits) -> float:
+    """Seconds to quantize every unit once in every format and back to float (each cell's
+    own quantization, the same for both methods), on one thread: each format's weights per
+    second timed here on one random linear (``probes.swapped_weight``); 0 where a format
+    cannot be timed here (its library missing)."""
+    weights = sum(count for count, _ in units.shapes.values())
+    return sum(weights / rate for options in search.format_options().values()
+               if options is not None and (rate := _quantize_rate(search.backend, options)))
+
+
+_RATES: dict[str, float | None] = {}
+
+
+def _quantize_rate(backend_name: str, options) -> float | None:
+    """Weights per second ``options`` quantizes and dequantizes here, timed once."""
+    import json
+
+    key = json.dumps([backend_name, options.as_dict()], sort_keys=True, default=str)
+    if key not in _RATES:
+        _RATES[key] = _timed_rate(backend_name, options)
+    return _RATES[key]
+
+
+def _timed_rate(backend_name: str, options) -> float | None:
+    import time
+
+    import torch
+
+    from quantdask.backends import get_backend
+    from quantdask.search.probes import swapped_weight
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(TIMED_ROWS, TIMED_ROWS, bias=False)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = One()
+        began = time.perf_counter()
+        swapped_weight(model, "linear", get_backend(backend_name), options)
+        return TIMED_ROWS ** 2 / max(time.perf_counter() - began, 1e-9)
+    except Exception:  # noqa: BLE001 - a library missing here: left out of the estimate
+        return None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_budget_from_shapes(sweep: Sweep, search: SearchSpec, facts: ModelFacts) -> None:

@@ -190,7 +190,9 @@ def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
     fisher = method.method == "fisher"
     measured = [c for c in todo if not fisher or c[0] == ALL_UNITS]
     scored = [c for c in todo if fisher and c[0] != ALL_UNITS]
-    chunks = list(_chunks(measured, search.cells_per_task))
+    # a whole format's cell is a whole model's forward: a task of its own
+    chunks = [*_chunks([c for c in measured if c[0] != ALL_UNITS], search.cells_per_task),
+              *([c] for c in measured if c[0] == ALL_UNITS)]
     def probe_args(room: Room, attempt: int, chunk: list) -> tuple:
         return (run.model, reference, room.batch_size, search.backend, formats, chunk, units,
                 run.faults(attempt))
@@ -199,18 +201,19 @@ def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
                       functools.partial(probe_args, chunk=chunk))
              for i, chunk in enumerate(chunks)]
     captures: list[Future] = []
-    if scored:
-        tasks += _pass_tasks(run, reference, units, method)
-    for index, future in run.run(tasks, "probe"):
-        if index < len(chunks):
-            _write_chunk(run, key, chunks[index], future.result(), done)
-        else:
-            captures.append(future)
-    if run.watch.stop.is_set():
-        return False
-    if not scored:
-        return True
-    return _fisher_cells(run, key, captures, scored, found, done)
+    room = run.room
+    if scored:  # the passes first; then their cells beside the whole formats' KL
+        captures = [future for _, future in run.run(
+            _pass_tasks(run, reference, units, method), "pass")]
+        if run.watch.stop.is_set():
+            return False
+        more, room = _fisher_tasks(run, captures, scored, found)
+        chunks += list(_chunks(scored, search.cells_per_task))
+        tasks += more
+    for index, future in run.run(tasks, "probe", room):
+        _write_chunk(run, key, chunks[index], future.result(), done)
+    run.client.cancel(captures)  # the captures are large: let the workers drop them
+    return not run.watch.stop.is_set()
 
 
 def _pass_tasks(run: _Probing, reference: Future, units: dict[str, tuple[str, ...]],
@@ -223,6 +226,7 @@ def _pass_tasks(run: _Probing, reference: Future, units: dict[str, tuple[str, ..
     batches = [(start, min(start + batch, search.windows))
                for start in range(0, search.windows, batch)]
     keep = math.ceil(search.fisher_tokens / len(batches))
+
     def pass_args(room: Room, attempt: int, rows: tuple[int, int], index: int) -> tuple:
         return (run.model, reference, rows, members, keep, _pass_seed(search, index),
                 run.faults(attempt))
@@ -238,10 +242,11 @@ def _pass_seed(search: SearchSpec, index: int) -> int:
     return int(digest[:8], 16)
 
 
-def _fisher_cells(run: _Probing, key: str, captures: list[Future], cells: list,
-                  found: SearchUnits, done: dict) -> bool:
-    """The Fisher chunks, scored on every pass's capture: each holds the captures too, so
-    their bytes are added to its device memory where placement counts it."""
+def _fisher_tasks(run: _Probing, captures: list[Future], cells: list, found: SearchUnits
+                  ) -> tuple[list[ProbeTask], Room]:
+    """The Fisher chunks of ``cells``, scored on every pass's capture, and their room: each
+    holds the captures too, so their bytes are added to its device memory where placement
+    counts it (the whole formats' chunks beside them are given the same room)."""
     from quantdask.search.fisher_task import fisher_chunk
 
     search, formats, units = run.search, run.search.format_options(), found.units
@@ -253,17 +258,14 @@ def _fisher_cells(run: _Probing, key: str, captures: list[Future], cells: list,
         room = Room({**room.resources,
                      DEVICE_MEMORY: room.resources[DEVICE_MEMORY] + captured},
                     room.batch_size)
-    chunks = list(_chunks(cells, search.cells_per_task))
+
     def chunk_args(room: Room, attempt: int, chunk: list) -> tuple:
         return (run.model, captures, search.backend, formats, chunk, units, run.faults(attempt))
 
-    tasks = [run.task(f"fisher chunk {i + 1} of {len(chunks)}", fisher_chunk,
-                      functools.partial(chunk_args, chunk=chunk))
-             for i, chunk in enumerate(chunks)]
-    for index, future in run.run(tasks, "fisher", room):
-        _write_chunk(run, key, chunks[index], future.result(), done)
-    run.client.cancel(captures)  # the captures are large: let the workers drop them
-    return not run.watch.stop.is_set()
+    chunks = list(_chunks(cells, search.cells_per_task))
+    return [run.task(f"fisher chunk {i + 1} of {len(chunks)}", fisher_chunk,
+                     functools.partial(chunk_args, chunk=chunk))
+            for i, chunk in enumerate(chunks)], room
 
 
 def _assembled(run: _Probing, key: str, done: dict, units, method: MethodChoice) -> Probed:
