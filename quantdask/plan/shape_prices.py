@@ -61,7 +61,7 @@ def job_seconds(job: Job, facts: ModelFacts) -> tuple[float | None, str]:
     evaluation = job.eval
     work = evaluation.samples * evaluation.seq_len * facts.param_count
     calibration = job.calibration
-    if get_backend(job.backend).calibrated and calibration is not None:
+    if get_backend(job.backend).calibrates(job.options) and calibration is not None:
         work += (calibration.samples * calibration.seq_len * facts.param_count
                  * max(1, facts.layers))
     seconds = work / rate + facts.weight_bytes / READ_BYTES_PER_S

@@ -135,9 +135,8 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
             return output
         return hook
 
-    hooked = [*dict.fromkeys([embedding_name(model), *modules])]
     try:
-        for name in hooked:
+        for name in dict.fromkeys([embedding_name(model), *modules]):
             module = model.get_submodule(name)
             if name in modules:
                 hooks.append(module.register_forward_pre_hook(pre_hook(name)))
@@ -146,9 +145,8 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
     finally:
         for hook in hooks:
             hook.remove()
-    for name in modules:
+    for name in modules:  # a module the pass never reached: no gradient
         grads2.setdefault(name, torch.zeros(len(flat), _out_width(model, name)))
-    seen_inputs.clear()
     return Captured(rows, predicted, len(flat), input_of, inputs, grads2,
                     time.perf_counter() - began)
 

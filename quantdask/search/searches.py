@@ -1,16 +1,13 @@
-"""A sweep's mixed-precision searches on the cluster, before its jobs run: probe every (unit,
-format) cell as Dask tasks spread over the workers, solve the allocations, and return the jobs
-that verify them beside the uniform configs.
+"""A sweep's mixed-precision searches on the cluster, before its jobs run: refuse what the
+shapes and the tokenizer rule out (``search.pricing``), score every (unit, format) cell as Dask
+tasks spread over the workers by the search's sensitivity method (``search.probing``: ``kl``
+probes or ``fisher`` passes), solve the allocations, refine the main budget's over the cluster
+where the search says (``search.refine``), and return the jobs that verify them beside the
+uniform configs.
 
-For each search: the calibration reference (the full-precision model's log-probs on
-``windows`` windows of the calibration text) is one task whose result every probe task shares;
-the cells are cut into chunks of ``cells_per_task``, one task each (``retries`` as the sweep's),
-and each chunk's rows are written to the sensitivity frame as it arrives, atomically, so that a
-rerun probes only the cells not yet there. Each quantized format is also probed on every unit
-at once (unit ``(all)``), which shows how far the additive prediction holds. The allocator
-(``search.allocation``) then picks one format per unit for each budget (the main one and the
-``frontier``), ``candidates`` each, and for each uniform format the allocation at that
-format's bytes (the comparison at equal bytes).
+The allocator (``search.allocation``) picks one format per unit for each budget (the main one
+and the ``frontier``), ``candidates`` each, and for each uniform format the allocation at that
+format's bytes (the comparison at equal bytes); with ``refine``, the refinement's best mix too.
 Each becomes a job whose options carry its per-module formats (``modules``), measured on the
 eval windows like any other; the allocation frame records the formats and the predictions.
 """
@@ -29,14 +26,9 @@ from quantdask.run import LOG_CHANNEL
 from quantdask.run.stages import StageWatch
 from quantdask.search.agreement import predicted_in
 from quantdask.search.allocation import Allocation, allocate
+from quantdask.search.identity import embeddings_are_units, model_of
 from quantdask.search.pricing import check_budget_from_shapes, check_windows
-from quantdask.search.probing import (
-    Probed,
-    embeddings_are_units,
-    model_of,
-    probe_with,
-    probing_run,
-)
+from quantdask.search.probing import Probed, probe_with, probing_run
 from quantdask.search.refine import Refined, mix_bytes, mix_options, refine
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.search import SearchRole, SearchSpec
@@ -105,13 +97,13 @@ def check_budgets(sweep: Sweep, search: SearchSpec, probed: Probed) -> None:
 def verifying_jobs(sweep: Sweep, search: SearchSpec, probed: Probed, store: RunStore,
                    refined: Refined | None = None) -> list[Job]:
     """The jobs that verify ``search``'s allocations (see the module; with ``refined``, the
-    refinement's best mix too), and their rows of the allocation frame (written here)."""
+    refinement's best mix too), and their rows of the allocation frame (written here); its
+    budgets already checked against the probed cells (:func:`check_budgets`)."""
     model = model_of(sweep, search)
     formats = search.format_options()
     units = list(probed.units)
     ties, fixed = search.ties_in(units), search.fixed_in(units)
     made: list[tuple[str, SearchRole, dict[str, str], Allocation | None]] = []
-    check_budgets(sweep, search, probed)
     for bits in _budgets(search, probed):
         budget = int(bits * probed.param_count / 8) - probed.rest_bytes
         for found in allocate(probed.cells, budget, ties=ties, fixed=fixed,
