@@ -15,7 +15,8 @@ from quantdask.errors import SpecError
 from quantdask.run.sweep import run_sweep
 from quantdask.store.run_store import read_frame
 from quantdask.sweepfile.sweep_file import sweep_from_dict
-from tests.conftest import calibration_file, sweep_dict
+from tests.conftest import calibration_file
+from tests.test_search import search_sweep
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -23,14 +24,14 @@ REFINE = {"generations": 2, "offspring": 3, "windows": 12}
 
 
 def refine_sweep(calibration: str, **search) -> dict:
-    data = sweep_dict(calibration={"text": calibration, "samples": 8, "seq_len": 32})
-    data["eval"].update(samples=16)
-    data.pop("backends")
-    data["searches"] = [{
-        "name": "mix", "model": "demo", "backend": "hqq", "base": {"group_size": 32},
+    """The search of tests/test_search.py scored by fisher and refined: b2, b4 and keep per
+    linear at 7 bits per weight, 16 windows, one candidate, on 16 eval windows."""
+    data = search_sweep(calibration, **{
         "formats": {"b2": {"bits": 2}, "b4": {"bits": 4}, "keep": None},
-        "budget": {"bits_per_weight": 7.0}, "windows": 16, "cells_per_task": 30,
-        "tie": [], "sensitivity": "fisher", "fisher_tokens": 512, "refine": REFINE, **search}]
+        "budget": {"bits_per_weight": 7.0}, "frontier": [], "candidates": 1, "windows": 16,
+        "cells_per_task": 30, "tie": [], "sensitivity": "fisher", "fisher_tokens": 512,
+        "refine": REFINE, **search})
+    data["eval"].update(samples=16)
     return data
 
 
@@ -123,19 +124,23 @@ def test_a_rerun_scores_nothing_again(refined, cluster, calibration):
 
 
 def test_offspring_whose_worker_is_killed_are_rerun_nothing_lost_or_duplicated(
-        cluster, calibration, tmp_path):
+        cluster, calibration, tmp_path, caplog):
     data = refine_sweep(calibration, refine={"generations": 1, "offspring": 2, "windows": 8},
                         formats={"b2": {"bits": 2}, "b4": {"bits": 4}}, granularity="block",
                         windows=8, fisher_tokens=128, budget={"bits_per_weight": 7.6})
     data.update(retries=2, faults=[{"config": "search:mix:refine", "kind": "kill",
                                     "attempt": 1}])
     run_dir = tmp_path / "run"
-    run_sweep(sweep_from_dict(data), run_dir, cluster.client)
+    with caplog.at_level("WARNING", logger="quantdask.driver"):
+        run_sweep(sweep_from_dict(data), run_dir, cluster.client)
     frame = read_frame(run_dir, "refinement")
     assert frame.height == 1 + frame.filter(pl.col("generation") == 1).height >= 2
     assert frame.unique(["generation", "mix"]).height == frame.height
-    offspring = read_frame(run_dir, "worker_tasks").filter(pl.col("kind") == "offspring")
-    assert offspring.height >= frame.height  # the killed attempts, then the ones that finished
+    # every scored mix lost its first attempt with its worker, and was scored on the next
+    killed = [r.getMessage() for r in caplog.records
+              if "refinement generation" in r.getMessage() and "attempt 1: worker_lost"
+              in r.getMessage()]
+    assert len(killed) == frame.height
 
 
 @pytest.mark.parametrize("change, field", [

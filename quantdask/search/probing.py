@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import polars as pl
@@ -91,14 +91,9 @@ class _Probing:
     def one(self, what: str, function: Callable, *args) -> Future | None:
         """One task of the search run to its end: its finished future, or None when
         ``watch.stop`` ended it."""
-        task = ProbeTask(f"search {self.search.name}: {what}",
-                         lambda r, k, _: self.client.submit(function, *args,
-                                                            resources=r.resources, key=k,
-                                                            pure=False))
+        task = self.task(what, function, lambda room, attempt: args)
         # Closed here, not when collected: it unsubscribes and cancels as it closes.
-        with contextlib.closing(run_probe_tasks(self.client, [task], self.room, self.rules,
-                                                f"{self.tag}-{what}", self.watch.stop,
-                                                self.watch.tick)) as finished:
+        with contextlib.closing(self.run([task], what)) as finished:
             return next((future for _, future in finished), None)
 
     def task(self, what: str, function: Callable, args: Callable[[Room, int], tuple]
@@ -118,7 +113,9 @@ class _Probing:
                 if f["config"] in labels and f["attempt"] == attempt]
 
     def run(self, tasks: list[ProbeTask], what: str, room: Room | None = None
-            ) -> Iterator[tuple[int, Future]]:
+            ) -> Generator[tuple[int, Future], None, None]:
+        """``tasks`` run to their ends (``probe_runs.run_probe_tasks``), each first in
+        ``room`` (default: the search's)."""
         return run_probe_tasks(self.client, tasks, room or self.room, self.rules,
                                f"{self.tag}-{what}", self.watch.stop, self.watch.tick)
 
