@@ -67,6 +67,13 @@ def format_bytes(value: int | None) -> str:
     return f"{size:.1f} GiB"
 
 
+def cache_root() -> Path:
+    """quantdask's folder in the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``): what is
+    kept between runs on this machine (converted GGUFs, quantized tensors, the report's
+    bundle); any of it may be deleted to reclaim the space."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask"
+
+
 def scratch_root() -> str | None:
     """Where a job's temporary folders go: the Dask worker's own local directory when this
     runs in a worker (Dask removes it with the worker, and a killed worker's at the next

@@ -97,9 +97,24 @@ class ModuleAlone(Capability):
     the stream as it comes, and by a search's probes (with :class:`Searchable`)."""
 
     quantize: Callable[..., torch.nn.Module]
+    # How a module it quantized is kept on disk and read back (``search.quantized_store``:
+    # each (member, format) quantized once per machine), or None: quantized again each time.
+    kept: KeptForm | None = None
     usual_why: ClassVar[str] = "it cannot quantize one module alone"
 
     refuses: ClassVar[str] = "{backend} cannot quantize one module alone: {why}"
+
+
+@dataclass(frozen=True)
+class KeptForm:
+    """A quantized module (what :class:`ModuleAlone` makes) as tensors and text, and back:
+    ``tensors(module) -> (tensors by name, text by name)``, ``module(tensors, text) ->
+    module``, the same stored bytes and the same dequantized weight. ``version`` names the
+    quantizer (another version's are quantized again)."""
+
+    tensors: Callable[[Any], tuple[dict[str, Any], dict[str, str]]]
+    module: Callable[[dict[str, Any], dict[str, str]], Any]
+    version: str
 
 
 @dataclass(frozen=True)

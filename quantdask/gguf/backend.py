@@ -9,6 +9,7 @@ from quantdask.backends.base import missing_library
 from quantdask.backends.capabilities import (
     Calibrated,
     Dequantizes,
+    KeptForm,
     ModuleAlone,
     OwnRuntime,
     Searchable,
@@ -21,11 +22,13 @@ from quantdask.gguf.searched import (
     dequantize_module,
     export_file,
     least_bits,
+    module_tensors,
     quantize_module,
     rest_bytes,
     score_in_runtime,
+    tensors_module,
 )
-from quantdask.gguf.source import missing_converter
+from quantdask.gguf.source import LLAMA_CPP_COMMIT, missing_converter
 
 
 def _check(options: GgufOptions, facts) -> str | None:
@@ -48,7 +51,9 @@ gguf_backend = register_backend(Backend(
     label=_label, check=_check,
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
-                  ModuleAlone(quantize_module), Dequantizes(dequantize_module),
+                  ModuleAlone(quantize_module, KeptForm(module_tensors, tensors_module,
+                                                        f"llama.cpp {LLAMA_CPP_COMMIT}")),
+                  Dequantizes(dequantize_module),
                   Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
                              embeddings=True, experts=True, score_mix=score_in_runtime,
                              scores_in="llama.cpp", least_bits=least_bits, rest_bits=32)),

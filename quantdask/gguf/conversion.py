@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,9 @@ quantized): the converter's outtype for each."""
 
 def cache_dir() -> Path:
     """Where converted GGUFs are kept on a worker's machine (delete it to reclaim the space)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask" / "gguf"
+    from quantdask.util import cache_root
+
+    return cache_root() / "gguf"
 
 
 def conversion_key(model, outtype: str) -> str:

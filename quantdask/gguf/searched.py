@@ -85,6 +85,19 @@ def quantize_module(module: torch.nn.Module, options: GgufOptions) -> torch.nn.M
                        getattr(module, "bias", None))
 
 
+def module_tensors(module: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A :func:`gguf_linear` as tensors (its bytes, its bias) and its type (``KeptForm``)."""
+    tensors = {"weight_bytes": module.weight_bytes}
+    if module.bias is not None:
+        tensors["bias"] = module.bias.data
+    return tensors, {"tensor_type": module.tensor_type}
+
+
+def tensors_module(tensors: dict[str, torch.Tensor], text: dict[str, str]) -> torch.nn.Module:
+    """The :func:`gguf_linear` of :func:`module_tensors`' output."""
+    return gguf_linear(tensors["weight_bytes"].numpy(), text["tensor_type"], tensors.get("bias"))
+
+
 def dequantize_module(module: torch.nn.Module) -> torch.Tensor | None:
     """The float weight (out, in) a :func:`gguf_linear` holds; None for any other module."""
     if not (_LINEAR and isinstance(module, _LINEAR[0])):

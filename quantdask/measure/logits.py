@@ -16,6 +16,7 @@ a plain forward. A model where that gives other logits than a plain forward on a
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger("quantdask.logits")
+_WORKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, dtype): ok}
 
 SLICE_BUDGET_BYTES = 256 * 2**20
 """Float32 logits held at once per slice (x 3 with log-softmax and a temporary)."""
@@ -82,7 +84,7 @@ def sliced_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: 
 
     from quantdask.process.cpu_share import rebalance
 
-    sliced = _SlicedHead(model) if _SlicedHead.works_on(model, windows, device) else None
+    sliced = _SlicedHead(model) if _sliced_works(model, windows, device) else None
     predicted = windows.size(1) - 1
     with torch.inference_mode():
         for start in range(0, windows.size(0), batch_size):
@@ -104,6 +106,20 @@ def sliced_log_probs(model: torch.nn.Module, windows: torch.Tensor, batch_size: 
                     end = min(p + step, predicted)
                     yield LogProbSlice(rows, slice(p, end), torch.log_softmax(
                         sliced.logits(batch, p, end).float(), dim=-1))
+
+
+def _sliced_works(model: torch.nn.Module, windows: torch.Tensor, device: str) -> bool:
+    """``_SlicedHead.works_on``, checked once per model object and device: its answer is the
+    architecture's, and the check runs the model twice, which a search's whole-format measure
+    (every layer's weights swapped in as it is reached) would pay for in quantizing."""
+    import torch
+
+    key = (device, _dtype(model))
+    found = _WORKS.setdefault(model, {})
+    if key not in found:
+        found[key] = _SlicedHead.works_on(model, windows, device)
+    del torch
+    return found[key]
 
 
 class _SlicedHead:

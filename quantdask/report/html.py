@@ -23,7 +23,7 @@ from typing import Any
 from quantdask import resources
 from quantdask.errors import QuantdaskError
 from quantdask.store.run_store import RunStore
-from quantdask.util import atomic_write
+from quantdask.util import atomic_write, cache_root
 
 NOTEBOOKS_DIR = resources.notebooks_dir()
 """The project's notebooks (quickstart, report, scaling, memory, quality): ``notebooks/`` of a
@@ -114,8 +114,7 @@ def vega_bundle() -> str:
 
     cached: Path | None = None  # no home folder (RuntimeError): nothing kept
     with contextlib.suppress(OSError, RuntimeError, UnicodeDecodeError):
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask"
-        cached = folder / f"vega-bundle-vl-convert-{version('vl-convert-python')}.js"
+        cached = cache_root() / f"vega-bundle-vl-convert-{version('vl-convert-python')}.js"
         text = cached.read_text(encoding="utf-8")
         if text.endswith(BUNDLE_END):  # a whole file (it is written all or nothing)
             return text[:-len(BUNDLE_END)]

@@ -19,11 +19,13 @@ from quantdask.search.fisher import Captured, capture_batch, fisher_score, score
 from quantdask.search.members import member_bytes
 from quantdask.search.probe_task import kept_model, probe_lock, unit_layer, unit_weights
 from quantdask.search.probes import rest_bytes, state_bytes, swapped_weight
+from quantdask.search.quantized_store import store_for
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
     from quantdask.backends.options import BackendOptions
     from quantdask.measure.reference import Reference
+    from quantdask.search.quantized_store import QuantizedStore
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.words import FaultKind
 
@@ -63,6 +65,7 @@ def fisher_chunk(model: ModelSpec, captures: list[Captured], backend: str,
         built = kept_model(model)
         prefix, _ = decoder_layers(built)
         scored = scored_modules(built, [m for _, members, _ in cells for m in members])
+        store = store_for(model, built, chosen)
         out = []
         for unit, members, label in cells:
             began = time.perf_counter()
@@ -71,7 +74,7 @@ def fisher_chunk(model: ModelSpec, captures: list[Captured], backend: str,
                               worker=get_worker().address, method="fisher")
             options = formats[label]
             try:
-                score, size = _score(built, captures, chosen, options, members, scored)
+                score, size = _score(built, captures, chosen, options, members, scored, store)
             except UnsupportedHere as error:
                 cell = dataclasses.replace(cell, error=str(error))
             else:
@@ -84,13 +87,14 @@ def fisher_chunk(model: ModelSpec, captures: list[Captured], backend: str,
 
 
 def _score(model, captures: list[Captured], backend, options: BackendOptions | None,
-           members: tuple[str, ...], scored: dict[str, list[str]]) -> tuple[float, int]:
+           members: tuple[str, ...], scored: dict[str, list[str]],
+           store: QuantizedStore | None) -> tuple[float, int]:
     """(Fisher score, stored bytes) of ``members`` in ``options`` (None: kept, 0)."""
     if options is None:
         return 0.0, sum(member_bytes(model, m, state_bytes) for m in members)
     score, size = 0.0, 0
     for name in members:
-        weight, held, stored = swapped_weight(model, name, backend, options)
+        weight, held, stored = swapped_weight(model, name, backend, options, store)
         score += fisher_score(model, captures, scored[name], weight.float() - held.data.float())
         size += stored
     return score, size

@@ -18,6 +18,7 @@ from quantdask.process.model_source import cached_model_source
 from quantdask.process.runtime import worker_task
 from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
 from quantdask.search.probes import Prober, layer_index
+from quantdask.search.quantized_store import store_for
 from quantdask.sweepfile.search import ALL_UNITS
 from quantdask.words import WorkerTaskKind
 
@@ -124,6 +125,8 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)
+        store = store_for(model, prober.model, chosen)
+        weigh = store.weigh if store is not None else None
         probed = []
         for unit, modules, label in cells:
             cell = ProbedCell(
@@ -132,7 +135,7 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
                 params=sum(unit_weights(prober.model, m) for m in modules),
                 worker=get_worker().address)
             try:
-                measured = prober.probe(unit, modules, label, chosen, formats[label])
+                measured = prober.probe(unit, modules, label, chosen, formats[label], weigh)
             except UnsupportedHere as error:
                 cell = dataclasses.replace(cell, error=str(error))
             else:

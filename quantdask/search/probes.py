@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from quantdask.backends.base import Backend
     from quantdask.backends.options import BackendOptions
     from quantdask.measure.metrics import QualityMeter
+    from quantdask.search.quantized_store import QuantizedStore
 
 KEEP = "keep"
 """The format that leaves a unit in full precision (KL 0 by construction, not probed)."""
@@ -208,20 +209,21 @@ class Prober:
                    for m in modules)
 
     def probe(self, unit: str, modules: tuple[str, ...], format: str, backend: Backend,
-              options: BackendOptions | None) -> CellMeasure:
+              options: BackendOptions | None, weigh=None) -> CellMeasure:
         """Cell (``unit``, ``format``): each of ``modules`` quantized alone by ``backend``
-        with ``options`` (None: kept, KL 0), its KL measured, the weights put back."""
+        with ``options`` (None: kept, KL 0; ``weigh``: as :func:`swapped_in`'s), its KL
+        measured, the weights put back."""
         began = time.perf_counter()
         if options is None:
             size = sum(member_bytes(self.model, m, state_bytes) for m in modules)
             return CellMeasure(unit, format, 0.0, 0.0, size, time.perf_counter() - began)
         members = [(m, options) for m in modules]
         if len({layer_index(m, self.prefix) for m in modules}) > 1:  # the whole model's
-            meter, size = self.whole(members, backend)
+            meter, size = self.whole(members, backend, weigh)
             scores = meter.scores()
             kl, se = scores.kl_divergence, scores.kl_se
         else:
-            with swapped_in(self.model, members, backend) as size:
+            with swapped_in(self.model, members, backend, weigh) as size:
                 kl, se = self.measure(self.first_layer(modules))
         return CellMeasure(unit, format, kl, se, size, time.perf_counter() - began)
 
@@ -285,18 +287,23 @@ def swapped_in(model: torch.nn.Module, members: list[tuple[str, BackendOptions]]
 
 
 def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
-                   options: BackendOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   options: BackendOptions, store: QuantizedStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Member ``name`` of ``model`` quantized alone by ``backend`` with ``options`` (its probe
     quantizer: ``ModuleAlone`` or its stated proxy) and back in float: (the weight in the
-    layout and dtype of the parameter it replaces, that parameter, the bytes it stores). The
-    one quantization the probes, the Fisher scores and the refinement's offspring share."""
+    layout, dtype and device of the parameter it replaces, that parameter, the bytes it
+    stores). The one quantization the probes, the Fisher scores and the refinement's offspring
+    share; with ``store`` (``search.quantized_store``), made once per machine."""
     from transformers.pytorch_utils import Conv1D
 
     alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
     if alone is None or layer_weights is None:
         raise ValueError(backend.refusal(ModuleAlone if alone is None else Dequantizes))
     module, held = quantizable(model, name)
-    quantized = alone.quantize(module, options)
+    if store is None:
+        quantized = alone.quantize(module, options)
+    else:
+        quantized = store.quantized(name, options, lambda: alone.quantize(module, options))
     size = getattr(quantized, "checkpoint_bytes", None) or state_bytes(
         quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
     weight = layer_weights.dequantize(quantized)
@@ -310,7 +317,8 @@ def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
     if weight.shape != original.shape:
         raise ValueError(f"{backend.name}: {name}'s weight came back "
                          f"{tuple(weight.shape)}, not {tuple(original.shape)}")
-    return weight.to(dtype=original.dtype).contiguous(), held, int(size)
+    return (weight.to(dtype=original.dtype, device=original.device).contiguous(), held,
+            int(size))
 
 
 def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],

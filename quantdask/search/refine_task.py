@@ -7,6 +7,7 @@ format from one mix to the next), up to :data:`QUANTIZED_CACHE_BYTES`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from quantdask.job.faults import inject_fault
 from quantdask.process.runtime import worker_task
 from quantdask.search.probe_task import probe_lock, prober_for
 from quantdask.search.probes import swapped_weight
+from quantdask.search.quantized_store import store_for
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from quantdask.backends.options import BackendOptions
     from quantdask.measure.metrics import QualityMeter
     from quantdask.measure.reference import Reference
+    from quantdask.search.quantized_store import QuantizedStore
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.words import FaultKind
 
@@ -91,12 +94,15 @@ def _in_torch(model: ModelSpec, reference: Reference, batch_size: int, backend: 
     prober = prober_for(model, reference, batch_size)
     members = [(m, formats[label]) for unit, label in chosen.items()
                if formats[label] is not None for m in units[unit]]
-    return prober.whole(members, backend, weigh=_cached_weight)[0]  # type: ignore[arg-type]
+    store = store_for(model, prober.model, backend)
+    weigh = functools.partial(_cached_weight, store=store)
+    return prober.whole(members, backend, weigh=weigh)[0]  # type: ignore[arg-type]
 
 
 def _cached_weight(model: torch.nn.Module, name: str, backend: Backend,
-                   options: BackendOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``probes.swapped_weight``, kept (see the module)."""
+                   options: BackendOptions, store: QuantizedStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``probes.swapped_weight``, kept (see the module), through ``store`` on a miss."""
     if _quantized_of[0] is not model:
         _quantized.clear()
         _quantized_of[0] = model
@@ -105,7 +111,7 @@ def _cached_weight(model: torch.nn.Module, name: str, backend: Backend,
     if key in _quantized:
         _quantized.move_to_end(key)
         return _quantized[key]
-    found = _quantized[key] = swapped_weight(model, name, backend, options)
+    found = _quantized[key] = swapped_weight(model, name, backend, options, store)
     held = sum(w.numel() * w.element_size() for w, _, _ in _quantized.values())
     while held > QUANTIZED_CACHE_BYTES and len(_quantized) > 1:
         weight, _, _ = _quantized.popitem(last=False)[1]
