@@ -102,6 +102,32 @@ def test_a_tied_embedding_scores_its_input_and_its_head_together(tmp_path):
     assert 0.4 < both / measured_kl(prober, embedding.weight, delta) < 2.5
 
 
+def test_a_chunk_is_sent_its_units_part_of_a_capture_and_scores_the_same(tmp_path):
+    """``Captured.only``: what a chunk of cells is sent holds its members' modules alone
+    (the tied head with the embedding; q, k and v's shared input once) and gives each of
+    them the score the whole capture gives."""
+    import dataclasses
+
+    import torch
+
+    model, units, _, reference = setup(str(build_tiny("gemma", tmp_path / "tied")), samples=4)
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    members = [*[m for ms in units.values() for m in ms], embedding]
+    scored = scored_modules(model, members)
+    modules = [*dict.fromkeys(m for found in scored.values() for m in found)]
+    whole = dataclasses.replace(captures_of(model, reference, modules)[0], modules_of=scored)
+    chosen = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", embedding]
+    part = whole.only(chosen)
+    assert set(part.grads2) == {*chosen, *scored[embedding]} and len(scored[embedding]) == 2
+    assert len(part.inputs) == 3  # q and k read one input; the token ids; the head its own
+    assert whole.only(chosen[:2]).nbytes < whole.nbytes / 4  # (the head: a vocabulary wide)
+    for name in chosen:
+        weight = model.get_submodule(name).weight
+        delta = 0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+        assert fisher_score(model, [part], scored[name], delta) == fisher_score(
+            model, [whole], scored[name], delta) > 0
+
+
 def test_kept_positions_estimate_what_every_position_gives():
     """A capture that keeps a quarter of the positions (scaled by positions / kept) gives
     the same scores as one that keeps them all, to the sampling's error (measured: 20% on

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dask.sizeof import sizeof
@@ -49,7 +49,8 @@ class Captured:
     """One batch's capture (see the module): for each hooked module, the key of its input in
     ``inputs`` ((kept, in) float32; an embedding's: (kept,) token ids) and its squared output
     gradients ``grads2`` ((kept, out) float32); ``positions`` predicted in the batch,
-    ``kept`` of them captured."""
+    ``kept`` of them captured; ``modules_of``: each searched member's hooked modules
+    (:func:`scored_modules`)."""
 
     rows: tuple[int, int]
     positions: int
@@ -58,6 +59,17 @@ class Captured:
     inputs: dict[str, torch.Tensor]
     grads2: dict[str, torch.Tensor]
     seconds: float
+    modules_of: dict[str, list[str]] = field(default_factory=dict)
+
+    def only(self, members: list[str]) -> Captured:
+        """The part of this capture that scoring ``members`` reads (their modules' inputs
+        and gradients): what a chunk of cells is sent, not every unit's."""
+        modules = {m for member in members for m in self.modules_of[member]}
+        input_of = {m: key for m, key in self.input_of.items() if m in modules}
+        return replace(self, input_of=input_of,
+                       inputs={key: self.inputs[key] for key in set(input_of.values())},
+                       grads2={m: g for m, g in self.grads2.items() if m in modules},
+                       modules_of={m: self.modules_of[m] for m in members})
 
     @property
     def nbytes(self) -> int:

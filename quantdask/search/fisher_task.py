@@ -41,10 +41,17 @@ def fisher_pass(model: ModelSpec, reference: Reference, rows: tuple[int, int],
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         built = kept_model(model)
-        modules = [*dict.fromkeys(m for found in scored_modules(built, members).values()
-                                  for m in found)]
+        scored = scored_modules(built, members)
+        modules = [*dict.fromkeys(m for found in scored.values() for m in found)]
         device, _, _ = torch_device()
-        return capture_batch(built, reference.windows, rows, modules, keep, seed, device)
+        captured = capture_batch(built, reference.windows, rows, modules, keep, seed, device)
+        return dataclasses.replace(captured, modules_of=scored)
+
+
+def capture_part(captured: Captured, members: list[str]) -> Captured:
+    """A task beside a pass's capture: the part a chunk of ``members``' cells reads
+    (``Captured.only``), so that a chunk's worker is sent and holds that, not every unit's."""
+    return captured.only(members)
 
 
 def fisher_chunk(model: ModelSpec, captures: list[Captured], backend: str,

@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import polars as pl
-from distributed import Client, Future
+from distributed import Client, Future, wait
 
 from quantdask.records import SensitivityRow
 from quantdask.run import LOG_CHANNEL
@@ -204,12 +204,16 @@ def _score_cells(run: _Probing, key: str, reference: Future, todo: list,
             _pass_tasks(run, reference, units, method), "pass")]
         if run.watch.stop.is_set():
             return False
-        more, room = _fisher_tasks(run, captures, scored, found)
+        more, room, parts = _fisher_tasks(run, captures, scored, found)
         chunks += list(_chunks(scored, search.cells_per_task))
         tasks += more
+        # Once cut into the chunks' parts, the whole captures are let go (no future of
+        # this client holds them: Dask drops them, and would run a pass again for a part
+        # lost with its worker).
+        wait(parts)
+        captures.clear()
     for index, future in run.run(tasks, "probe", room):
         _write_chunk(run, key, chunks[index], future.result(), done)
-    run.client.cancel(captures)  # the captures are large: let the workers drop them
     return not run.watch.stop.is_set()
 
 
@@ -240,29 +244,44 @@ def _pass_seed(search: SearchSpec, index: int) -> int:
 
 
 def _fisher_tasks(run: _Probing, captures: list[Future], cells: list, found: SearchUnits
-                  ) -> tuple[list[ProbeTask], Room]:
-    """The Fisher chunks of ``cells``, scored on every pass's capture, and their room: each
-    holds the captures too, so their bytes are added to its device memory where placement
-    counts it (the whole formats' chunks beside them are given the same room)."""
+                  ) -> tuple[list[ProbeTask], Room, list[Future]]:
+    """The Fisher chunks of ``cells``, scored on every pass's capture (each chunk on its
+    part of them: :func:`_capture_parts`, all returned last), and their room: each holds
+    its part too, so the captures' bytes over the chunks are added to its device memory
+    where placement counts it (the whole formats' chunks beside them get the same room)."""
     from quantdask.search.fisher_task import fisher_chunk
 
     search, formats, units = run.search, run.search.format_options(), found.units
+    chunks = list(_chunks(cells, search.cells_per_task))
     captured = captured_bytes(search, found)
     log.info("search %s: the Fisher captures hold about %s (%d positions x each unit's in + "
-             "out widths, float32)", search.name, f"{captured:,} bytes", search.fisher_tokens)
+             "out widths, float32), each of %d chunks about 1/%d of it", search.name,
+             f"{captured:,} bytes", search.fisher_tokens, len(chunks), len(chunks))
     room = run.room
     if DEVICE_MEMORY in room.resources:
         room = Room({**room.resources,
-                     DEVICE_MEMORY: room.resources[DEVICE_MEMORY] + captured},
-                    room.batch_size)
+                     DEVICE_MEMORY: room.resources[DEVICE_MEMORY]
+                     + math.ceil(captured / len(chunks))}, room.batch_size)
 
-    def chunk_args(room: Room, attempt: int, chunk: list) -> tuple:
-        return (run.model, captures, search.backend, formats, chunk, units, run.faults(attempt))
+    def chunk_args(room: Room, attempt: int, chunk: list, parts: list[Future]) -> tuple:
+        return (run.model, parts, search.backend, formats, chunk, units, run.faults(attempt))
 
-    chunks = list(_chunks(cells, search.cells_per_task))
+    parts = [_capture_parts(run, captures, chunk) for chunk in chunks]
     return [run.task(f"fisher chunk {i + 1} of {len(chunks)}", fisher_chunk,
-                     functools.partial(chunk_args, chunk=chunk))
-            for i, chunk in enumerate(chunks)], room
+                     functools.partial(chunk_args, chunk=chunk, parts=parts[i]))
+            for i, chunk in enumerate(chunks)], room, [p for part in parts for p in part]
+
+
+def _capture_parts(run: _Probing, captures: list[Future], chunk: list) -> list[Future]:
+    """Each pass's capture cut to what ``chunk``'s cells read, by a small task that runs
+    where the capture is (Dask places it beside its input): a chunk's worker then fetches
+    and holds its units' part (about 1/chunks of the whole), and no worker holds every
+    pass's capture (a 1.5B model's: 2.7 GB beside its 6.2 GB model, on each slot)."""
+    from quantdask.search.fisher_task import capture_part
+
+    members = [*dict.fromkeys(m for _, modules, _ in chunk for m in modules)]
+    return [run.client.submit(capture_part, captured, members, pure=False)
+            for captured in captures]
 
 
 def _assembled(run: _Probing, key: str, done: dict, units, method: MethodChoice) -> Probed:
