@@ -16,6 +16,7 @@ units spread over the depth), times the search's cell count.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +91,8 @@ def main() -> None:
         sweep = sweep_from_dict(data)
         search = sweep.searches[0]
         run_dir = scratch / "run"
+        # a cache of its own: every tensor quantized in this run (none found from a last one)
+        os.environ["XDG_CACHE_HOME"] = str(scratch / "cache")
         store = RunStore(run_dir)
         with start_cluster(workers=args.slots, torch_threads=1) as cluster:
             began = time.perf_counter()
@@ -103,6 +106,8 @@ def main() -> None:
         print(f"fisher probing on {args.slots} slots: {took:.0f} s wall, {cells} cells; worker "
               f"seconds by kind: { {k: round(v) for k, v in by_kind.items()} }")
         print(f"method: {probed.method.why if probed.method else '?'}")
+        if not args.kl_cells:
+            return
         # kl's estimate: a few cells timed as kl probes them
         settings = probe_settings(sweep, search)
         model = sweep.models[0]

@@ -116,6 +116,8 @@ def test_a_chunk_is_sent_its_units_part_of_a_capture_and_scores_the_same(tmp_pat
     scored = scored_modules(model, members)
     modules = [*dict.fromkeys(m for found in scored.values() for m in found)]
     whole = dataclasses.replace(captures_of(model, reference, modules)[0], modules_of=scored)
+    # the pass computed no weight's gradient (a model's size again), and left none behind
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
     chosen = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", embedding]
     part = whole.only(chosen)
     assert set(part.grads2) == {*chosen, *scored[embedding]} and len(scored[embedding]) == 2

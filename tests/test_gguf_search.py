@@ -105,6 +105,45 @@ def test_a_probed_module_holds_the_bytes_llama_cpps_quantizer_writes_for_it(narr
         int(t.n_bytes) for t in tensors.values() if len(t.shape) == 1)
 
 
+def test_a_mix_assembled_from_kept_tensors_is_the_file_llama_cpps_quantizer_writes(
+        narrow_ffn, tmp_path, monkeypatch):
+    """``gguf.assembled.write_mix``: each tensor's type and bytes and every metadata value are
+    those of llama.cpp's own file for the same mix (the converter's permuted q and k rows
+    included); a second mix of the same (tensor, type) pairs quantizes nothing again."""
+    import filecmp
+
+    from quantdask.gguf.assembled import write_mix
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, f32 = narrow_ffn
+    options = get_backend("gguf").normalize({"type": "Q4_K_M", "tensor_type": "Q4_K", "modules": {
+        "model.layers.0.mlp.down_proj": {"tensor_type": "Q6_K"},
+        "model.layers.1.self_attn.q_proj": {"tensor_type": "Q8_0"},
+        "model.layers.0.self_attn.k_proj": {"tensor_type": "Q2_K"},
+        "model.layers.1.self_attn.v_proj": None}}, "test")
+    given = given_types(f32, options)
+    theirs = quantize_gguf(f32, tmp_path / "theirs.gguf", "Q4_K_M", 2, given=given)
+    ours, by = write_mix(f32, tmp_path / "ours.gguf", "Q4_K_M", 1, given)
+    read = gguf_module().GGUFReader
+    a = {t.name: t for t in read(str(theirs)).tensors}
+    b = {t.name: t for t in read(str(ours)).tensors}
+    assert a.keys() == b.keys()
+    quantized = [n for n, t in a.items() if t.tensor_type.name != "F32"]
+    assert by == f"assembled: {len(quantized)} of {len(quantized)} tensors quantized here"
+    assert {a[n].tensor_type.name for n in quantized} >= {"Q4_K", "Q8_0", "Q2_K", "Q6_K"}
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert np.array_equal(np.asarray(a[name].data).view(np.uint8),
+                              np.asarray(b[name].data).view(np.uint8)), name
+    fields = {f.name: f.contents() for f in read(str(theirs)).fields.values()
+              if not f.name.startswith("GGUF.")}
+    assert fields == {f.name: f.contents() for f in read(str(ours)).fields.values()
+                      if not f.name.startswith("GGUF.")}
+    again, by = write_mix(f32, tmp_path / "again.gguf", "Q4_K_M", 1, given)
+    assert by == f"assembled: 0 of {len(quantized)} tensors quantized here"
+    assert filecmp.cmp(ours, again, shallow=False)
+
+
 @pytest.fixture(scope="module")
 def gguf_search(narrow_ffn, cluster, tmp_path_factory):
     """A GGUF search of the tiny Llama (Q2_K, Q4_K and Q8_0 per linear, the rest as Q4_K_M

@@ -62,6 +62,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     """Convert (once per model), then quantize with llama.cpp's quantizer; the tensors'
     types as written make the coverage, and those that fell back to another type than the
     config's are counted (and warned of when most did)."""
+    from quantdask.gguf.assembled import QUANTIZER, write_mix
     from quantdask.gguf.quantize import check_written, quantize_gguf, tensor_types, type_counts
     from quantdask.gguf.searched import given_types
 
@@ -72,14 +73,18 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     with run.watch("quantize"):
         base = base_file(run.prepared, run.job.model, outtype, run.job.timeout_s)
         imatrix = _importance(run, base, calibration) if calibration is not None else None
-        given = None
+        given, by = None, QUANTIZER
         if name in FULL_PRECISION:
-            path = base
+            path, by = base, None
         else:
             folder = run.holding.enter_context(_scratch())
             given = given_types(base, _options(run)) if _options(run).searched() else None
-            path = quantize_gguf(base, Path(folder) / f"model-{name}.gguf", name,
-                                 threads=_threads(), imatrix=imatrix, given=given)
+            out = Path(folder) / f"model-{name}.gguf"
+            if given is not None and imatrix is None:
+                path, by = write_mix(base, out, name, _threads(), given)
+            else:
+                path = quantize_gguf(base, out, name, threads=_threads(), imatrix=imatrix,
+                                     given=given)
     types = tensor_types(path)
     if given is not None:
         check_written(types, given)
@@ -94,7 +99,7 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
                   calibration.figures() if calibration is not None else None),
         runtime=runtime_name(_device(run).gpu),
         tensor_types=type_counts(types), fallback_share=fell_back,
-        runtime_skipped=_skipped(run))
+        runtime_skipped=_skipped(run), quantized_by=by)
 
 
 FALLBACK_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})

@@ -171,8 +171,9 @@ def score_in_runtime(model, options: GgufOptions, windows: torch.Tensor,
 
     import torch
 
+    from quantdask.gguf.assembled import write_mix
     from quantdask.gguf.conversion import converted
-    from quantdask.gguf.quantize import check_written, quantize_gguf, tensor_types
+    from quantdask.gguf.quantize import check_written, tensor_types
     from quantdask.gguf.runtime import RuntimeDevice, llama_cpp_meter
 
     if options.imatrix:
@@ -183,7 +184,7 @@ def score_in_runtime(model, options: GgufOptions, windows: torch.Tensor,
     threads = max(1, torch.get_num_threads())
     with tempfile.TemporaryDirectory(prefix="quantdask-offspring-") as folder:
         out = Path(folder) / "mix.gguf"
-        quantize_gguf(base, out, str(options.type), threads=threads, given=given)
+        write_mix(base, out, str(options.type), threads, given)
         check_written(tensor_types(out), given)
         return llama_cpp_meter(out, windows, reference,
                                RuntimeDevice(threads, options.device == "cuda"))

@@ -185,6 +185,10 @@ class InRuntime(PhaseRecord):
     tensor_types: str  # e.g. 13 Q4_K, 3 Q6_K, 5 F32
     fallback_share: float  # of the quantized weights: 0 when every tensor took the config's type
     runtime_skipped: str | None  # what it did not measure there (null: nothing)
+    # who wrote the file's quantized tensors: "llama.cpp's quantizer", or a searched mix
+    # "assembled: N of M tensors quantized here" (the rest kept from earlier mixes, the same
+    # bytes: gguf.assembled), so its quantize_s counts only those N
+    quantized_by: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

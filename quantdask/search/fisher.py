@@ -147,7 +147,13 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
             return output
         return hook
 
+    # No weight's gradient is wanted (only the outputs'): with the weights frozen for the
+    # pass, the graph starts at the embedding's output, and the backward computes no weight
+    # gradients, which would take the model's size again (6.2 GB at 1.5B) and stay on it.
+    frozen = [p for p in model.parameters() if p.requires_grad]
     try:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
         for name in dict.fromkeys([embedding_name(model), *modules]):
             module = model.get_submodule(name)
             if name in modules:
@@ -157,6 +163,8 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
     finally:
         for hook in hooks:
             hook.remove()
+        for parameter in frozen:
+            parameter.requires_grad_(True)
     for name in modules:  # a module the pass never reached: no gradient
         grads2.setdefault(name, torch.zeros(len(flat), _out_width(model, name)))
     return Captured(rows, predicted, len(flat), input_of, inputs, grads2,

@@ -303,7 +303,8 @@ def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
     if store is None:
         quantized = alone.quantize(module, options)
     else:
-        quantized = store.quantized(name, options, lambda: alone.quantize(module, options))
+        quantized = store.quantized([name, options.as_dict()],
+                                    lambda: alone.quantize(module, options))
     size = getattr(quantized, "checkpoint_bytes", None) or state_bytes(
         quantized, backend.sizing.stored_bytes)  # (a proxy's: the file's count)
     weight = layer_weights.dequantize(quantized)

@@ -52,11 +52,10 @@ class QuantizedStore:
     folder: Path
     kept: KeptForm
 
-    def quantized(self, name: str, options: BackendOptions,
-                  quantize: Callable[[], Any]) -> Any:
-        """Member ``name`` quantized with ``options``: read from the store, else made by
-        ``quantize()`` and stored."""
-        path = self.folder / f"{_digest([name, options.as_dict()])}.safetensors"
+    def quantized(self, key: Any, quantize: Callable[[], Any]) -> Any:
+        """The quantized module stored under ``key`` (JSON: a member and its format's
+        options), else made by ``quantize()`` and stored."""
+        path = self.folder / f"{_digest(key)}.safetensors"
         with contextlib.suppress(Exception):  # absent, half-deleted or unreadable: again
             return self._read(path)
         module = quantize()
@@ -97,7 +96,13 @@ def store_for(model: ModelSpec, built: torch.nn.Module, backend: Backend
     if kept is None:
         return None
     dtype = str(next(built.parameters()).dtype)
-    folder = store_root() / _digest([model.identity(), dtype, backend.name, kept.version])
+    return opened_store([model.identity(), dtype, backend.name, kept.version], kept)
+
+
+def opened_store(identity: Any, kept: KeptForm) -> QuantizedStore:
+    """The store of what ``identity`` (JSON) names, its folder made and marked opened now (the
+    others pruned, once per process)."""
+    folder = store_root() / _digest(identity)
     with _lock:
         if folder not in _opened:
             _opened.add(folder)
