@@ -43,7 +43,8 @@ def test_fused_experts_are_units_their_router_is_not_and_the_probe_holds_the_fil
     from transformers import AutoModelForCausalLM
 
     from quantdask.backends.per_module import module_options
-    from quantdask.gguf.searched import dequantize_module, quantize_module, rest_bytes
+    from quantdask.gguf.linear import dequantize_module
+    from quantdask.gguf.searched import quantize_module, rest_bytes
     from quantdask.search.members import quantizable
     from quantdask.search.probes import linear_units
 

@@ -40,7 +40,8 @@ def test_a_probed_module_holds_the_bytes_llama_cpps_quantizer_writes_for_it(narr
     from transformers import AutoModelForCausalLM
 
     from quantdask.backends.per_module import module_options
-    from quantdask.gguf.searched import dequantize_module, quantize_module, rest_bytes
+    from quantdask.gguf.linear import dequantize_module
+    from quantdask.gguf.searched import quantize_module, rest_bytes
     from quantdask.search.probes import linear_units
 
     folder, f32 = narrow_ffn

@@ -1,5 +1,5 @@
 """Shared work is shared (issue 68, item 5): each (member, format) of a model quantized once per
-machine (``search.quantized_store``) and read back by the cells, the whole formats and the
+machine (``backends.quantized_store``) and read back by the cells, the whole formats and the
 offspring, with the same bytes and the same weights as quantizing again; and libggml's own
 dequantizer, which reads them back, against gguf-py's."""
 
@@ -14,11 +14,11 @@ import pytest
 pytest.importorskip("llama_cpp", reason="pip install 'quantdask[gguf]'")
 
 from quantdask.backends import get_backend  # noqa: E402
+from quantdask.backends.quantized_store import prune, store_for, store_root  # noqa: E402
 from quantdask.demo_model import DEMO_MODEL_DIR  # noqa: E402
 from quantdask.gguf import searched  # noqa: E402
 from quantdask.gguf.source import gguf_module  # noqa: E402
 from quantdask.gguf.tensors import TENSOR_TYPES, dequantize_rows, ggml_type, quantize_rows  # noqa: E402
-from quantdask.search.quantized_store import prune, store_for, store_root  # noqa: E402
 from quantdask.sweepfile.model import ModelSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +58,7 @@ def counted(monkeypatch, tmp_path):
 def test_a_member_is_quantized_once_and_read_back_the_same(counted):
     import torch
 
-    from quantdask.search.probes import linear_units, swapped_weight
+    from quantdask.search.probes import linear_units, swapped_weight, weighed_through
 
     spec, model, gguf, calls = counted
     store = store_for(spec, model, gguf)
@@ -67,7 +67,7 @@ def test_a_member_is_quantized_once_and_read_back_the_same(counted):
     members = [m for ms in linear_units(model, "linear").values() for m in ms]
     first = [swapped_weight(model, m, gguf, options, store) for m in members]
     assert len(calls) == len(members) == len(list(store.folder.glob("*.safetensors")))
-    again = [store.weigh(model, m, gguf, options) for m in members]  # a later task's read
+    again = [weighed_through(store)(model, m, gguf, options) for m in members]  # read back
     alone = [swapped_weight(model, m, gguf, options) for m in members]  # no store
     assert len(calls) == 2 * len(members)  # only the store-less ones quantized again
     for (w1, held1, b1), (w2, held2, b2), (w3, _, b3) in zip(first, again, alone, strict=True):
@@ -80,7 +80,7 @@ def test_a_member_is_quantized_once_and_read_back_the_same(counted):
     damaged = sorted(store.folder.glob("*.safetensors"), key=os.path.getmtime)[0]
     damaged.write_bytes(b"not a safetensors file")
     count = len(calls)
-    rebuilt = [store.weigh(model, m, gguf, options)[0] for m in members]
+    rebuilt = [weighed_through(store)(model, m, gguf, options)[0] for m in members]
     assert len(calls) == count + 1
     assert all(torch.equal(a, b[0]) for a, b in zip(rebuilt, first, strict=True))
 
@@ -90,7 +90,7 @@ def test_a_whole_format_reads_the_cells_tensors_and_measures_the_same(counted):
     quantized each member: nothing quantized again, the same KL as without the store."""
     from quantdask.demo_model import DEMO_EVAL_TEXT
     from quantdask.measure.reference import compute_reference
-    from quantdask.search.probes import Prober, linear_units
+    from quantdask.search.probes import Prober, linear_units, weighed_through
     from quantdask.sweepfile.settings import EvalSettings
 
     spec, model, gguf, calls = counted
@@ -102,10 +102,10 @@ def test_a_whole_format_reads_the_cells_tensors_and_measures_the_same(counted):
     units = linear_units(model, "linear")
     store = store_for(spec, model, gguf)
     for unit, modules in units.items():  # the cells, one unit at a time
-        prober.probe(unit, modules, "Q3_K", gguf, options, store.weigh)
+        prober.probe(unit, modules, "Q3_K", gguf, options, weighed_through(store))
     count = len(calls)
     members = [(m, options) for ms in units.values() for m in ms]
-    shared, shared_bytes = prober.whole(members, gguf, store.weigh)
+    shared, shared_bytes = prober.whole(members, gguf, weighed_through(store))
     assert len(calls) == count  # every tensor read from the store
     fresh, fresh_bytes = prober.whole(members, gguf)
     assert len(calls) == count + len(members)

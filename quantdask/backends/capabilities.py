@@ -97,7 +97,7 @@ class ModuleAlone(Capability):
     the stream as it comes, and by a search's probes (with :class:`Searchable`)."""
 
     quantize: Callable[..., torch.nn.Module]
-    # How a module it quantized is kept on disk and read back (``search.quantized_store``:
+    # How a module it quantized is kept on disk and read back (``backends.quantized_store``:
     # each (member, format) quantized once per machine), or None: quantized again each time.
     kept: KeptForm | None = None
     usual_why: ClassVar[str] = "it cannot quantize one module alone"

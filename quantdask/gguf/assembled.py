@@ -1,6 +1,6 @@
 """A searched mix's GGUF (a verifying job's, a refinement's offspring's) assembled from its
 tensors, each (tensor, type) quantized once per converted file and kept
-(``search.quantized_store``), instead of llama.cpp's quantizer quantizing every tensor of
+(``backends.quantized_store``), instead of llama.cpp's quantizer quantizing every tensor of
 every mix again: the mixes of one search share most of their (tensor, type) pairs.
 
 The bytes are the quantizer's own: each tensor quantized by libggml's ``ggml_quantize_chunk``
@@ -18,13 +18,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantdask.gguf.linear import KEPT, gguf_linear
 from quantdask.gguf.source import LLAMA_CPP_COMMIT, gguf_module
-from quantdask.gguf.tensors import ggml_type, quantize_rows, written_type
+from quantdask.gguf.tensors import ggml_type, quantize_rows, quantized_here, written_type
 from quantdask.gguf.types import ftype
 
 if TYPE_CHECKING:
+    from quantdask.backends.quantized_store import QuantizedStore
     from quantdask.gguf.quantize import TensorTypes
-    from quantdask.search.quantized_store import QuantizedStore
 
 QUANTIZATION_VERSION = 2
 """``general.quantization_version`` as llama.cpp's quantizer writes it (GGML_QNT_VERSION)."""
@@ -82,8 +83,6 @@ def _targets(reader, given: TensorTypes) -> dict[str, str | None] | None:
     assembled: a base tensor not in float32, a quantizable one the given types leave to the
     file type's own rules, an alignment of its own."""
     gguf = gguf_module()
-    from quantdask.gguf.searched import quantized_here
-
     if "general.alignment" in reader.fields:
         return None
     targets: dict[str, str | None] = {}
@@ -113,8 +112,6 @@ def _tensor(tensor, kind: str | None, store: QuantizedStore, made: list[int]
     import numpy as np
     import torch
 
-    from quantdask.gguf.searched import gguf_linear
-
     if kind is None:
         return np.asarray(tensor.data), tensor.tensor_type.name
     rows = np.asarray(tensor.data)
@@ -130,14 +127,11 @@ def _tensor(tensor, kind: str | None, store: QuantizedStore, made: list[int]
 def _store(base: Path) -> QuantizedStore:
     """The kept tensors of converted file ``base`` (by its path, size and time: a file
     converted again is another's)."""
-    from quantdask.gguf.backend import gguf_backend
-    from quantdask.search.quantized_store import opened_store
+    from quantdask.backends.quantized_store import opened_store
 
     found = base.stat()
-    alone = gguf_backend.probe_quantizer()
-    assert alone is not None and alone.kept is not None
     return opened_store(["gguf file", str(base.resolve()), found.st_size, found.st_mtime_ns,
-                         LLAMA_CPP_COMMIT], alone.kept)
+                         LLAMA_CPP_COMMIT], KEPT)
 
 
 def _architecture(reader) -> str:

@@ -9,26 +9,23 @@ from quantdask.backends.base import missing_library
 from quantdask.backends.capabilities import (
     Calibrated,
     Dequantizes,
-    KeptForm,
     ModuleAlone,
     OwnRuntime,
     Searchable,
 )
 from quantdask.backends.per_module import mixed_label
 from quantdask.gguf.conversion import conversion
+from quantdask.gguf.linear import KEPT, dequantize_module
 from quantdask.gguf.options import INSTALL, MODULE_KEYS, GgufOptions
 from quantdask.gguf.phases import GGUF_PHASES
 from quantdask.gguf.searched import (
-    dequantize_module,
     export_file,
     least_bits,
-    module_tensors,
     quantize_module,
     rest_bytes,
     score_in_runtime,
-    tensors_module,
 )
-from quantdask.gguf.source import LLAMA_CPP_COMMIT, missing_converter
+from quantdask.gguf.source import missing_converter
 
 
 def _check(options: GgufOptions, facts) -> str | None:
@@ -51,8 +48,7 @@ gguf_backend = register_backend(Backend(
     label=_label, check=_check,
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
-                  ModuleAlone(quantize_module, KeptForm(module_tensors, tensors_module,
-                                                        f"llama.cpp {LLAMA_CPP_COMMIT}")),
+                  ModuleAlone(quantize_module, KEPT),
                   Dequantizes(dequantize_module),
                   Searchable(MODULE_KEYS, rest_bytes=rest_bytes, export=export_file,
                              embeddings=True, experts=True, score_mix=score_in_runtime,

@@ -73,7 +73,8 @@ def quantize_gguf_phase(run: JobContext, made: Made) -> tuple[Made, InRuntime]:
     with run.watch("quantize"):
         base = base_file(run.prepared, run.job.model, outtype, run.job.timeout_s)
         imatrix = _importance(run, base, calibration) if calibration is not None else None
-        given, by = None, QUANTIZER
+        given = None
+        by: str | None = QUANTIZER
         if name in FULL_PRECISION:
             path, by = base, None
         else:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from quantdask.errors import UnsupportedHere
+from quantdask.gguf.linear import gguf_linear
 from quantdask.gguf.source import gguf_module
-from quantdask.gguf.tensors import dequantize_rows, quantize_rows, tensor_bytes, written_type
+from quantdask.gguf.tensors import quantize_rows, quantized_here, tensor_bytes, written_type
 from quantdask.gguf.types import DEFAULT_TYPE
 
 if TYPE_CHECKING:
@@ -39,9 +40,6 @@ def rest_types(options: GgufOptions, tied: bool) -> tuple[str, str]:
     return embedding, output
 
 
-_LINEAR: list[type] = []  # the module class, made on first use (torch loads lazily)
-
-
 def least_bits(options: GgufOptions) -> float | None:
     """The bits per weight ``options.tensor_type`` stores at least (its block's, before any
     fallback to a larger type on rows it does not divide)."""
@@ -51,24 +49,6 @@ def least_bits(options: GgufOptions) -> float | None:
         return None
     weights, size = block(str(options.tensor_type))
     return 8 * size / weights
-
-
-def gguf_linear(data, tensor_type: str, bias: torch.Tensor | None) -> torch.nn.Module:
-    """A module's weight as a GGUF tensor: ``data`` its bytes (rows of blocks), the type
-    written, and its bias, if any, in float (a GGUF keeps 1-D tensors F32)."""
-    import torch
-
-    if not _LINEAR:
-        class GgufLinear(torch.nn.Module):
-            def __init__(self, data, tensor_type: str, bias):
-                super().__init__()
-                self.tensor_type = tensor_type
-                self.register_buffer("weight_bytes", torch.from_numpy(data))
-                self.bias = None if bias is None else torch.nn.Parameter(
-                    bias.detach().float().clone(), requires_grad=False)
-
-        _LINEAR.append(GgufLinear)
-    return _LINEAR[0](data, tensor_type, bias)
 
 
 def quantize_module(module: torch.nn.Module, options: GgufOptions) -> torch.nn.Module:
@@ -83,27 +63,6 @@ def quantize_module(module: torch.nn.Module, options: GgufOptions) -> torch.nn.M
     tensor_type = written_type(options.tensor_type, int(weight.shape[1]))
     return gguf_linear(quantize_rows(weight, tensor_type), tensor_type,
                        getattr(module, "bias", None))
-
-
-def module_tensors(module: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A :func:`gguf_linear` as tensors (its bytes, its bias) and its type (``KeptForm``)."""
-    tensors = {"weight_bytes": module.weight_bytes}
-    if module.bias is not None:
-        tensors["bias"] = module.bias.data
-    return tensors, {"tensor_type": module.tensor_type}
-
-
-def tensors_module(tensors: dict[str, torch.Tensor], text: dict[str, str]) -> torch.nn.Module:
-    """The :func:`gguf_linear` of :func:`module_tensors`' output."""
-    return gguf_linear(tensors["weight_bytes"].numpy(), text["tensor_type"], tensors.get("bias"))
-
-
-def dequantize_module(module: torch.nn.Module) -> torch.Tensor | None:
-    """The float weight (out, in) a :func:`gguf_linear` holds; None for any other module."""
-    if not (_LINEAR and isinstance(module, _LINEAR[0])):
-        return None
-    held: Any = module
-    return dequantize_rows(held.weight_bytes.numpy(), held.tensor_type)
 
 
 def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],
@@ -229,17 +188,6 @@ def given_types(path: str | os.PathLike, options) -> TensorTypes:
     output = written_type(wanted.pop("output.weight", output), row)
     return TensorTypes({name: written_type(kind, shapes[name][0])
                         for name, kind in wanted.items()}, wanted, embedding, output)
-
-
-# What llama.cpp's quantizer keeps as converted whatever it is told (``tensor_allows_quantization``
-# in src/llama-quant.cpp): routers, norms and a few small tensors, by name.
-_NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel",
-                    "per_layer_model_proj", "ssm_conv1d", "shortconv.conv.weight")
-
-
-def quantized_here(name: str) -> bool:
-    """Whether llama.cpp's quantizer may give GGUF tensor ``name`` a quantized type."""
-    return name.endswith("weight") and not any(part in name for part in _NEVER_QUANTIZED)
 
 
 def _tensors_of(module: str, names, shapes: dict[str, list[int]]) -> list[str]:

@@ -141,3 +141,14 @@ def _dequantizer(name: str):
         found.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         found.restype = None
     return found
+
+
+# What llama.cpp's quantizer keeps as converted whatever it is told (``tensor_allows_quantization``
+# in src/llama-quant.cpp): routers, norms and a few small tensors, by name.
+_NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel",
+                    "per_layer_model_proj", "ssm_conv1d", "shortconv.conv.weight")
+
+
+def quantized_here(name: str) -> bool:
+    """Whether llama.cpp's quantizer may give GGUF tensor ``name`` a quantized type."""
+    return name.endswith("weight") and not any(part in name for part in _NEVER_QUANTIZED)

@@ -28,8 +28,10 @@ batch's sum. Units that read the same input tensor (q, k and v) keep it once.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -147,28 +149,36 @@ def capture_batch(model: torch.nn.Module, windows: torch.Tensor, rows: tuple[int
             return output
         return hook
 
-    # No weight's gradient is wanted (only the outputs'): with the weights frozen for the
-    # pass, the graph starts at the embedding's output, and the backward computes no weight
-    # gradients, which would take the model's size again (6.2 GB at 1.5B) and stay on it.
-    frozen = [p for p in model.parameters() if p.requires_grad]
     try:
-        for parameter in frozen:
-            parameter.requires_grad_(False)
         for name in dict.fromkeys([embedding_name(model), *modules]):
             module = model.get_submodule(name)
             if name in modules:
                 hooks.append(module.register_forward_pre_hook(pre_hook(name)))
             hooks.append(module.register_forward_hook(forward_hook(name)))
-        _sampled_log_likelihood(model, batch, generator).backward()
+        with _weights_frozen(model):
+            _sampled_log_likelihood(model, batch, generator).backward()
     finally:
         for hook in hooks:
             hook.remove()
-        for parameter in frozen:
-            parameter.requires_grad_(True)
     for name in modules:  # a module the pass never reached: no gradient
         grads2.setdefault(name, torch.zeros(len(flat), _out_width(model, name)))
     return Captured(rows, predicted, len(flat), input_of, inputs, grads2,
                     time.perf_counter() - began)
+
+
+@contextlib.contextmanager
+def _weights_frozen(model: torch.nn.Module) -> Iterator[None]:
+    """No weight's gradient is wanted, only the outputs': with the weights frozen, the graph
+    starts at the embedding's output, and the backward computes no weight gradient (they
+    would take the model's size again, 6.2 GB at 1.5B, and stay on it)."""
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
 
 
 def _kept_positions(size: int, length: int, keep: int, generator) -> torch.Tensor:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quantdask.backends import get_backend
+from quantdask.backends.quantized_store import store_for
 from quantdask.errors import UnsupportedHere
 from quantdask.job.faults import inject_fault
 from quantdask.measure.layers import decoder_layers
@@ -19,13 +20,12 @@ from quantdask.search.fisher import Captured, capture_batch, fisher_score, score
 from quantdask.search.members import member_bytes
 from quantdask.search.probe_task import kept_model, probe_lock, unit_layer, unit_weights
 from quantdask.search.probes import rest_bytes, state_bytes, swapped_weight
-from quantdask.search.quantized_store import store_for
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
     from quantdask.backends.options import BackendOptions
+    from quantdask.backends.quantized_store import QuantizedStore
     from quantdask.measure.reference import Reference
-    from quantdask.search.quantized_store import QuantizedStore
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.words import FaultKind
 

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quantdask.backends import get_backend
+from quantdask.backends.quantized_store import store_for
 from quantdask.errors import UnsupportedHere
 from quantdask.job.faults import inject_fault
 from quantdask.measure.layers import decoder_layers
 from quantdask.process.model_source import cached_model_source
 from quantdask.process.runtime import worker_task
 from quantdask.search.cells import ProbedCell, ProbedChunk, SearchUnits
-from quantdask.search.probes import Prober, layer_index
-from quantdask.search.quantized_store import store_for
+from quantdask.search.probes import Prober, layer_index, weighed_through
 from quantdask.sweepfile.search import ALL_UNITS
 from quantdask.words import WorkerTaskKind
 
@@ -125,8 +125,7 @@ def probe_chunk(model: ModelSpec, reference: Reference, batch_size: int, backend
         for attempt, kind in faults:
             inject_fault(kind, attempt)
         prober = prober_for(model, reference, batch_size)
-        store = store_for(model, prober.model, chosen)
-        weigh = store.weigh if store is not None else None
+        weigh = weighed_through(store_for(model, prober.model, chosen))
         probed = []
         for unit, modules, label in cells:
             cell = ProbedCell(

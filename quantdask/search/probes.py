@@ -14,6 +14,7 @@ weights are put back after each cell.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
     from quantdask.backends.base import Backend
     from quantdask.backends.options import BackendOptions
+    from quantdask.backends.quantized_store import QuantizedStore
     from quantdask.measure.metrics import QualityMeter
-    from quantdask.search.quantized_store import QuantizedStore
 
 KEEP = "keep"
 """The format that leaves a unit in full precision (KL 0 by construction, not probed)."""
@@ -293,7 +294,7 @@ def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
     quantizer: ``ModuleAlone`` or its stated proxy) and back in float: (the weight in the
     layout, dtype and device of the parameter it replaces, that parameter, the bytes it
     stores). The one quantization the probes, the Fisher scores and the refinement's offspring
-    share; with ``store`` (``search.quantized_store``), made once per machine."""
+    share; with ``store`` (``backends.quantized_store``), made once per machine."""
     from transformers.pytorch_utils import Conv1D
 
     alone, layer_weights = backend.probe_quantizer(), backend.has(Dequantizes)
@@ -320,6 +321,12 @@ def swapped_weight(model: torch.nn.Module, name: str, backend: Backend,
                          f"{tuple(weight.shape)}, not {tuple(original.shape)}")
     return (weight.to(dtype=original.dtype, device=original.device).contiguous(), held,
             int(size))
+
+
+def weighed_through(store: QuantizedStore | None):
+    """A ``weigh`` for :func:`swapped_in` that quantizes through ``store`` (None: the default,
+    each member quantized again)."""
+    return None if store is None else functools.partial(swapped_weight, store=store)
 
 
 def rest_bytes(model: torch.nn.Module, units: dict[str, tuple[str, ...]],

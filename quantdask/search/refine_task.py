@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from quantdask.backends import get_backend
 from quantdask.backends.capabilities import Searchable
+from quantdask.backends.quantized_store import store_for
 from quantdask.job.faults import inject_fault
 from quantdask.process.runtime import worker_task
 from quantdask.search.probe_task import probe_lock, prober_for
 from quantdask.search.probes import swapped_weight
-from quantdask.search.quantized_store import store_for
 from quantdask.words import WorkerTaskKind
 
 if TYPE_CHECKING:
@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
     from quantdask.backends.base import Backend
     from quantdask.backends.options import BackendOptions
+    from quantdask.backends.quantized_store import QuantizedStore
     from quantdask.measure.metrics import QualityMeter
     from quantdask.measure.reference import Reference
-    from quantdask.search.quantized_store import QuantizedStore
     from quantdask.sweepfile.model import ModelSpec
     from quantdask.words import FaultKind
 

@@ -1,7 +1,7 @@
 """Each (member, format) of a model quantized once per machine, then read back by every task
 that needs it: a search's cells (kl or fisher), its whole-format measures and its torch
-offspring, on any worker of the machine, in this run or a later one (a rerun, another sweep
-of the same model).
+offspring (``probes.swapped_weight``), a GGUF mix's file (``gguf.assembled``), on any worker
+of the machine, in this run or a later one (a rerun, another sweep of the same model).
 
 A backend opts in with ``ModuleAlone.kept`` (a :class:`~quantdask.backends.capabilities.
 KeptForm`): GGUF keeps the bytes llama.cpp's quantizer wrote (about 0.3-1.1 bytes per weight),
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
     from quantdask.backends.base import Backend
     from quantdask.backends.capabilities import KeptForm
-    from quantdask.backends.options import BackendOptions
     from quantdask.sweepfile.model import ModelSpec
 
 STORE_LIMIT_BYTES = 32 << 30
@@ -61,13 +60,6 @@ class QuantizedStore:
         module = quantize()
         self._write(path, module)
         return module
-
-    def weigh(self, model: torch.nn.Module, name: str, backend: Backend,
-              options: BackendOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``probes.swapped_weight`` through this store (a ``weigh`` for ``swapped_in``)."""
-        from quantdask.search.probes import swapped_weight
-
-        return swapped_weight(model, name, backend, options, store=self)
 
     def _read(self, path: Path) -> Any:
         from safetensors import safe_open
