@@ -11,7 +11,7 @@ Wikipedia for eval, the Lee news corpus for calibration); nothing of the search 
 them. The search gives each linear, the tied token embedding (its output too) one of Q2_K,
 Q3_K, Q4_K, Q5_K, Q6_K, Q8_0 (576-wide rows: llama.cpp writes most K-quants as their legacy
 fallbacks, and the probes count what it writes), its budget the tensor bytes of the stock
-Q4_K_M file and, as a frontier budget, Q3_K_M's. Every job runs in llama.cpp on the same eval
+Q4_K_M file; a second search alike (``mix3``) takes Q3_K_M's. Every job runs in llama.cpp on the same eval
 windows against the float32 torch reference.
 
 Worker time by kind comes from the run's worker_tasks and attempts frames. The KL sample runs
@@ -130,7 +130,11 @@ def main() -> None:
                   "cells_per_task": 64, "sensitivity": "fisher",
                   "refine": {"generations": args.generations, "offspring": args.offspring,
                              "windows": args.refine_windows}}
+        # the frontier budget: llama.cpp's Q3_K_M file's bytes, a search of its own (the same
+        # cells, scored again: searches keep their cells apart), refined alike
+        low = {**search, "name": "mix3", "budget": {"bytes": sizes["Q3_K_M"]}}
         data = sweep(args, search)
+        data["searches"].append(low)
         run_dir = scratch / "run"
         began = time.perf_counter()
         with start_cluster(workers=args.slots, torch_threads=1) as cluster:
@@ -144,20 +148,22 @@ def main() -> None:
               f"wall {took:.1f} s")
         print("worker seconds by kind:", {k: round(v, 1)
                                           for k, v in worker_seconds(run_dir).items()})
-        verifying = results.filter(pl.col("search") == "mix")
+        verifying = results.filter(pl.col("search").is_in(["mix", "mix3"]))
         print(f"verifying jobs: {verifying.height}, their wall {verifying['wall_s'].sum():.1f} s")
         for stock in STOCK:
             plain = rows[stock]
             print(f"{stock}: {plain['size_bytes']:,} bytes, KL {plain['kl_divergence']:.5f} "
                   f"± {plain['kl_se']:.5f}, {plain['tensor_types']}")
-        for row in verifying.sort("size_bytes").iter_rows(named=True):
-            print(f"  {row['config_label']} [{row['search_role']}]: {row['size_bytes']:,} "
-                  f"bytes, KL {row['kl_divergence']:.5f} ± {row['kl_se']:.5f} (predicted "
-                  f"{row['predicted_kl']:.5f}), {row['tensor_types']}")
+        for row in verifying.sort("search", "size_bytes").iter_rows(named=True):
+            print(f"  {row['search']} {row['config_label']} [{row['search_role']}]: "
+                  f"{row['size_bytes']:,} bytes, KL {row['kl_divergence']:.5f} ± "
+                  f"{row['kl_se']:.5f} (predicted {row['predicted_kl']:.5f}), "
+                  f"{row['tensor_types']}; {row['quantized_by']}, quantize "
+                  f"{row['quantize_s']:.1f} s, wall {row['wall_s']:.1f} s")
         refinement = read_frame(run_dir, "refinement")
-        print(refinement.group_by("generation").agg(
+        print(refinement.group_by("search", "generation").agg(
             pl.len(), pl.col("kl").min(), pl.col("kl_se").first(), pl.col("bytes").max(),
-            pl.col("seconds").mean()).sort("generation"))
+            pl.col("seconds").mean()).sort("search", "generation"))
         print(agreement_table(results))
         if args.kl_sample:
             sample = kl_sample(args, run_dir, args.kl_sample)

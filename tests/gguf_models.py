@@ -14,14 +14,33 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     """A tiny Llama; with ``experts``, a Mixtral of that many experts (2 per token), each of
     FFN width ``ffn`` (transformers holds them fused, one 3-D tensor per projection)."""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from quantdask.demo_model import generate_text
+
+    fast = llama2_tokenizer(out, vocab)
+    shape = dict(vocab_size=len(fast), hidden_size=hidden, intermediate_size=ffn,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = (MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=experts,
+                                              num_experts_per_tok=2, sliding_window=None))
+             if experts else LlamaForCausalLM(LlamaConfig(**shape)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name
+                        else torch.randn_like(param) * 0.06)
+    model.save_pretrained(out)
+    (out / "eval.txt").write_text(generate_text(200, seed=11))
+    return out
+
+
+def llama2_tokenizer(out: Path, vocab: int = 512):
+    """The Llama-2-style tokenizer of the module's docstring, trained on the demo's language
+    and saved into ``out``."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     from quantdask.demo_model import generate_text
 
@@ -39,21 +58,7 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
     fast.save_pretrained(out)
-    shape = dict(vocab_size=len(fast), hidden_size=hidden, intermediate_size=ffn,
-                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                 tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = (MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=experts,
-                                              num_experts_per_tok=2, sliding_window=None))
-             if experts else LlamaForCausalLM(LlamaConfig(**shape)))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.ones_like(param) if "norm" in name
-                        else torch.randn_like(param) * 0.06)
-    model.save_pretrained(out)
-    (out / "eval.txt").write_text(generate_text(200, seed=11))
-    return out
+    return fast
 
 
 def gemma_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int = 2,
