@@ -11,8 +11,8 @@ Wikipedia for eval, the Lee news corpus for calibration); nothing of the search 
 them. The search gives each linear, the tied token embedding (its output too) one of Q2_K,
 Q3_K, Q4_K, Q5_K, Q6_K, Q8_0 (576-wide rows: llama.cpp writes most K-quants as their legacy
 fallbacks, and the probes count what it writes), its budget the tensor bytes of the stock
-Q4_K_M file; a second search alike (``mix3``) takes Q3_K_M's. Every job runs in llama.cpp on the same eval
-windows against the float32 torch reference.
+Q4_K_M file; a second search alike (``mix3``) takes Q3_K_M's. Every job runs in llama.cpp on
+the same eval windows against the float32 torch reference.
 
 Worker time by kind comes from the run's worker_tasks and attempts frames. The KL sample runs
 after the sweep, in this process: ``--kl-sample`` cells spread over the units and formats,

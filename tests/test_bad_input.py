@@ -63,6 +63,13 @@ BAD_SWEEPS = {
     "timeout not a number": (sweep_dict(timeout_s="soon"), "timeout_s"),
     "bad dtype": (sweep_dict(models=[{"path": sweep_dict()["models"][0]["path"],
                                       "dtype": "int3"}]), "models[0].dtype"),
+    # a module the model does not have (a typo), named before any job (the meta model's)
+    "hqq module unknown": (sweep_dict(backends=[{"backend": "hqq", "configs": [
+        {"bits": 4, "group_size": 32, "modules": {"model.layers.0.self_attn.q_prj": {
+            "bits": 8}}}]}]), "modules.model.layers.0.self_attn.q_prj"),
+    "gguf module unknown": (sweep_dict(backends=[{"backend": "gguf", "configs": [
+        {"type": "Q4_K_M", "modules": {"model.layers.9.mlp.down_proj": {
+            "tensor_type": "Q6_K"}}}]}]), "modules.model.layers.9.mlp.down_proj"),
 }
 
 

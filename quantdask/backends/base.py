@@ -89,6 +89,7 @@ class ModelFacts:
     # Every module holding a ``weight`` parameter: (name, class, weights in it), from the model
     # built on the meta device; and all the model's weights (tied ones once). Empty: unknown.
     weight_modules: tuple[tuple[str, type, int], ...] = ()
+    fused_weights: tuple[str, ...] = ()  # 3-D parameters (fused experts), by full name
     param_count: int = 0
     # From config.json: the most positions it takes (None: its family sets no hard limit, or
     # unknown), and the shape of its KV cache (0: unknown), for the generation's memory.

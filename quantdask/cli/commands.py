@@ -140,13 +140,16 @@ def _run(sweep, args) -> int:
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
     from quantdask.plan.lengths import check_lengths
+    from quantdask.plan.module_names import check_module_names
     from quantdask.run.sweep import run_sweep
+    from quantdask.sweepfile.sweep import expand_grid
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
     # The same check run_sweep makes on its client, made here before connecting to it.
     sweep.check_workers("--scheduler" if args.scheduler else None)
     check_lengths(sweep)  # config.json only: refused before a cluster starts
+    check_module_names(expand_grid(sweep))  # the model on the meta device: the same
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),

@@ -101,6 +101,9 @@ def _layer_facts(directory: Path, trust_remote_code: bool) -> dict:
         "linear_in_features": {name: module.in_features for name, module
                                in model.named_modules() if isinstance(module, torch.nn.Linear)},
         "weight_modules": _weight_modules(model),
+        # fused experts (one 3-D parameter per projection): members a search or a GGUF
+        # config's ``modules`` may name, as the parameter's full name
+        "fused_weights": tuple(name for name, p in model.named_parameters() if p.dim() == 3),
         "param_count": sum(p.numel() for p in model.parameters()),
     }
 
@@ -127,6 +130,7 @@ def model_facts(job: Job, layers: bool = True) -> ModelFacts:
     decoder_layers, kv_heads, head_dim = kv_shape(config)
     return ModelFacts(linear_in_features=layer_facts.get("linear_in_features", {}),
                       weight_modules=layer_facts.get("weight_modules", ()),
+                      fused_weights=layer_facts.get("fused_weights", ()),
                       param_count=layer_facts.get("param_count", 0),
                       weight_bytes=weight_bytes, cuda=cuda,
                       checkpoint_bits=stored,

@@ -29,6 +29,7 @@ from quantdask.backends.base import ModelFacts
 from quantdask.measure.coverage import Coverage, module_role
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.model_facts import model_facts
+from quantdask.plan.module_names import check_module_names
 from quantdask.plan.placement import (
     done_phases,
     estimate_device_memory,
@@ -122,6 +123,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     quiet_libraries()  # the checks import the backends' libraries; their notices are noise here
     limits = check_lengths(sweep)
     jobs = expand_grid(sweep)
+    check_module_names(jobs)
     sweep.check_searches_resident(jobs)
     history = _history(run_dir)
     phases = done_phases(run_dir) if history.height else pl.DataFrame()

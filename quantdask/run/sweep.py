@@ -26,6 +26,7 @@ from distributed import Client
 
 from quantdask.cluster.operations import cluster_capacity, live_workers, workers_elsewhere
 from quantdask.plan.lengths import check_lengths
+from quantdask.plan.module_names import check_module_names
 from quantdask.plan.placement import place_jobs
 from quantdask.process.runtime import TASK_END_TOPIC
 from quantdask.records import SessionRow
@@ -124,12 +125,14 @@ def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
     """Place ``sweep``'s jobs, lock ``run_dir`` and write the plan and the session's row;
     nothing is submitted yet. Raises before anything is written when the sweep does not suit
     where ``client``'s workers run (``Sweep.check_workers``), when it asks a model for more
-    positions than it takes (``lengths.check_lengths``), when a job fits on no worker, and
+    positions than it takes (``lengths.check_lengths``), when a config's ``modules`` names a
+    module its model lacks (``module_names.check_module_names``), when a job fits on no worker, and
     when another driver holds the directory."""
     sweep.check_workers(workers_elsewhere(client))
     check_lengths(sweep)
-    finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     jobs = expand_grid(sweep)
+    check_module_names(jobs)
+    finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     placement = place_jobs(jobs, client, run_dir, finished=finished_before, stream=sweep.stream)
     sweep.check_searches_resident(placement.jobs)
     store = RunStore(run_dir).create()
