@@ -213,3 +213,40 @@ def test_memory_limit_reaches_the_cpu_slots_and_is_refused_where_it_cannot_apply
         start_cluster(address="tcp://127.0.0.1:1", memory_limit="1600MiB")
     with pytest.raises(SpecError, match="must be a size such as 1600MiB"):
         start_cluster(workers=1, memory_limit="lots")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("given, said", [
+    ("1600", "memory_limit: give a unit: 1600MiB or 1600MB (a bare number would be bytes"),
+    ("200MiB", "memory_limit: 200.0 MiB is less than a CPU slot holds at rest"),
+])
+def test_a_memory_limit_no_slot_can_start_in_is_refused_before_any_cluster(
+        given, said, write_sweep, tmp_path, capsys, monkeypatch):
+    """A bare number (read as bytes) and a limit below a slot's resting memory: exit 2 naming
+    the field and the fix, before any worker starts (the nanny would kill it at once: an
+    uncaught CommClosedError), and a run directory already there left as it was."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "kept"
+    run_dir.mkdir()
+    (run_dir / "results.txt").write_text("recorded before")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    began = time.monotonic()
+    assert main(["run", write_sweep(), "--workers", "1", "--memory-limit", given,
+                 "--run-dir", str(run_dir)]) == 2
+    assert time.monotonic() - began < 20
+    err = capsys.readouterr().err
+    assert err.startswith(f"quantdask: error: {said}"), err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+
+
+def test_slots_that_leave_jobs_nothing_are_refused_not_waited_on():
+    """Placement with nothing to place against says so (the limit, the slots' resting memory,
+    the least limit that leaves a job room) instead of waiting for room that never comes."""
+    from quantdask.plan.placement import _check_offers
+
+    starved = SlotMemory.of(limit=600 * 2**20, terminate=0.95, resting=640 * 2**20)
+    with pytest.raises(SpecError, match=r"memory_limit: every CPU slot leaves jobs 0 B .*give "
+                                        r"--memory-limit at least 943\.\d MiB"):
+        _check_offers({"w0": starved, "w1": starved})
+    _check_offers({"w0": starved, "w1": SlotMemory.of(2**31, 0.95, 640 * 2**20)})  # one has room
+    _check_offers({})  # GPU workers: no CPU slot

@@ -24,6 +24,7 @@ from quantdask.cluster.adapt import Adapt
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import SpecError
 from quantdask.process.runtime import TorchThreads, WarmImports
+from quantdask.util import format_bytes
 
 log = logging.getLogger("quantdask.cluster")
 
@@ -190,6 +191,11 @@ def start_cluster(
                             security)
 
 
+LEAST_SLOT_BYTES = 600 * 2**20
+"""The least ``memory_limit`` a CPU slot is started with: its worker's resting RSS (about
+450-500 MiB measured here, ``process.slot_memory``) over its nanny's 95%, with room for a job."""
+
+
 def _memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
     """A CPU slot's memory limit in bytes, as Dask reads it (``1600MiB``, ``2GB``, bytes;
     None: Dask's default); refused for workers this process does not start."""
@@ -203,6 +209,9 @@ def _memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
                                         "by address were started elsewhere: give each `dask "
                                         "worker ... --memory-limit 1600MiB` where it starts, or "
                                         "drop --memory-limit")
+    if isinstance(value, str) and value.strip().isdigit():
+        raise SpecError("memory_limit", f"give a unit: {value.strip()}MiB or {value.strip()}MB "
+                                        f"(a bare number would be bytes, got {value!r})")
     try:
         limit = int(parse_bytes(value)) if isinstance(value, str) else int(value)
     except (ValueError, TypeError):
@@ -210,6 +219,11 @@ def _memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
     if isinstance(value, bool) or limit <= 0:
         raise SpecError("memory_limit", f"must be a size such as 1600MiB or 2GB (or bytes), "
                                         f"got {value!r}")
+    if limit < LEAST_SLOT_BYTES:
+        raise SpecError("memory_limit", f"{format_bytes(limit)} is less than a CPU slot holds "
+                                        f"at rest (Python, torch and Dask: about 450-500 MiB "
+                                        f"here) before any job: give at least "
+                                        f"{format_bytes(LEAST_SLOT_BYTES)}, e.g. 1600MiB")
     return limit
 
 
