@@ -21,7 +21,13 @@ from quantdask.cli.main import main
 from quantdask.errors import RunDirError, SpecError
 from quantdask.report.charts import LARGEST
 from quantdask.report.html import NOTEBOOKS_DIR, ReportError, execute_notebook, write_report
-from quantdask.run.scaling import read_scaling, scale_sweep
+from quantdask.run.scaling import (
+    NO_SPEEDUP,
+    read_scaling,
+    scale_sweep,
+    scaling_frame,
+    scaling_summary,
+)
 from quantdask.run.sweep import run_sweep
 from quantdask.store.readers import (
     read_attempts,
@@ -64,7 +70,7 @@ def mixed_run(cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("mixed-run")
     run_sweep(mixed_sweep(), run_dir, cluster.client)
     # The report shows a scaling run kept in RUN_DIR/scaling.
-    scale_sweep(small_sweep(), run_dir / "scaling", [1, 2], use_gpus=False)
+    scale_sweep(small_sweep(), run_dir / "scaling", [1, 2], use_gpus=False, repeats=2)
     return run_dir
 
 
@@ -432,36 +438,80 @@ def test_empty_frames_draw_a_message_not_an_error(mixed_run):
 
 def test_scaling_run_records_every_count(mixed_run):
     scaling = read_scaling(mixed_run / "scaling")
-    assert scaling["workers"].to_list() == [1, 2]
-    assert scaling["slots"].to_list() == [1, 2]
+    assert scaling["workers"].to_list() == [1, 1, 2, 2] and scaling["repeat"].to_list() == [
+        1, 2, 1, 2]
+    assert scaling["slots"].to_list() == [1, 1, 2, 2]
     assert (scaling["done"] == 2).all() and (scaling["jobs"] == 2).all()
-    # Throughput worked out from each count's own session (jobs tried per minute of the
-    # driver's wall time), then speedup and efficiency against the 1-worker count.
+    # Interleaved: 1, 2, 1, 2 (each run's session after the one before it)
+    started = {(r["workers"], r["repeat"]): read_sessions(r["run_dir"])["started_at"][0]
+               for r in scaling.to_dicts()}
+    assert sorted(started, key=started.get) == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    # Throughput worked out from each run's own session (jobs tried per minute of the
+    # driver's wall time), then speedup and efficiency against the 1-worker run of the same
+    # repeat; the machine's load beside each.
     throughput = {}
     for row in scaling.to_dicts():
         session = read_sessions(row["run_dir"]).row(0, named=True)
         wall = (session["finished_at"] - session["started_at"]).total_seconds()
-        throughput[row["workers"]] = read_results(row["run_dir"]).height / wall * 60
-        assert row["throughput_jobs_per_min"] == pytest.approx(throughput[row["workers"]],
-                                                               rel=1e-6)
+        key = (row["workers"], row["repeat"])
+        throughput[key] = read_results(row["run_dir"]).height / wall * 60
+        assert row["throughput_jobs_per_min"] == pytest.approx(throughput[key], rel=1e-6)
+        assert row["load_average"] >= 0 and 0 <= row["other_cpu_share"] <= 1
     for row in scaling.to_dicts():
-        speedup = throughput[row["workers"]] / throughput[1]
+        speedup = throughput[(row["workers"], row["repeat"])] / throughput[(1, row["repeat"])]
         assert row["scaling_speedup"] == pytest.approx(speedup, rel=1e-6)
         assert row["scaling_efficiency"] == pytest.approx(speedup / row["workers"], rel=1e-6)
-    for row in scaling.to_dicts():  # each count ran every job fresh, in its own run dir
+    for row in scaling.to_dicts():  # each run ran every job fresh, in its own run dir
         assert read_results(row["run_dir"]).height == 2
         assert read_sessions(row["run_dir"])["workers"].to_list() == [row["workers"]]
     chart = chart_rows(report.scaling_chart(scaling))
     assert {r["workers"] for r in chart if "workers" in r} == {1, 2}
     # Each phase's own speedup: the jobs' (their attempts and the model's reference); no
     # search ran, so no probing phase.
-    base = scaling.row(0, named=True)
+    base = {r["repeat"]: r for r in scaling.filter(pl.col("workers") == 1).to_dicts()}
     for row in scaling.to_dicts():
         assert row["jobs_scaling_speedup"] == pytest.approx(
-            base["jobs_makespan_s"] / row["jobs_makespan_s"], rel=1e-9)
+            base[row["repeat"]]["jobs_makespan_s"] / row["jobs_makespan_s"], rel=1e-9)
         assert row["search_scaling_speedup"] is None and row["tasks"] >= 2  # the reference
+    summary = scaling_summary(scaling).row(1, named=True)
+    two = sorted(scaling.filter(pl.col("workers") == 2)["scaling_speedup"].to_list())
+    assert summary["runs"] == 2 and summary["scaling_speedup"] == pytest.approx(sum(two) / 2)
+    assert (summary["scaling_speedup_min"], summary["scaling_speedup_max"]) == tuple(two)
     assert {r["phase"] for r in chart if "phase" in r} == {"jobs (attempts, references)",
                                                           "ideal"}
+
+
+def test_a_noisy_run_makes_the_verdict_no_measurable_speedup():
+    """Planted: two runs at 2 workers measure 1.6x, a third (the machine busy) 0.65x: the
+    median is 1.6x, but the spread covers 1.0, and the verdict says so; where every run agrees
+    it says faster, or slower."""
+    def runs(speedups):
+        rows = []
+        for repeat, speedup in enumerate(speedups, start=1):
+            for workers, seconds in ((1, 60.0), (2, 60.0 / speedup)):
+                rows.append({"workers": workers, "repeat": repeat, "run_dir": f"r{repeat}",
+                             "throughput_jobs_per_min": 10 * 60 / seconds,
+                             "jobs_makespan_s": seconds, "search_makespan_s": None,
+                             "load_average": 1.0, "other_cpu_share": 0.1})
+        return scaling_frame(rows)
+
+    noisy = scaling_summary(runs([1.6, 0.65, 1.62])).row(1, named=True)
+    assert noisy["scaling_speedup"] == pytest.approx(1.6)
+    assert (noisy["scaling_speedup_min"], noisy["scaling_speedup_max"]) == pytest.approx(
+        (0.65, 1.62))
+    assert noisy["scaling_verdict"] == noisy["jobs_scaling_verdict"] == NO_SPEEDUP
+    assert noisy["search_scaling_verdict"] is None  # no search ran
+    assert scaling_summary(runs([1.6, 1.5, 1.7])).row(1, named=True)["scaling_verdict"] == "faster"
+    assert scaling_summary(runs([0.7, 0.8, 0.9])).row(1, named=True)["scaling_verdict"] == "slower"
+    assert scaling_summary(runs([1.6])).row(1, named=True)["scaling_verdict"] == (
+        "one run: no spread")
+    assert scaling_summary(runs([1.6, 0.65])).row(0, named=True)["scaling_verdict"] is None
+    from quantdask.cli.commands import scaling_lines
+
+    assert scaling_lines(scaling_summary(runs([1.6, 0.65, 1.62])), searched=False) == [
+        "scaling: 2 workers, throughput: 1.60x median (0.65-1.62 over 3 runs): no measurable "
+        "speed-up", "scaling: 2 workers, jobs: 1.60x median (0.65-1.62 over 3 runs): no "
+        "measurable speed-up"]
 
 
 def test_scaling_refuses_bad_counts_and_a_used_directory_before_running(mixed_run, tmp_path):
@@ -728,9 +778,9 @@ def test_a_report_of_a_copied_run_dir_still_finds_its_scaling_runs(mixed_run, tm
     original.rename(aside)
     try:
         scaling = read_scaling(moved)
-        assert scaling["workers"].to_list() == [1, 2]
+        assert scaling["workers"].to_list() == [1, 1, 2, 2]
         for row in scaling.to_dicts():
-            assert Path(row["run_dir"]) == moved / f"workers-{row['workers']}"
+            assert Path(row["run_dir"]) == moved / f"workers-{row['workers']}-run-{row['repeat']}"
             assert read_results(row["run_dir"]).height == 2  # the baseline and nf4
             assert read_sessions(row["run_dir"])["workers"].to_list() == [row["workers"]]
     finally:

@@ -248,23 +248,26 @@ def cmd_report(args) -> int:
     return _write_report(args.run_dir, args.output)
 
 
-def _scale(sweep, counts: list[int], out: str, host: str) -> int:
+def _scale(sweep, counts: list[int], out: str, host: str, repeats: int | None = None) -> int:
     import polars as pl
 
-    from quantdask.run.scaling import SCALING_FILE, scale_sweep
+    from quantdask.run.scaling import SCALING_FILE, scale_sweep, scaling_summary
     from quantdask.store.readers import read_results
 
     def announce(n, run_dir):
         print(f"scaling: {n} worker{'s' if n > 1 else ''} -> {run_dir}", flush=True)
 
-    frame = scale_sweep(sweep, out, counts, host=host, on_count=announce)
+    frame = scale_sweep(sweep, out, counts, host=host, on_count=announce, repeats=repeats)
     searched = frame["search_makespan_s"].is_not_null().any()
     phases = ["search_makespan_s", "search_scaling_speedup"] if searched else []
     # Both phases when the sweep searched: its probing scales apart from its jobs.
     print(table(frame.with_columns(pl.col("scaling_efficiency") * 100).to_dicts(),
-                 ["workers", "jobs", "done", "wall_s", "makespan_s", "throughput_jobs_per_min",
-                  "scaling_speedup", "scaling_efficiency", "makespan_vs_lower_bound",
-                  "jobs_makespan_s", "jobs_scaling_speedup", *phases]))
+                 ["workers", "repeat", "jobs", "done", "wall_s", "makespan_s",
+                  "throughput_jobs_per_min", "scaling_speedup", "scaling_efficiency",
+                  "jobs_makespan_s", "jobs_scaling_speedup", *phases, "load_average",
+                  "other_cpu_share"]))
+    for line in scaling_lines(scaling_summary(frame), searched):
+        print(line)
     print(f"scaling: {os.path.join(out, SCALING_FILE)} "
           f"(python: quantdask.read_scaling({out!r}); notebook: {_notebook('scaling')})")
     failed = sum(read_results(run_dir).filter(pl.col("status") == Status.FAILED).height
@@ -280,12 +283,30 @@ def _notebook(name: str) -> str:
     return os.path.join(notebooks_dir(), f"{name}.ipynb")
 
 
+def scaling_lines(summary, searched: bool) -> list[str]:
+    """Each count's median speedup with its spread and verdict, one line per phase, against
+    the fewest workers (``run.scaling.scaling_summary``)."""
+    lines = []
+    for row in summary.iter_rows(named=True):
+        if row["scaling_verdict"] is None:
+            continue  # the fewest workers: what the others are measured against
+        for name, label in (("scaling", "throughput"), ("jobs_scaling", "jobs"),
+                            *([("search_scaling", "search")] if searched else [])):
+            median = row[f"{name}_speedup"]
+            if median is None:
+                continue
+            lines.append(f"scaling: {row['workers']} workers, {label}: {median:.2f}x median "
+                         f"({row[f'{name}_speedup_min']:.2f}-{row[f'{name}_speedup_max']:.2f} "
+                         f"over {row['runs']} runs): {row[f'{name}_verdict']}")
+    return lines
+
+
 def cmd_scale(args) -> int:
     from quantdask.sweepfile.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep)
     out = args.out or default_run_dir(sweep.name, "-scaling")
-    return _scale(sweep, args.workers, out, args.host)
+    return _scale(sweep, args.workers, out, args.host, args.repeats)
 
 
 def cmd_status(args) -> int:

@@ -155,6 +155,9 @@ def _add_sweep_commands(commands) -> None:
                                      "(default runs/<sweep name>-scaling)")
     scale.add_argument("--host", default="127.0.0.1",
                        help="interface the local clusters bind to (default 127.0.0.1)")
+    scale.add_argument("--repeats", type=int, default=None,
+                       help="runs of each count, interleaved (1, 2, 1, 2, ...); default 3 for "
+                            "a sweep of at most 16 jobs, else 1")
     scale.set_defaults(func=cmd_scale)
 
     plan = commands.add_parser("plan", help="show a sweep's jobs in scheduling order with "

@@ -23,6 +23,7 @@ _MODULES = {
                                 "refinement_chart", "search_frontier_chart", "search_table",
                                 "sensitivity_chart"),
     "quantdask.search.answer": ("answer_lines", "search_answers"),
+    "quantdask.run.scaling": ("scaling_summary",),
     "quantdask.report.live_charts": ("live",),
     "quantdask.report.tables": ("table",),
     "quantdask.store.summary": ("device_summary", "failures_table", "phases_table",

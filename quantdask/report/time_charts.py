@@ -97,62 +97,83 @@ PHASES = {"jobs": "jobs (attempts, references)", "search": "search probing"}
 
 
 def scaling_chart(scaling: pl.DataFrame) -> alt.Chart | alt.HConcatChart:
-    """Throughput and efficiency against the number of workers, with the ideal (linear) line;
-    and each phase's own speedup (the jobs', and a search's probing where the sweep searched)."""
+    """Throughput and efficiency against the number of workers, each run a point and the line
+    through each count's median, with the ideal (linear) line; and each phase's own median
+    speedup with its spread over the runs (the jobs', and a search's probing where the sweep
+    searched)."""
+    from quantdask.run.scaling import scaling_summary
+
     if scaling.is_empty():
         return _empty("no scaling runs recorded")
-    data = scaling.sort("workers")
-    base_workers, base_throughput = data["workers"][0], data["throughput_jobs_per_min"][0]
-    data = data.with_columns((pl.lit(base_throughput) * pl.col("workers") / base_workers)
-                             .alias("ideal_jobs_per_min"))
+    summary = scaling_summary(scaling)
+    base_workers, base_throughput = summary["workers"][0], summary["throughput_jobs_per_min"][0]
+    medians = summary.with_columns(
+        (pl.lit(base_throughput) * pl.col("workers") / base_workers).alias("ideal_jobs_per_min"),
+        (pl.col("scaling_speedup") / (pl.col("workers") / base_workers))
+        .alias("scaling_efficiency"))
+    runs = scaling.sort("workers", "repeat") if "repeat" in scaling.columns else scaling
     tooltip = [alt.Tooltip("workers:Q"), alt.Tooltip("jobs:Q"),
                alt.Tooltip("wall_s:Q", title="wall s", format=".1f"),
                alt.Tooltip("makespan_s:Q", title="makespan s", format=".1f"),
                alt.Tooltip("throughput_jobs_per_min:Q", title="jobs/min", format=".2f"),
                alt.Tooltip("scaling_speedup:Q", title="speedup", format=".2f"),
-               alt.Tooltip("scaling_efficiency:Q", title="efficiency", format=".0%")]
+               alt.Tooltip("scaling_efficiency:Q", title="efficiency", format=".0%"),
+               *([alt.Tooltip("repeat:Q", title="run"),
+                  alt.Tooltip("load_average:Q", title="load average", format=".2f"),
+                  alt.Tooltip("other_cpu_share:Q", title="other processes' CPU",
+                              format=".0%")] if "load_average" in runs.columns else [])]
     x = alt.X("workers:Q", title="workers",
-              axis=alt.Axis(values=data["workers"].to_list(), format="d"),
+              axis=alt.Axis(values=summary["workers"].to_list(), format="d"),
               scale=alt.Scale(zero=False, padding=20))
-    base = alt.Chart(data).encode(x=x)
-    measured = base.mark_line(point=True).encode(
-        y=alt.Y("throughput_jobs_per_min:Q", title="throughput (jobs per minute)"),
-        tooltip=tooltip)
-    ideal = base.mark_line(strokeDash=[5, 3], color="gray").encode(
+    points = alt.Chart(runs).mark_point(opacity=0.6).encode(x=x, tooltip=tooltip)
+    lines = alt.Chart(medians).encode(x=x)
+    throughput = alt.Y("throughput_jobs_per_min:Q", title="throughput (jobs per minute)")
+    measured = lines.mark_line().encode(y=throughput)
+    ideal = lines.mark_line(strokeDash=[5, 3], color="gray").encode(
         y="ideal_jobs_per_min:Q", tooltip=[alt.Tooltip("ideal_jobs_per_min:Q", format=".2f")])
-    efficiency = base.mark_line(point=True, color="#f58518").encode(
-        y=alt.Y("scaling_efficiency:Q", title="scaling efficiency (%)",
-                axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1.1])), tooltip=tooltip)
+    efficiency = alt.Y("scaling_efficiency:Q", title="scaling efficiency (%)",
+                       axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1.1]))
     one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(color="gray", strokeDash=[5, 3]) \
         .encode(y="y:Q")
     return alt.hconcat(
-        alt.layer(ideal, measured).properties(width=320, height=240,
-                                              title="Throughput (dashed: ideal)"),
-        alt.layer(one, efficiency).properties(width=320, height=240,
-                                              title="Scaling efficiency"),
-        _phase_speedup_chart(data),
+        alt.layer(ideal, measured, points.encode(y=throughput)).properties(
+            width=320, height=240, title="Throughput (points: runs; line: median; dashed: "
+                                         "ideal)"),
+        alt.layer(one, lines.mark_line(color="#f58518").encode(y=efficiency),
+                  points.mark_point(color="#f58518", opacity=0.6).encode(y=efficiency))
+        .properties(width=320, height=240, title="Scaling efficiency"),
+        _phase_speedup_chart(summary),
     ).properties(title="Scaling")
 
 
-def _phase_speedup_chart(data: pl.DataFrame) -> alt.Chart:
-    """Each phase's makespan at the fewest workers over its makespan at each count."""
+def _phase_speedup_chart(summary: pl.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Each phase's makespan at the fewest workers over its makespan at each count: the median
+    over the runs, and a bar from their least to their most."""
     rows = [{"workers": row["workers"], "phase": label,
-             "speedup": row.get(f"{prefix}_scaling_speedup"),
-             "makespan_s": row.get(f"{prefix}_makespan_s")}
-            for row in data.iter_rows(named=True) for prefix, label in PHASES.items()
+             "speedup": row[f"{prefix}_scaling_speedup"],
+             "least": row[f"{prefix}_scaling_speedup_min"],
+             "most": row[f"{prefix}_scaling_speedup_max"],
+             "verdict": row[f"{prefix}_scaling_verdict"], "runs": row["runs"]}
+            for row in summary.iter_rows(named=True) for prefix, label in PHASES.items()
             if row.get(f"{prefix}_scaling_speedup") is not None]
     if not rows:
         return _empty("no phase recorded its makespan")
-    ideal = [{"workers": n, "phase": "ideal", "speedup": n / data["workers"][0],
-              "makespan_s": None} for n in data["workers"].to_list()]
-    return alt.Chart(pl.DataFrame(rows + ideal)).mark_line(point=True).encode(
-        x=alt.X("workers:Q", title="workers", axis=alt.Axis(format="d"),
-                scale=alt.Scale(zero=False, padding=20)),
-        y=alt.Y("speedup:Q", title="speedup of the phase's makespan"),
-        color=alt.Color("phase:N", title="phase"),
+    ideal = [{"workers": n, "phase": "ideal", "speedup": n / summary["workers"][0],
+              "least": None, "most": None, "verdict": None, "runs": None}
+             for n in summary["workers"].to_list()]
+    data = alt.Chart(pl.DataFrame(rows + ideal))
+    x = alt.X("workers:Q", title="workers", axis=alt.Axis(format="d"),
+              scale=alt.Scale(zero=False, padding=20))
+    color = alt.Color("phase:N", title="phase")
+    line = data.mark_line(point=True).encode(
+        x=x, y=alt.Y("speedup:Q", title="speedup of the phase's makespan (median)"),
+        color=color,
         strokeDash=alt.condition(alt.datum.phase == "ideal", alt.value([5, 3]), alt.value([1, 0])),
         tooltip=[alt.Tooltip("workers:Q"), alt.Tooltip("phase:N"),
-                 alt.Tooltip("speedup:Q", format=".2f"),
-                 alt.Tooltip("makespan_s:Q", title="makespan s", format=".1f")],
-    ).properties(width=320, height=240, title="Speedup per phase (dashed: ideal)")
+                 alt.Tooltip("speedup:Q", title="median", format=".2f"),
+                 alt.Tooltip("least:Q", format=".2f"), alt.Tooltip("most:Q", format=".2f"),
+                 alt.Tooltip("runs:Q"), alt.Tooltip("verdict:N")])
+    spread = data.transform_filter(alt.datum.least != None).mark_rule().encode(  # noqa: E711
+        x=x, y="least:Q", y2="most:Q", color=color)
+    return alt.LayerChart(layer=[line, spread]).properties(
+        width=320, height=240, title="Speedup per phase (bars: spread over runs; dashed: ideal)")
