@@ -167,6 +167,36 @@ def test_calibration_windows_and_speed_prompts_start_with_one_bos(independent):
     assert prompts[:, 1:].flatten().tolist() == ids[:27]  # the text, the windows' BOS left out
 
 
+def test_the_references_calibration_windows_start_with_the_bos_as_its_eval_windows_do(
+        bos_model, tmp_path):
+    """The windows a reference cuts for the calibrated jobs (``measure.reference``) begin with
+    the model's BOS where ``eval.bos`` gives one, and its text follows, as tokenized without
+    special tokens; with ``bos: never`` they are the text alone."""
+    from transformers import AutoTokenizer
+
+    from quantdask.measure.reference import compute_reference
+    from quantdask.sweepfile.settings import CalibrationSettings
+
+    with open(DEMO_EVAL_TEXT) as f:
+        text = f.read()
+    (tmp_path / "calibration.txt").write_text(text)
+    calibration = CalibrationSettings(text=str(tmp_path / "calibration.txt"), samples=4,
+                                      seq_len=24, seed=5)
+    ids = AutoTokenizer.from_pretrained(bos_model)(text, add_special_tokens=False)["input_ids"]
+    joined = "," + ",".join(map(str, ids)) + ","
+    for bos, first in (("auto", 1), ("never", None)):
+        [job] = [j for j in expand_grid(_sweep(bos_model, bos)) if j.config_label == "baseline"]
+        assert job.eval.bos_token_id == first
+        reference = compute_reference(job.model, job.eval, text, calibration=calibration)
+        windows = reference.calibration
+        assert windows.shape == (4, 24)
+        body = windows[:, 1:] if first is not None else windows
+        if first is not None:
+            assert windows[:, 0].tolist() == [first] * 4
+        for row in body.tolist():
+            assert "," + ",".join(map(str, row)) + "," in joined
+
+
 def test_a_searchs_probe_windows_follow_the_same_rule(bos_model, tmp_path_factory):
     from quantdask.search.identity import probe_settings, search_key
     from tests.conftest import calibration_file

@@ -5,6 +5,7 @@ exit codes of `quantdask compare`; bad input refused with nothing written into e
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -93,6 +94,28 @@ def test_a_smaller_group_size_reads_as_better_and_nothing_else_moves(runs):
     [changed] = comparison.config.to_dicts()
     assert '"group_size":128' in changed["config_a"].replace(" ", "")
     assert '"group_size":32' in changed["config_b"].replace(" ", "")
+
+
+def test_every_verdict_rests_on_holms_adjustment_over_the_whole_family(runs):
+    """The comparison's adjusted p-values are Holm's over every test it makes (quality and
+    tasks alike; a test of identical figures stays out, at 1), computed here by hand: sorted,
+    each times the tests not yet rejected, made monotone, capped at 1."""
+    label_a, label_b = _hqq_label(runs["a"]), _hqq_label(runs["b"])
+    comparison = qd.compare(runs["a"], runs["b"], pairs={label_a: label_b})
+    rows = [r for frame in (comparison.quality, comparison.tasks) if "p_adjusted" in frame.columns
+            for r in frame.iter_rows(named=True)]
+    tested = [r for r in rows if not (r["diff"] == 0.0 and r["se"] == 0.0)
+              and r["p"] is not None and math.isfinite(r["p"])]
+    assert len(tested) >= 2  # a family, not one test
+    ordered = sorted(tested, key=lambda r: r["p"])
+    expected, running = {}, 0.0
+    for rank, r in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - rank) * r["p"]))
+        expected[id(r)] = running
+    for r in tested:
+        assert r["p_adjusted"] == pytest.approx(expected[id(r)], rel=1e-12, abs=1e-300)
+    assert any(r["p_adjusted"] > r["p"] for r in tested)  # the family costs something
+    assert all(r["p_adjusted"] == 1.0 for r in rows if r["diff"] == 0.0 and r["se"] == 0.0)
 
 
 def _copy(run_dir: Path, tmp_path: Path, name: str) -> Path:

@@ -195,6 +195,25 @@ def test_a_machine_that_does_not_see_the_converted_file_converts_its_own(wide, t
         base_file(Converted("f32", None, "there", refused="no such tokenizer"), model, "f32", 60)
 
 
+def test_each_outtype_is_converted_into_a_file_of_its_own(wide, tmp_path, monkeypatch):
+    """The conversion cache keeps F32, F16 and BF16 apart: each outtype its own file, whose
+    tensors are in that type (a cache keyed without it would hand an F16 job the F32 file)."""
+    from quantdask.gguf.conversion import converted
+    from quantdask.gguf.quantize import tensor_types
+    from quantdask.sweepfile.model import ModelSpec
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder, _, _ = wide
+    model = ModelSpec(path=str(folder))
+    files = {outtype: converted(model, outtype) for outtype in ("f32", "f16", "bf16")}
+    assert len(set(files.values())) == 3
+    for outtype, path in files.items():
+        written = {kind for name, kind in tensor_types(path).items() if name.endswith(
+            "attn_q.weight")}
+        assert written == {outtype.upper()}, (outtype, written)
+    assert converted(model, "f16") == files["f16"]  # found again, not converted again
+
+
 def _done_rows(cluster, tmp_path, folder, backends: list, others: tuple = (), **more) -> dict:
     """A sweep of ``backends`` on the model in ``folder`` (and the ``others``: models' entries)
     (8 windows of 128, exact KL) run on the cluster; the rows of ``folder``'s model by config
