@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantdask.gguf.linear import KEPT, gguf_linear
-from quantdask.gguf.source import LLAMA_CPP_COMMIT, gguf_module
+from quantdask.gguf.source import LLAMA_CPP_COMMIT, gguf_module, read_gguf
 from quantdask.gguf.tensors import ggml_type, quantize_rows, quantized_here, written_type
 from quantdask.gguf.types import ftype
 
@@ -44,7 +44,7 @@ def write_mix(base: str | os.PathLike, out: str | os.PathLike, type_name: str, t
     from quantdask.gguf.quantize import quantize_gguf
 
     gguf = gguf_module()
-    reader = gguf.GGUFReader(str(base))
+    reader = read_gguf(base)
     targets = _targets(reader, given)
     if targets is None:
         return quantize_gguf(base, out, type_name, threads=threads, given=given), QUANTIZER

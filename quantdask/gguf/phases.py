@@ -112,11 +112,11 @@ def fallback_share(path, types: dict[str, str], name: str, given=None) -> float:
     """The share of the quantized weights in a fallback type, for a K-quant or IQ config
     (0 for a legacy one, whose type is its own); for one that gives tensors their own types
     (``given``, a ``quantize.TensorTypes``), the share written in another type than asked."""
-    from quantdask.gguf.source import gguf_module
+    from quantdask.gguf.source import read_gguf
 
     if given is None and not (name.startswith("IQ") or "_K" in name):
         return 0.0
-    sizes = {t.name: int(t.n_elements) for t in gguf_module().GGUFReader(str(path)).tensors}
+    sizes = {t.name: int(t.n_elements) for t in read_gguf(path).tensors}
     quantized = {n: k for n, k in types.items() if k not in FULL_PRECISION}
     total = sum(sizes[n] for n in quantized)
     if given is not None:  # asked: the override before llama.cpp's fallback
@@ -146,9 +146,9 @@ def _skipped(run: JobContext) -> str | None:
 
 def gguf_coverage(path: str | os.PathLike, types: dict[str, str]) -> Coverage:
     """Weights in quantized tensors, and bytes of each part, from the file's own tensors."""
-    from quantdask.gguf.source import gguf_module
+    from quantdask.gguf.source import read_gguf
 
-    reader = gguf_module().GGUFReader(str(path))
+    reader = read_gguf(path)
     quantized = quantized_bytes = 0
     full: dict[str, int] = {}
     by_type: dict[str, int] = {}
@@ -269,9 +269,9 @@ def _importance(run: JobContext, base: Path, calibration: Calibration) -> dict:
     """The importance matrix of the job's model on the calibration windows (its float model
     built for it, then let go), named as the converted GGUF's tensors."""
     from quantdask.gguf.imatrix import importance
-    from quantdask.gguf.source import gguf_module
+    from quantdask.gguf.source import read_gguf
 
-    reader = gguf_module().GGUFReader(str(base))
+    reader = read_gguf(base)
     architecture = reader.fields["general.architecture"].contents()
     source, _ = cached_model_source(run.job.model)
     with calibration.measure(), source.weights():

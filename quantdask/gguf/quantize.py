@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantdask.gguf.source import gguf_module
+from quantdask.gguf.source import read_gguf
 from quantdask.gguf.tensors import ggml_type
 from quantdask.gguf.types import canonical, ftype
 
@@ -109,8 +109,7 @@ def check_written(types: dict[str, str], given: TensorTypes) -> None:
 
 def tensor_types(path: str | os.PathLike) -> dict[str, str]:
     """Each tensor's type as written in the GGUF at ``path`` (``blk.0.attn_q.weight: Q4_K``)."""
-    gguf = gguf_module()
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t.tensor_type.name for t in read_gguf(path).tensors}
 
 
 def type_counts(types: dict[str, str]) -> str:

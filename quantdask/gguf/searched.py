@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from quantdask.errors import UnsupportedHere
 from quantdask.gguf.linear import gguf_linear
-from quantdask.gguf.source import gguf_module
+from quantdask.gguf.source import gguf_module, read_gguf
 from quantdask.gguf.tensors import quantize_rows, quantized_here, tensor_bytes, written_type
 from quantdask.gguf.types import DEFAULT_TYPE
 
@@ -159,7 +159,7 @@ def given_types(path: str | os.PathLike, options) -> TensorTypes:
     from quantdask.gguf.quantize import TensorTypes
 
     gguf = gguf_module()
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
     shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     blocks = int(reader.fields[f"{arch}.block_count"].parts[-1][0])

@@ -12,7 +12,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 LLAMA_CPP_PYTHON = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -93,3 +96,28 @@ def gguf_module():
     if not str(Path(str(loaded.__file__)).resolve()).startswith(str(package)):
         raise ImportError(f"gguf was imported from {loaded.__file__}, not the pinned {package}")
     return loaded
+
+
+_READERS: OrderedDict[tuple, Any] = OrderedDict()
+_READERS_LOCK = threading.Lock()
+
+
+def read_gguf(path: str | os.PathLike):
+    """gguf-py's ``GGUFReader`` of the file at ``path``, kept for the next caller (the three
+    latest files, by path, size and time): reading a header parses every vocabulary string in
+    Python (3.3 s for SmolLM2's 49,152), and a GGUF job reads its converted file's and its own
+    file's several times. Read only: the tensors are a memory map of the file."""
+    found = Path(path).resolve()
+    stat = found.stat()
+    key = (str(found), stat.st_size, stat.st_mtime_ns)
+    with _READERS_LOCK:
+        if key in _READERS:
+            _READERS.move_to_end(key)
+            return _READERS[key]
+    reader = gguf_module().GGUFReader(str(found))
+    with _READERS_LOCK:
+        _READERS[key] = reader
+        while len(_READERS) > 3:
+            _READERS.popitem(last=False)
+    return reader
+
