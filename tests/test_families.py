@@ -274,3 +274,29 @@ def test_the_family_table_in_the_docs_is_what_the_sweep_measured(run):
                 check_cell(cell, measured[(family, label)])
                 checked += 1
     assert checked == len(FAMILIES) * 4  # every quantized job of the sweep has its cell
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["gemma", "gpt2", "llama"])
+def test_a_models_weights_are_counted_alike_on_every_path(family, tmp_path):
+    """Loaded with its weights (a resident job, the reference), built empty (a GGUF or
+    streamed job that is the first on its worker), or built empty from a source already held
+    (streaming), or on the meta device by the plan: one count, a tied head once (it was counted
+    twice on the empty paths, so a job's param_count and bits per weight depended on what its
+    worker had done before, and on a resume)."""
+    from quantdask.plan.model_facts import _layer_facts
+    from quantdask.process.model_source import load_model_source
+    from quantdask.sweepfile.model import ModelSpec
+
+    folder = build_tiny(family, tmp_path / family)
+    spec = ModelSpec(path=str(folder))
+    loaded = load_model_source(spec, weights=True)
+    empty = load_model_source(spec, weights=False)
+    counts = {loaded.param_count, empty.param_count,
+              sum(p.numel() for p in empty.empty_model().parameters()),
+              _layer_facts(folder, False)["param_count"]}
+    assert len(counts) == 1, counts
+    built = loaded.build("cpu")
+    assert counts == {sum(p.numel() for p in built.parameters())}
+    tied = built.get_output_embeddings().weight is built.get_input_embeddings().weight
+    assert tied == (family in ("gemma", "gpt2"))

@@ -95,6 +95,7 @@ class ModelSource:
         with init_empty_weights(include_buffers=False):
             # A copy: _from_config writes the dtype into the config the worker caches.
             model = self.model_class._from_config(copy.deepcopy(self.config), dtype=self.dtype)
+        model.tie_weights()  # (as _empty_model's)
         _kept_in_float32(model, self.dtype)
         return model
 
@@ -157,9 +158,13 @@ def _empty_model(spec: ModelSpec) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(spec.location, **_load_options(spec))
     stored = getattr(config, "dtype", None) or torch.float32
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, stored) if isinstance(stored, str) else stored,
             trust_remote_code=spec.trust_remote_code)
+    # Built empty, a head tied to the embedding is a tensor of its own until tied (counted
+    # twice: 205,120 weights for a tiny Gemma of 139,584), as a loaded model's is not.
+    model.tie_weights()
+    return model
 
 
 def _kept_in_float32(model: Any, dtype: Any) -> None:
