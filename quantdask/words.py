@@ -40,6 +40,16 @@ class AttemptEnd(StrEnum):
     CANCELLED = "cancelled"
 
 
+class WorkerTaskEnd(StrEnum):
+    """How a task other than a job's attempt ended (the worker_tasks frame's ``status``)."""
+
+    DONE = Status.DONE.value
+    FAILED = Status.FAILED.value
+    # Its worker died with it: no end was told; its span is from the start it told to when the
+    # driver saw its worker gone from the scheduler.
+    LOST = "lost"
+
+
 class WorkerTaskKind(StrEnum):
     """What a task the run schedules on a worker does (the time account: the attempts frame
     holds the jobs' tries, the worker_tasks frame every other kind)."""

@@ -141,6 +141,24 @@ def test_offspring_whose_worker_is_killed_are_rerun_nothing_lost_or_duplicated(
               if "refinement generation" in r.getMessage() and "attempt 1: worker_lost"
               in r.getMessage()]
     assert len(killed) == frame.height
+    # each killed attempt that had begun has its time in the account, marked lost: from the
+    # start its worker told to when the driver saw the worker gone (the rerun's own row beside
+    # it, done; an attempt queued behind it on the same worker never began: no time to count)
+    tasks = read_frame(run_dir, "worker_tasks").filter(pl.col("kind") == "offspring")
+    lost = tasks.filter(pl.col("status") == "lost")
+    assert 1 <= lost.height <= frame.height and set(lost["error_class"]) == {"worker lost"}
+    assert all(key.endswith("-a1") for key in lost["key"])
+    assert (lost["finished_at"] >= lost["started_at"]).all()
+    assert tasks.filter(pl.col("status") == "done").height == frame.height
+    from quantdask.store.readers import read_attempts, read_sessions
+    from quantdask.store.summary import sweep_summary
+
+    summary = sweep_summary(read_attempts(run_dir), read_sessions(run_dir),
+                            read_frame(run_dir, "worker_tasks")).row(-1, named=True)
+    spans = read_frame(run_dir, "worker_tasks").with_columns(
+        ((pl.col("finished_at") - pl.col("started_at")).dt.total_microseconds() / 1e6)
+        .alias("s"))
+    assert summary["tasks"] == spans.height  # the lost ones counted among the tasks
 
 
 @pytest.mark.parametrize("change, field", [

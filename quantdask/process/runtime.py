@@ -22,9 +22,10 @@ JOB_START_TOPIC = "quantdask-job-start"
 """Dask event topic on which a worker announces that it began an attempt (for deadlines)."""
 
 
-def announce_start() -> tuple[str, str]:
+def announce_start(task: dict | None = None) -> tuple[str, str]:
     """Tell the driver the running task (a job attempt or a reference) began, so its deadline
-    starts now; returns (worker name, host)."""
+    starts now; returns (worker name, host). ``task``: a worker task's kind, label and start
+    (``worker_task``), with which the driver accounts for its time if its worker dies."""
     try:
         from distributed import get_worker
 
@@ -36,7 +37,9 @@ def announce_start() -> tuple[str, str]:
     slot = worker.metrics.get(SLOT_METRIC)
     worker.log_event(JOB_START_TOPIC, {"key": worker.get_current_task(),
                                        "address": worker.address, "name": str(worker.name),
-                                       "slot": slot(worker) if slot is not None else None})
+                                       "slot": slot(worker) if slot is not None else None,
+                                       **({"device": torch_device()[1], **task} if task
+                                          else {})})
     return str(worker.name), socket.gethostname()
 
 
@@ -57,8 +60,9 @@ def worker_task(kind: str, label: str) -> Iterator[tuple[str, str]]:
     if getattr(_running, "task", False):
         yield _worker_identity()
         return
-    name, host = announce_start()
     started, error = time.time(), None
+    name, host = announce_start({"kind": str(kind), "label": str(label),
+                                 "started": float(started)})
     _running.task = True
     try:
         yield name, host

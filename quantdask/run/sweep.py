@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from quantdask.cluster.operations import cluster_capacity, live_workers, workers
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.module_names import check_module_names
 from quantdask.plan.placement import place_jobs
-from quantdask.process.runtime import TASK_END_TOPIC
+from quantdask.process.runtime import JOB_START_TOPIC, TASK_END_TOPIC
 from quantdask.records import SessionRow
 from quantdask.run import LOG_CHANNEL, topics
 from quantdask.run.artifacts import prune_to_pareto
@@ -70,6 +71,9 @@ class SweepSession:
         driver, artifacts = self.driver, self.sweep.artifacts
         account = WorkerTaskLog(self.store, self.row.run_id)  # tasks beside the jobs' tries
         topics.subscribe(driver.client, TASK_END_TOPIC, account.on_event)
+        topics.subscribe(driver.client, JOB_START_TOPIC, account.on_start)
+        ended = threading.Event()
+        watcher = account.watch(lambda: live_workers(driver.client), ended)
         try:
             for stage in stages_for(self.sweep):
                 if not driver.stop.is_set():
@@ -81,7 +85,10 @@ class SweepSession:
                     and artifacts.keep == ArtifactKeep.PARETO):
                 prune_to_pareto(self.store, artifacts)
         finally:
+            ended.set()
+            watcher.join(timeout=10)
             topics.unsubscribe(driver.client, TASK_END_TOPIC, account.on_event)
+            topics.unsubscribe(driver.client, JOB_START_TOPIC, account.on_start)
             try:
                 self.store.write_session(dataclasses.replace(self.row, finished_at=utcnow()))
                 driver.progress.finish(completed=self.row.completed)
