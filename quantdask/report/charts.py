@@ -61,8 +61,8 @@ QUALITY_TOOLTIP = [*JOB_TOOLTIP, alt.Tooltip("bits_per_weight:Q", format=".3f"),
 
 
 def _with_error_bars(done: pl.DataFrame) -> pl.DataFrame:
-    """``done`` with the quality text columns, the size in MiB and in bits per quantized weight
-    (``size_bits``: the baseline's, which quantizes nothing, as stored), and each metric's
+    """``done`` with the quality text columns, the size in MiB and in the whole model's bits
+    per weight as stored (``size_bits``), and each metric's
     error bar ends (``<metric>_lo``, ``<metric>_hi``): one standard error either side, ln
     PPL's on perplexity (so asymmetric there)."""
     ln_ppl_se, kl_se = pl.col("ln_ppl_se").fill_null(0), pl.col("kl_se").fill_null(0)
@@ -108,9 +108,13 @@ def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.Data
         data = data.filter(pl.col(metric) > 0).with_columns(pl.max_horizontal(
             f"{metric}_lo", pl.col(metric).min() / 2).alias(f"{metric}_lo"))
         title += " (log scale; zero not drawn)"
-    base = alt.Chart(data).encode(
+    baseline = data.filter(pl.col("backend") == BASELINE)  # none on a log scale of KL
+    # The baseline is its rule alone: a point at its 16 or 32 bits would stretch the axis and
+    # squeeze every quantized config into a corner of it.
+    quantized = data.filter(pl.col("backend") != BASELINE)
+    base = alt.Chart(quantized).encode(
         x=alt.X(f"{SIZE_BITS}:Q", scale=alt.Scale(zero=False, padding=12),
-                title="bits per quantized weight (the baseline: as stored)"))
+                title="bits per weight, whole model as stored (the file that ships)"))
     error_bars = base.mark_rule(strokeWidth=2, opacity=0.6).encode(
         y=alt.Y(f"{metric}_lo:Q", scale=scale), y2=f"{metric}_hi:Q",
         color=alt.Color("backend:N"), tooltip=tooltip)
@@ -118,26 +122,25 @@ def _quality_panel(data: pl.DataFrame, metric: str, title: str, windows: pl.Data
         y=alt.Y(f"{metric}:Q", title=title, scale=scale),
         color=alt.Color("backend:N"),
         shape=alt.Shape("kind:N", scale=alt.Scale(
-            domain=["baseline", "Pareto frontier", "dominated"],
-            range=["diamond", "circle", "triangle-up"])),
+            domain=["Pareto frontier", "dominated"], range=["circle", "triangle-up"])),
         tooltip=tooltip,
     )
     frontier = base.transform_filter(alt.datum.kind != "dominated").mark_line(
         color="black", strokeDash=[4, 2], opacity=0.5).encode(
         y=f"{metric}:Q", detail="model:N", order=f"{SIZE_BITS}:Q")
-    baseline = data.filter(pl.col("backend") == BASELINE)  # none on a log scale of KL
     rule = [alt.Chart(baseline).mark_rule(color="gray", strokeDash=[6, 3]).encode(
         y=f"{metric}:Q", tooltip=tooltip)] if baseline.height else []
     zoom = alt.selection_interval(bind="scales", name=f"zoom_quality_{number}")
     model = data["model"][0]
     return alt.layer(frontier, *rule, error_bars, points.add_params(zoom)).properties(
-        width=360, height=260, title=f"{model}: {title} vs bits per quantized weight")
+        width=360, height=260, title=f"{model}: {title} vs whole-model bits per weight")
 
 
 def quality_chart(results: pl.DataFrame,
                   windows: pl.DataFrame | None = None) -> alt.Chart | alt.VConcatChart:
-    """Quality against size: bits per quantized weight (the quantized layers' weights with their
-    scales and zero points; the whole model as stored in the tooltip and the file's MiB)
+    """Quality against size: the whole model's bits per weight as stored (the file that ships;
+    bits per quantized weight, the quantized layers' weights with their scales and zero points,
+    and the file's MiB in the tooltip)
     against perplexity and against KL divergence, each point with its error bar (one standard
     error). A metric whose values span decades is drawn on a log scale (``metric_scale``).
 

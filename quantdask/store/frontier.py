@@ -68,16 +68,18 @@ class TieMargins:
 
 
 SIZE_BITS = "size_bits"
-"""The size configs are compared on: bits per quantized weight (the quantized layers' weights
-with their scales and zero points), and for a config that quantizes nothing (the baseline) its
-weights as stored. The whole model's bits per weight counts the rest too (float32 embeddings
-dominate a small model's: every 4-bit config there read 9-14 bits), so it stays beside it."""
+"""The size configs are compared on: the whole model's bits per weight as stored (8 x
+``size_bytes`` / ``param_count``: the file a user ships, its embeddings and head included), so
+the frontier and "which config to ship" rank by the bytes that ship. A config that leaves a
+large embedding in bfloat16 is larger there than its bits per quantized weight say (nf4 of a
+1.5B model with a 151,936-token vocabulary: 4.5 bits per quantized weight, a 1.6 GiB file,
+beside a 1.0 GiB Q4_K_M file at 5.0); bits per quantized weight stay beside it, a second view."""
 
 
 def with_size_bits(results: pl.DataFrame) -> pl.DataFrame:
-    """``results`` with the ``SIZE_BITS`` column (frames from before that split: the whole
-    model's figure)."""
-    sizes = [c for c in ("bits_per_quantized_weight", "bits_per_weight") if c in results.columns]
+    """``results`` with the ``SIZE_BITS`` column (frames without a whole-model figure: bits
+    per quantized weight)."""
+    sizes = [c for c in ("bits_per_weight", "bits_per_quantized_weight") if c in results.columns]
     return results.with_columns(pl.coalesce(sizes).alias(SIZE_BITS))
 
 
@@ -88,7 +90,7 @@ def pareto_frontier(results: pl.DataFrame, cost: str = SIZE_BITS,
     same model tied with each on ``loss``, comma-separated, or null).
 
     A job is on the frontier unless another job of the same model is at most as large
-    (``cost``: by default bits per quantized weight, ``SIZE_BITS``) and significantly better
+    (``cost``: by default the whole model's bits as stored, ``SIZE_BITS``) and significantly better
     (``loss`` lower by more than their tie margin, see :class:`TieMargins`: paired over
     ``windows`` when given), or smaller and not significantly worse: tied configs are not
     ranked, so a larger config is on the frontier only when it beats every smaller one by
