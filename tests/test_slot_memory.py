@@ -242,7 +242,7 @@ def test_a_memory_limit_no_slot_can_start_in_is_refused_before_any_cluster(
 def test_slots_that_leave_jobs_nothing_are_refused_not_waited_on():
     """Placement with nothing to place against says so (the limit, the slots' resting memory,
     the least limit that leaves a job room) instead of waiting for room that never comes."""
-    from quantdask.plan.placement import _check_offers
+    from quantdask.process.slot_memory import check_offers as _check_offers
 
     starved = SlotMemory.of(limit=600 * 2**20, terminate=0.95, resting=640 * 2**20)
     with pytest.raises(SpecError, match=r"memory_limit: every CPU slot leaves jobs 0 B .*give "

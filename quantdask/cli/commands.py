@@ -196,13 +196,19 @@ def _run_and_report(sweep, args, scaling: bool = False) -> int:
     return status
 
 
+def without_search(sweep):
+    """``sweep``'s configs alone: no search, and no calibration block (which served only the
+    search): what the demo's scaling step measures."""
+    import dataclasses
+
+    return dataclasses.replace(sweep, searches=[], calibration=None) if sweep.searches else sweep
+
+
 def _demo_scaling(sweep, scaling_dir: str, host: str) -> None:
     """The demo's scaling measurement at 1 and 2 workers (1 on a one-GPU machine), of its
     configs' jobs: its search (probes and verifying jobs) run twice more would double the
     demo's minute (``quantdask scale`` measures a search's probing too). It never costs the
     report: a problem is printed and the report goes on without it."""
-    import dataclasses
-
     from quantdask.run.scaling import SCALING_FILE, worker_counts_here
 
     if os.path.exists(os.path.join(scaling_dir, SCALING_FILE)):
@@ -213,11 +219,10 @@ def _demo_scaling(sweep, scaling_dir: str, host: str) -> None:
         print(f"scaling: {scaling_dir} holds an unfinished measurement; delete it to measure "
               "again")
         return
-    if sweep.searches:  # (its calibration block serves only the search)
-        sweep = dataclasses.replace(sweep, searches=[], calibration=None)
+    if sweep.searches:
         print("scaling: the demo's configs, without its search", flush=True)
     try:
-        _scale(sweep, worker_counts_here([1, 2]), scaling_dir, host)
+        _scale(without_search(sweep), worker_counts_here([1, 2]), scaling_dir, host)
     except QuantdaskError as err:
         print(f"scaling: skipped ({err})", file=sys.stderr)
 

@@ -24,7 +24,7 @@ from quantdask.cluster.adapt import Adapt
 from quantdask.cluster.operations import cuda_device_count
 from quantdask.errors import SpecError
 from quantdask.process.runtime import TorchThreads, WarmImports
-from quantdask.util import format_bytes
+from quantdask.process.slot_memory import slot_memory_limit
 
 log = logging.getLogger("quantdask.cluster")
 
@@ -169,7 +169,7 @@ def start_cluster(
     if address is not None and scheduler is not None and address != scheduler:
         raise SpecError("scheduler", "give the scheduler's address once (address= or scheduler=)")
     address = address or scheduler
-    memory_limit = _memory_limit(memory_limit, address is not None or cluster is not None)
+    memory_limit = slot_memory_limit(memory_limit, address is not None or cluster is not None)
     if address is not None or cluster is not None:
         if workers is not None or gpus is not None:
             raise SpecError("scheduler", "connects to an existing cluster; do not combine it "
@@ -189,42 +189,6 @@ def start_cluster(
     common.update({"memory_limit": memory_limit} if memory_limit is not None else {})
     return _start_cpu_slots(workers or 2, common, adapt, torch_threads, jobs_per_worker,
                             security)
-
-
-LEAST_SLOT_BYTES = 600 * 2**20
-"""The least ``memory_limit`` a CPU slot is started with: its worker's resting RSS (about
-450-500 MiB measured here, ``process.slot_memory``) over its nanny's 95%, with room for a job."""
-
-
-def _memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
-    """A CPU slot's memory limit in bytes, as Dask reads it (``1600MiB``, ``2GB``, bytes;
-    None: Dask's default); refused for workers this process does not start."""
-    from dask.utils import parse_bytes
-
-    if value is None:
-        return None
-    if elsewhere:
-        raise SpecError("memory_limit", "--memory-limit sets the memory limit of the CPU slots "
-                                        "quantdask starts; the workers of a scheduler reached "
-                                        "by address were started elsewhere: give each `dask "
-                                        "worker ... --memory-limit 1600MiB` where it starts, or "
-                                        "drop --memory-limit")
-    if isinstance(value, str) and value.strip().isdigit():
-        raise SpecError("memory_limit", f"give a unit: {value.strip()}MiB or {value.strip()}MB "
-                                        f"(a bare number would be bytes, got {value!r})")
-    try:
-        limit = int(parse_bytes(value)) if isinstance(value, str) else int(value)
-    except (ValueError, TypeError):
-        limit = 0
-    if isinstance(value, bool) or limit <= 0:
-        raise SpecError("memory_limit", f"must be a size such as 1600MiB or 2GB (or bytes), "
-                                        f"got {value!r}")
-    if limit < LEAST_SLOT_BYTES:
-        raise SpecError("memory_limit", f"{format_bytes(limit)} is less than a CPU slot holds "
-                                        f"at rest (Python, torch and Dask: about 450-500 MiB "
-                                        f"here) before any job: give at least "
-                                        f"{format_bytes(LEAST_SLOT_BYTES)}, e.g. 1600MiB")
-    return limit
 
 
 def _local_devices(workers: int | None, gpus: str | list[int] | None, adapt: Adapt | None,

@@ -37,7 +37,7 @@ from quantdask.plan.phase_memory import (
     phase_bytes,
     streamed_bytes,
 )
-from quantdask.process.slot_memory import METRIC, SlotMemory
+from quantdask.process.slot_memory import METRIC, SlotMemory, check_offers
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, Job
 from quantdask.util import format_bytes
@@ -280,19 +280,6 @@ def _largest_worker(client: Client) -> tuple[str, float] | None:
     return max(known.items(), key=lambda item: item[1])
 
 
-def _check_offers(slots: dict[str, SlotMemory]) -> None:
-    """Refuse CPU slots that leave jobs nothing (a memory limit at or below what a slot holds
-    at rest): nothing could be placed, and the sweep would wait for room that never comes."""
-    if not slots or any(slot.offered for slot in slots.values()):
-        return
-    slot = max(slots.values(), key=lambda s: s.resting)
-    least = int((slot.resting + 256 * 2**20) / slot.terminate)
-    raise SpecError("memory_limit", f"every CPU slot leaves jobs 0 B ({slot.describe()}): "
-                                    f"give --memory-limit at least {format_bytes(least)} "
-                                    "(its resting memory and 256 MiB for a job, over the "
-                                    "nanny's fraction), e.g. 1600MiB")
-
-
 def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | None = None,
                finished: Set[str] = frozenset(), stream: str = "auto") -> Placement:
     """``jobs`` with device-memory requests for the workers of ``client`` (see the module
@@ -303,12 +290,11 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     no worker advertises ``DEVICE_MEMORY``."""
     from quantdask.plan.model_facts import model_facts
 
-    _check_offers(slot_memories(client))
+    slots = check_offers(slot_memories(client))
     found = _largest_worker(client)
     if found is None:
         return Placement(list(jobs))
     largest_worker, largest = found
-    slots = slot_memories(client)
     # CPU slots: each figure is what a job adds to its worker's RSS (the slot's offer leaves
     # its resting memory out; a measured peak includes it).
     host = largest_worker in slots

@@ -126,3 +126,59 @@ def resting_rss() -> int:
 def slot_memory(limit: int) -> SlotMemory:
     """This worker process's figures under Dask memory limit ``limit``."""
     return SlotMemory.of(limit, terminate_fraction(), resting_rss())
+
+
+def check_offers(slots: dict[str, SlotMemory]) -> dict[str, SlotMemory]:
+    """``slots``, refused (:class:`SpecError`, ``memory_limit``) where every CPU slot leaves
+    jobs nothing (a memory limit at or below what a slot holds at rest): nothing could be
+    placed, and a sweep would wait for room that never comes."""
+    from quantdask.errors import SpecError
+    from quantdask.util import format_bytes
+
+    if not slots or any(slot.offered for slot in slots.values()):
+        return slots
+    slot = max(slots.values(), key=lambda s: s.resting)
+    least = int((slot.resting + 256 * 2**20) / slot.terminate)
+    raise SpecError("memory_limit", f"every CPU slot leaves jobs 0 B ({slot.describe()}): "
+                                    f"give --memory-limit at least {format_bytes(least)} "
+                                    "(its resting memory and 256 MiB for a job, over the "
+                                    "nanny's fraction), e.g. 1600MiB")
+
+
+LEAST_SLOT_BYTES = 600 * 2**20
+"""The least ``memory_limit`` a CPU slot is started with: its worker's resting RSS (about
+450-500 MiB measured here, ``process.slot_memory``) over its nanny's 95%, with room for a job."""
+
+
+def slot_memory_limit(value: int | str | None, elsewhere: bool) -> int | None:
+    """A CPU slot's memory limit in bytes, as Dask reads it (``1600MiB``, ``2GB``, bytes;
+    None: Dask's default); refused for workers this process does not start."""
+    from dask.utils import parse_bytes
+
+    from quantdask.errors import SpecError
+    from quantdask.util import format_bytes
+
+    if value is None:
+        return None
+    if elsewhere:
+        raise SpecError("memory_limit", "--memory-limit sets the memory limit of the CPU slots "
+                                        "quantdask starts; the workers of a scheduler reached "
+                                        "by address were started elsewhere: give each `dask "
+                                        "worker ... --memory-limit 1600MiB` where it starts, or "
+                                        "drop --memory-limit")
+    if isinstance(value, str) and value.strip().isdigit():
+        raise SpecError("memory_limit", f"give a unit: {value.strip()}MiB or {value.strip()}MB "
+                                        f"(a bare number would be bytes, got {value!r})")
+    try:
+        limit = int(parse_bytes(value)) if isinstance(value, str) else int(value)
+    except (ValueError, TypeError):
+        limit = 0
+    if isinstance(value, bool) or limit <= 0:
+        raise SpecError("memory_limit", f"must be a size such as 1600MiB or 2GB (or bytes), "
+                                        f"got {value!r}")
+    if limit < LEAST_SLOT_BYTES:
+        raise SpecError("memory_limit", f"{format_bytes(limit)} is less than a CPU slot holds "
+                                        f"at rest (Python, torch and Dask: about 450-500 MiB "
+                                        f"here) before any job: give at least "
+                                        f"{format_bytes(LEAST_SLOT_BYTES)}, e.g. 1600MiB")
+    return limit
