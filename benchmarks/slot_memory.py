@@ -35,8 +35,18 @@ HELD = dict(MID, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
 """Held out (the coefficients were fitted on the two above): 10 layers of width 768 and an
 untied head, 83M parameters, 334 MB."""
 
+VOCAB = dict(vocab=151_936, hidden=512, ffn=1536, layers=4)
+"""A bfloat16 llama with Qwen2's vocabulary, tied (``tests.gguf_models.large_vocab_model``):
+86M parameters, 172 MB, of which the embedding is 90%, as in the 1.5B checkpoint of issue 70
+whose nf4 job peaked at 2.6x its estimate."""
+
 CONFIGS = [("bitsandbytes", {"bits": 4}), ("bitsandbytes", {"bits": 8}),
            ("hqq", {"bits": 4})]
+EVERY_BACKEND = [*CONFIGS, ("torchao", {"mode": "int8_weight_only"}),
+                 ("gguf", {"type": "Q4_K_M"}), ("gptq", {"bits": 4, "group_size": 128}),
+                 ("awq", {"bits": 4, "group_size": 128}),
+                 ("autoround", {"bits": 4, "group_size": 128, "iters": 20})]
+"""On ``vocab``: one config of every backend that runs on a CPU slot."""
 TARGET = 1.3
 PATHS = {"resident": "never", "streamed": "always"}
 
@@ -48,21 +58,37 @@ def models(directory: Path, names: list[str]) -> dict[str, str]:
 
     made = {"demo": DEMO_MODEL_DIR, "mid": lambda: str(random_llama(directory / "mid", MID)),
             "deep": lambda: str(random_llama(directory / "deep", DEEP)),
-            "held": lambda: str(random_llama(directory / "held", HELD))}
+            "held": lambda: str(random_llama(directory / "held", HELD)),
+            "vocab": lambda: str(vocab_model(directory / "vocab"))}
     return {name: made[name]() if callable(made[name]) else made[name] for name in names}
+
+
+def vocab_model(directory: Path) -> Path:
+    """``VOCAB``, built once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's tests/
+    from tests.gguf_models import large_vocab_model
+
+    if not (directory / "config.json").exists():
+        large_vocab_model(directory, **VOCAB)
+    return directory
 
 
 def sweep_of(name: str, path: str, stream: str):
     import quantdask as qd
     from quantdask.demo_model import DEMO_EVAL_TEXT
+    from quantdask.sweepfile.settings import CalibrationSettings
 
+    configs = EVERY_BACKEND if name == "vocab" and stream == "never" else CONFIGS
     blocks: dict[str, list[dict]] = {}
-    for backend, options in CONFIGS:
+    for backend, options in configs:
         blocks.setdefault(backend, []).append(options)
     return qd.Sweep(name=f"{name}-{stream}", models=[qd.ModelSpec(path=path, name=name)],
                     backends=[qd.BackendBlock(b, configs=c) for b, c in blocks.items()],
                     eval=qd.EvalSettings(text=DEMO_EVAL_TEXT, seq_len=128, samples=8,
-                                         batch_size=4), retries=0, stream=stream)
+                                         batch_size=4), retries=0, stream=stream,
+                    calibration=CalibrationSettings(text=DEMO_EVAL_TEXT, samples=8,
+                                                    seq_len=128)
+                    if configs is EVERY_BACKEND else None)
 
 
 def estimates(sweep) -> dict[str, dict[str, int]]:

@@ -27,9 +27,25 @@ def find_chromium() -> str | None:
     return None
 
 
+def require_chromium() -> str:
+    """Chromium's path; without one a test fails on CI (``make test`` installs it) and is
+    skipped elsewhere."""
+    import pytest
+
+    path = find_chromium()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing: `make test` installs it (apt-get install chromium)")
+        pytest.skip("no chromium here: `make test` installs it (apt-get install chromium)")
+    return path
+
+
 @dataclass
 class PageReport:
     charts: list[dict] = field(default_factory=list)  # id, state, svg marks, width, height
+    # Each chart panel with points: its x axis (Vega's aria-label) and the share of the
+    # panel's width its points span.
+    spreads: list[dict] = field(default_factory=list)
     console_errors: list[str] = field(default_factory=list)
     console_warnings: list[str] = field(default_factory=list)
     network_requests: list[str] = field(default_factory=list)  # anything not file: or data:
@@ -120,6 +136,21 @@ Array.from(document.querySelectorAll('.quantdask-chart')).map(el => {
 }))"""
 
 
+_POINT_SPREADS = """JSON.stringify(
+Array.from(document.querySelectorAll('.quantdask-chart g.mark-symbol')).map(marks => {
+  const scope = marks.closest('g.mark-group.role-scope');
+  const frame = scope && scope.querySelector(':scope > g > path.background');
+  if (!frame) { return null; }
+  const box = frame.getBoundingClientRect();
+  const xs = Array.from(marks.querySelectorAll('path')).map(point => {
+    const b = point.getBoundingClientRect(); return b.left + b.width / 2; });
+  const axis = Array.from(scope.querySelectorAll('g.role-axis'))
+    .map(a => a.getAttribute('aria-label') || '').find(label => label.startsWith('X-axis'));
+  return {x_axis: axis || '', points: xs.length, width: box.width,
+          spread: xs.length > 1 ? (Math.max(...xs) - Math.min(...xs)) / box.width : 0};
+}).filter(panel => panel !== null))"""
+
+
 def inspect_page(html_path: str | Path, screenshot: str | Path | None = None,
                  timeout_s: float = 60.0, chromium: str | None = None) -> PageReport:
     """Load ``html_path`` offline, wait for every ``.quantdask-chart`` to settle, and return
@@ -161,6 +192,7 @@ def inspect_page(html_path: str | Path, screenshot: str | Path | None = None,
                 time.sleep(0.2)  # vegaEmbed renders asynchronously
                 charts = json.loads(evaluate(_CHART_STATE))
             text = evaluate("document.body.innerText") or ""
+            spreads = json.loads(evaluate(_POINT_SPREADS))
             if screenshot is not None:
                 height = evaluate("document.documentElement.scrollHeight")
                 tools.send("Emulation.setDeviceMetricsOverride",
@@ -170,7 +202,7 @@ def inspect_page(html_path: str | Path, screenshot: str | Path | None = None,
                 Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
         finally:
             tools.close()
-    report = PageReport(charts=charts, text=text)
+    report = PageReport(charts=charts, spreads=spreads, text=text)
     for event in tools.events:
         method, params = event.get("method"), event.get("params", {})
         if method == "Runtime.consoleAPICalled":

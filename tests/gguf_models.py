@@ -36,6 +36,38 @@ def llama2_style_model(out: Path, hidden: int = 256, ffn: int = 512, layers: int
     return out
 
 
+def large_vocab_model(out: Path, vocab: int = 151_936, hidden: int = 256, ffn: int = 512,
+                      layers: int = 2, seed: int = 0) -> Path:
+    """A Llama with Qwen2's vocabulary size and tied embeddings, saved in bfloat16 as most
+    checkpoints ship (its embedding is most of its weights, as in a small Qwen2.5): the
+    Llama-2-style tokenizer, its vocabulary padded with tokens no text produces."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantdask.demo_model import generate_text
+
+    llama2_tokenizer(out, 512)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    table = tokenizer["model"]["vocab"]
+    table.update({f"<unused{i}>": i for i in range(len(table), vocab)})
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name
+                        else torch.randn_like(param) * 0.06)
+    model.to(torch.bfloat16).save_pretrained(out)
+    (out / "eval.txt").write_text(generate_text(200, seed=11))
+    return out
+
+
 def llama2_tokenizer(out: Path, vocab: int = 512):
     """The Llama-2-style tokenizer of the module's docstring, trained on the demo's language
     and saved into ``out``."""

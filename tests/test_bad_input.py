@@ -1,10 +1,12 @@
-"""Bad sweeps and arguments: exit code 2, one line naming the field, nothing created."""
+"""Bad sweeps and arguments: exit code 2 within 20 s, one line naming the field, nothing created
+or changed."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,6 +72,13 @@ BAD_SWEEPS = {
     "gguf module unknown": (sweep_dict(backends=[{"backend": "gguf", "configs": [
         {"type": "Q4_K_M", "modules": {"model.layers.9.mlp.down_proj": {
             "tensor_type": "Q6_K"}}}]}]), "modules.model.layers.9.mlp.down_proj"),
+    # the bytes follow from the shapes: below 2 bits per unit weight, whatever the probes say
+    "search budget below the least": (sweep_dict(searches=[{
+        "name": "mix", "model": "demo", "backend": "hqq", "base": {"group_size": 32},
+        "formats": {"b2": {"bits": 2}, "b4": {"bits": 4}}, "sensitivity": "kl",
+        "budget": {"bits_per_weight": 3.0}}], calibration={
+            "text": sweep_dict()["eval"]["text"], "samples": 4, "seq_len": 32}),
+        "searches[0].budget"),
 }
 
 
@@ -87,15 +96,21 @@ def test_bad_sweep_exits_2_naming_the_field(case, command, tmp_path, capsys, mon
 
         path.write_text(yaml.safe_dump(content))
     monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "out"
+    run_dir = tmp_path / "out"  # a run directory already there is left as it was
+    run_dir.mkdir()
+    (run_dir / "results.txt").write_text("recorded before")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
     args = [command, str(path), "--run-dir", str(run_dir)]
+    began = time.monotonic()
     assert main(args) == 2
+    assert time.monotonic() - began < 20
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(f"quantdask: error: {field}:"), lines[0]
     assert "Traceback" not in err
-    assert not run_dir.exists() and not (tmp_path / "runs").exists()
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+    assert not (tmp_path / "runs").exists()
 
 
 def exit_code(args: list[str]) -> int:

@@ -78,7 +78,8 @@ def test_plan_lists_every_job_with_its_id_and_runs_nothing(tmp_path, capsys, mon
     assert main(["plan", DEMO_SWEEP]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["order", "job_id", "model", "config_label", "priority", "state",
-                              "quantized", "est_memory", "memory_from", "peak_phase", "est_time"]
+                              "quantized", "est_gpu_memory", "est_cpu_slot", "memory_from",
+                              "peak_phase", "est_time"]
     # The baseline goes first, under the id the library gives it (tests/test_spec.py derives
     # ids from the canonical job spec by hand).
     baseline = expand_grid(load_sweep(DEMO_SWEEP))[0]

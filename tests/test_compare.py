@@ -6,7 +6,6 @@ exit codes of `quantdask compare`; bad input refused with nothing written into e
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -215,13 +214,9 @@ def test_the_compare_report_shows_differences_flips_and_the_environment(runs, tm
     """The HTML page in a real browser: its charts (quality and task differences with error
     bars) render with no error or warning and no network; the flipped questions and the
     environment are there."""
-    from tests.browser import find_chromium, inspect_page
+    from tests.browser import inspect_page, require_chromium
 
-    chromium = find_chromium()
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing: `make test` installs it (apt-get install chromium)")
-        pytest.skip("no chromium here: `make test` installs it (apt-get install chromium)")
+    chromium = require_chromium()
     label_a, label_b = _hqq_label(runs["a"]), _hqq_label(runs["b"])
     before = {name: _tree(path) for name, path in runs.items()}
     out = tmp_path / "compare.html"

@@ -397,3 +397,50 @@ def test_the_gguf_file_is_the_artifact_and_its_speed_is_llama_cpps(wide, cluster
     assert timed["decode_tokens_per_s"] == pytest.approx(1 / timed["decode_s_p50"])
     assert timed["prefill_tokens_per_s"] == pytest.approx(32 / timed["ttft_s"])
     assert "batch sizes above 1" in row["runtime_skipped"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_tied_models_counts_do_not_depend_on_the_worker_or_a_resume(tmp_path):
+    """Issue 70: the same configs on a tied model run after the baseline on its worker, and
+    rerun by a resume (they failed the first time) on a fresh cluster of two, where a GGUF job
+    on the worker that did not compute the reference builds the model empty: the same
+    param_count, size and bits per weight, the tied table counted once."""
+    from transformers import AutoModelForCausalLM
+
+    import quantdask as qd
+    from quantdask.sweepfile.sweep_file import sweep_from_dict
+
+    folder = gemma_style_model(tmp_path / "gemma")
+    configs = [{"backend": "gguf", "configs": [{"type": "Q8_0"}, {"type": "Q6_K"}]},
+               {"backend": "bitsandbytes", "configs": [{"bits": 4}]}]
+    counted = ("param_count", "size_bytes", "bits_per_weight", "quantized_share")
+
+    def sweep(faults: list) -> qd.Sweep:
+        return sweep_from_dict({
+            "name": "tied", "models": [{"name": "gemma", "path": str(folder)}],
+            "backends": configs, "eval": {"text": str(folder / "eval.txt"), "seq_len": 64,
+                                          "samples": 4, "batch_size": 4},
+            "seed": 0, "retries": 0, "faults": faults})
+
+    def done(run_dir) -> list[dict]:
+        return qd.read_results(run_dir).filter(status="done").to_dicts()
+
+    def figures(run_dir) -> dict:
+        return {r["config_label"]: tuple(r[c] for c in counted) for r in done(run_dir)}
+
+    with qd.start_cluster(workers=1) as cluster:  # each after the baseline, on its worker
+        qd.run_sweep(sweep([]), tmp_path / "after-baseline", cluster.client)
+        failing = [{"config": label, "kind": "raise"} for label in ("Q8_0", "Q6_K")]
+        qd.run_sweep(sweep(failing), tmp_path / "resumed", cluster.client)
+    assert set(figures(tmp_path / "resumed")) == {"baseline", "nf4"}  # the GGUF jobs failed
+    with qd.start_cluster(workers=2) as cluster:  # the resume, on fresh workers
+        qd.run_sweep(sweep([]), tmp_path / "resumed", cluster.client)
+    # one GGUF job ran where nothing had loaded the model: the empty path
+    assert any(not r["source_cached"] for r in done(tmp_path / "resumed")
+               if r["backend"] == "gguf")
+    first, resumed = figures(tmp_path / "after-baseline"), figures(tmp_path / "resumed")
+    assert set(first) == {"baseline", "Q8_0", "Q6_K", "nf4"}
+    assert resumed == first
+    tied = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+    assert {row[0] for row in first.values()} == {tied}  # parameters(): a tied table once

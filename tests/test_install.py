@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import inspect_page, require_chromium
 from tests.conftest import OUR_LINE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,6 +196,13 @@ def test_the_wheel_ships_everything_and_runs_the_demo_outside_the_checkout(tmp_p
     assert "no search in this run" not in html
     # Every section filled: the demo's speed block gives the speed section its figures.
     assert "this sweep timed no generation" not in report.read_text(encoding="utf-8")
+    # Seen in a browser, the size axes fit the quantized configs (issue 70): the baseline's
+    # 32 bits is a rule, not a point that squeezes them into a corner of a 0-35 axis.
+    page = inspect_page(report, chromium=require_chromium())
+    sized = [panel for panel in page.spreads if "bits per weight" in panel["x_axis"]
+             and panel["points"] > 2]
+    assert len(sized) >= 2, page.spreads  # perplexity and KL, at the least
+    assert all(panel["spread"] > 0.6 for panel in sized), sized
     assert "WARNING" not in demo.stderr  # notebook and kernel clean-up stay quiet
     # Only quantdask's own lines on stderr: the libraries' notices (their imports, lm-eval's
     # `git describe` in a folder that is no repository, as this one) stay in the logs.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import math
 import os
 import re
 import threading
@@ -316,14 +317,23 @@ def test_plan_estimates_from_earlier_runs(one_worker, write_sweep, tmp_path, cap
     # fp4's own figure by config (as nf4's), scaled as the two measured peaks compare with theirs.
     assert jobs["fp4"]["memory_from"] == "config, scaled by 2 measured peaks of this model"
     # The rule (README, "Placement by device memory"), by hand: a config's figure is its weights
-    # at its bits (the float32 checkpoint's bytes x bits / 32; 4-bit: 4 bits + a float32 absmax
-    # per 64 weights) plus the eval's logits (batch x seq_len x vocab float32, 3 copies alive);
-    # scaled by the median of (measured peak / own figure) of the jobs that ran; plus 20%.
+    # at its bits (the float32 checkpoint's bytes x bits / 32 for the linear layers it quantizes,
+    # all but the head; 4-bit: 4 bits + a float32 absmax per 64 weights; the rest as loaded)
+    # plus the eval's logits (batch x seq_len x vocab float32, 3 copies alive); scaled by the
+    # median of (measured peak / own figure) of the jobs that ran; plus 20%.
+    from safetensors import safe_open
+
     checkpoint = os.path.getsize(os.path.join(DEMO_MODEL_DIR, "model.safetensors"))
+    with safe_open(os.path.join(DEMO_MODEL_DIR, "model.safetensors"), "pt") as tensors:
+        sizes = {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
+    quantized = sum(math.prod(shape) for name, shape in sizes.items()
+                    if "layers." in name and "proj" in name) / sum(
+        math.prod(shape) for shape in sizes.values())
     vocab = json.loads(Path(DEMO_MODEL_DIR, "config.json").read_text())["vocab_size"]
     logits = first["eval"]["batch_size"] * first["eval"]["seq_len"] * vocab * 4 * 3
     figure = {"baseline": int(checkpoint + logits),
-              "nf4": int(checkpoint * (4 + 32 / 64) / 32 + logits)}
+              "nf4": int(checkpoint * (quantized * (4 + 32 / 64) / 32 + 1 - quantized)
+                         + logits)}
     figure["fp4"] = figure["nf4"]
     ratios = [measured[label]["peak_device_mem_bytes"] / figure[label]
               for label in ("baseline", "nf4")]

@@ -7,7 +7,6 @@ import datetime as dt
 import io
 import json
 import math
-import os
 import re
 import shutil
 from pathlib import Path
@@ -38,7 +37,7 @@ from quantdask.store.readers import (
 )
 from quantdask.store.summary import sweep_summary
 from quantdask.sweepfile.sweep_file import load_sweep, sweep_from_dict
-from tests.browser import find_chromium, inspect_page
+from tests.browser import inspect_page, require_chromium
 from tests.conftest import sweep_dict
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -554,12 +553,7 @@ def test_scaling_refuses_bad_counts_and_a_used_directory_before_running(mixed_ru
 
 @pytest.fixture(scope="module")
 def chromium():
-    path = find_chromium()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing: `make test` installs it (apt-get install chromium)")
-        pytest.skip("no chromium here: `make test` installs it (apt-get install chromium)")
-    return path
+    return require_chromium()
 
 
 @pytest.fixture(scope="module")

@@ -110,12 +110,14 @@ def cmd_plan(args) -> int:
                           "est_work_s": float(known.sum()) if len(known) else None},
                          indent=1))
         return 0
-    rows = [{**row, "est_memory": format_bytes(row["est_device_mem_bytes"]),
+    rows = [{**row, "est_gpu_memory": format_bytes(row["est_device_mem_bytes"]),
+             "est_cpu_slot": format_bytes(row["est_host_rss_bytes"]),
              "est_time": format_duration(row["est_duration_s"]),
              "quantized": "-" if row["quantized_share"] is None or row["backend"] == BASELINE
              else f"{row['quantized_share']:.0%}"} for row in plan.to_dicts()]
     print(table(rows, ["order", "job_id", "model", "config_label", "priority", "state",
-                        "quantized", "est_memory", "memory_from", "peak_phase", "est_time"]))
+                        "quantized", "est_gpu_memory", "est_cpu_slot", "memory_from",
+                        "peak_phase", "est_time"]))
     for row in plan.filter(plan["max_positions"].is_null()).unique("model",
                                                                    maintain_order=True).to_dicts():
         print(f"positions: {row['model']}: {row['positions_from']}; its lengths are not checked")
@@ -139,17 +141,13 @@ def cmd_plan(args) -> int:
 def _run(sweep, args) -> int:
     from quantdask.cli.dashboard import LiveDashboard, PlainLog
     from quantdask.cluster.local import start_cluster
-    from quantdask.plan.lengths import check_lengths
-    from quantdask.plan.module_names import check_module_names
-    from quantdask.run.sweep import run_sweep
-    from quantdask.sweepfile.sweep import expand_grid
+    from quantdask.run.sweep import refuse_early, run_sweep
 
     run_dir = _check_run_dir(args.run_dir or default_run_dir(sweep.name))
     RunStore(run_dir).check_unlocked()
     # The same check run_sweep makes on its client, made here before connecting to it.
     sweep.check_workers("--scheduler" if args.scheduler else None)
-    check_lengths(sweep)  # config.json only: refused before a cluster starts
-    check_module_names(expand_grid(sweep))  # the model on the meta device: the same
+    refuse_early(sweep)  # the sweep and the models' files alone: before a cluster starts
     with start_cluster(workers=args.workers, gpus=args.gpus, address=args.scheduler,
                        host=args.host, dashboard_address=args.dashboard_address,
                        adapt=args.adapt, security=_security(args),

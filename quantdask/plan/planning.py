@@ -7,10 +7,12 @@ priority first, then the sweep's own order; the driver releases the jobs that wa
 their model's reference in it too). "Here" means this machine: whether it has a CUDA GPU
 decides the device-dependent checks, so plan on the machine (or kind of machine) the workers
 run on. Each job gets the device-memory estimate the scheduler places it by
-(``placement.estimate_device_memory``), a duration from earlier runs in the run directory (the
-same job, else the same model and backend, else the same model; with none, from the model's
-shapes at this machine's matmul rate: ``plan.shape_prices``), and the reason it cannot run
-here when a backend's check, or an earlier run of the same job, says so. Lengths the model
+(``placement.estimate_device_memory``) on a GPU and on a CPU slot (what it adds to the
+worker's RSS there: the checkpoint's pages it reads count), a duration from earlier runs in
+the run directory (the same job, else the same model and backend, else the same model; with
+none, from the model's shapes at this machine's matmul rate: ``plan.shape_prices``), and the
+reason it cannot run here when a backend's check, or an earlier run of the same job, says so.
+Lengths the model
 cannot take are refused first (``lengths.check_lengths``); each row names the most positions
 its model takes (null: its family sets no hard limit) and the phase that sets the job's peak.
 """
@@ -45,7 +47,8 @@ log = logging.getLogger("quantdask.planning")
 
 PLAN_COLUMNS = ["order", "job_id", "model", "backend", "config_label", "priority", "state",
                 "reason", "quantized_share", "est_device_mem_bytes", "memory_from",
-                "peak_phase", "est_duration_s", "duration_from", "max_positions",
+                "peak_phase", "est_host_rss_bytes", "est_duration_s", "duration_from",
+                "max_positions",
                 "positions_from", "streamed", "est_streamed_bytes"]
 
 
@@ -98,6 +101,8 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
         # A rerun tries it again (it may run on other machines): to run, with the note.
         reason = f"skipped when it last ran: {skipped[job.id]}"
     memory = estimate_device_memory(job, model, done, phases)
+    # On a CPU slot the device is the host: what the job adds to its worker's RSS there.
+    host_memory = estimate_device_memory(job, model, done, phases, host=True)
     duration, duration_basis = _duration(job, done)
     if duration is None:
         duration, duration_basis = job_seconds(job, model)
@@ -107,6 +112,7 @@ def _row(order: int, job: Job, model: ModelFacts, stream: str, finished: set[str
             "quantized_share": share,
             "est_device_mem_bytes": memory.bytes, "memory_from": memory.basis,
             "peak_phase": memory.peak_phase,
+            "est_host_rss_bytes": host_memory.bytes,
             "est_duration_s": duration, "duration_from": duration_basis,
             # auto: placement decides against the workers' memory (null here)
             "streamed": {"always": True, "never": False}.get(stream),
@@ -149,6 +155,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
                                       "est_device_mem_bytes": pl.Int64,
                                       "memory_from": pl.String,
                                       "peak_phase": pl.String,
+                                      "est_host_rss_bytes": pl.Int64,
                                       "est_duration_s": pl.Float64,
                                       "duration_from": pl.String,
                                       "max_positions": pl.Int64,

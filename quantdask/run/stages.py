@@ -44,11 +44,14 @@ the sweep's placed jobs; the jobs it adds, or None when ``watch.stop`` ended it 
 
 @dataclass(frozen=True)
 class PreJobStage:
-    """A capability's work before the jobs: ``run`` when ``wanted(sweep)``."""
+    """A capability's work before the jobs: ``run`` when ``wanted(sweep)``. ``check(sweep)``
+    raises a ``SpecError`` for what the sweep file and the models' files alone rule out; it
+    runs before any cluster starts or anything is written (``run.sweep.refuse_early``)."""
 
     name: str
     wanted: Callable[[Sweep], bool]
     run: StageRun
+    check: Callable[[Sweep], None] | None = None
 
 
 _STAGES: dict[str, PreJobStage] = {}

@@ -126,19 +126,31 @@ class SweepSession:
         return self.store.read_results().filter(pl.col("job_id").is_in(ids))
 
 
+def refuse_early(sweep: Sweep) -> list[Job]:
+    """``sweep``'s jobs, once what its file and its models' files alone rule out is refused
+    (a ``SpecError``): lengths a model cannot take (``lengths.check_lengths``), a config's
+    ``modules`` naming a module its model lacks (``module_names.check_module_names``) and each
+    stage's own checks (a search's budget below the least its shapes allow)."""
+    check_lengths(sweep)
+    jobs = expand_grid(sweep)
+    check_module_names(jobs)
+    for stage in stages_for(sweep):
+        if stage.check is not None:
+            stage.check(sweep)
+    return jobs
+
+
 def start_session(sweep: Sweep, run_dir: str | os.PathLike, client: Client,
                   on_result: Callable[[dict[str, Any]], None] | None = None,
                   on_progress: Callable[[SweepProgress], None] | None = None) -> SweepSession:
     """Place ``sweep``'s jobs, lock ``run_dir`` and write the plan and the session's row;
     nothing is submitted yet. Raises before anything is written when the sweep does not suit
     where ``client``'s workers run (``Sweep.check_workers``), when it asks a model for more
-    positions than it takes (``lengths.check_lengths``), when a config's ``modules`` names a
-    module its model lacks (``module_names.check_module_names``), when a job fits on no worker, and
-    when another driver holds the directory."""
+    positions than it takes, names a module its model lacks or searches below what its shapes
+    allow (:func:`refuse_early`), when a job fits on no worker, and when another driver holds
+    the directory."""
     sweep.check_workers(workers_elsewhere(client))
-    check_lengths(sweep)
-    jobs = expand_grid(sweep)
-    check_module_names(jobs)
+    jobs = refuse_early(sweep)
     finished_before = RunStore(run_dir).finished_job_ids() if os.path.isdir(run_dir) else set()
     placement = place_jobs(jobs, client, run_dir, finished=finished_before, stream=sweep.stream)
     sweep.check_searches_resident(placement.jobs)

@@ -24,7 +24,7 @@ or ``cli``; the core reaches it only through the stage it registers here.
 from __future__ import annotations
 
 from quantdask.run.stages import PreJobStage, register_stage
-from quantdask.search.searches import run_searches
+from quantdask.search.searches import check_searches, run_searches
 
 register_stage(PreJobStage("search", wanted=lambda sweep: bool(sweep.searches),
-                           run=run_searches))
+                           run=run_searches, check=check_searches))

@@ -32,7 +32,7 @@ from quantdask.search.probing import Probed, probe_with, probing_run
 from quantdask.search.refine import Refined, mix_bytes, mix_options, refine
 from quantdask.store.run_store import RunStore
 from quantdask.sweepfile.search import SearchRole, SearchSpec
-from quantdask.sweepfile.sweep import Job, Sweep, make_job
+from quantdask.sweepfile.sweep import Job, Sweep, expand_grid, make_job
 
 log = logging.getLogger(LOG_CHANNEL)
 
@@ -46,11 +46,7 @@ def run_searches(sweep: Sweep, store: RunStore, client: Client,
     ``probe_runs.ProbeFailed`` when a task failed past the sweep's retries."""
     watch = watch or StageWatch()
     jobs: list[Job] = []
-    for search in sweep.searches:  # what the sweep file, the shapes and the tokenizer refuse
-        model_jobs = [job for job in placed or [] if job.model.label == search.model]
-        if model_jobs:
-            check_budget_from_shapes(sweep, search, model_facts(model_jobs[0]))
-        check_windows(sweep, search)
+    check_searches(sweep)  # a library caller may not have asked before
     for search in sweep.searches:
         baseline = next((job for job in placed or [] if job.is_baseline
                          and job.model.label == search.model), None)
@@ -78,6 +74,17 @@ def run_searches(sweep: Sweep, store: RunStore, client: Client,
         if watch.progress is not None:
             watch.progress.search_finished(search.name, len(verifying))
     return jobs
+
+
+def check_searches(sweep: Sweep) -> None:
+    """Refuse what the sweep file, the model's shapes and its tokenizer rule out for each
+    search (``search.pricing``): a budget below the least the shapes allow, windows the
+    calibration text cannot fill."""
+    baselines = {job.model.label: job for job in expand_grid(sweep) if job.is_baseline}
+    for search in sweep.searches:
+        if search.model in baselines:
+            check_budget_from_shapes(sweep, search, model_facts(baselines[search.model]))
+        check_windows(sweep, search)
 
 
 def check_budgets(sweep: Sweep, search: SearchSpec, probed: Probed) -> None:
