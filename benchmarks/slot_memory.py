@@ -73,12 +73,23 @@ def vocab_model(directory: Path) -> Path:
     return directory
 
 
-def sweep_of(name: str, path: str, stream: str):
+def sweeps_of(name: str, path: str, stream: str) -> list[tuple[str, object]]:
+    """(run directory suffix, sweep) of each run of ``name``: one sweep of ``CONFIGS``, or on
+    ``vocab`` resident one sweep per backend of ``EVERY_BACKEND``, each on a fresh slot (the
+    first job of its backend there: a library a job imports stays in its worker)."""
+    if name != "vocab" or stream != "never":
+        return [("", sweep_of(name, path, stream))]
+    return [(f"-{n}", sweep_of(name, path, stream, [config]))
+            for n, config in enumerate(EVERY_BACKEND)]
+
+
+def sweep_of(name: str, path: str, stream: str, configs: list | None = None):
     import quantdask as qd
     from quantdask.demo_model import DEMO_EVAL_TEXT
     from quantdask.sweepfile.settings import CalibrationSettings
 
-    configs = EVERY_BACKEND if name == "vocab" and stream == "never" else CONFIGS
+    configs = configs or CONFIGS
+    calibrated = any(b in ("gptq", "awq", "autoround") for b, _ in configs)
     blocks: dict[str, list[dict]] = {}
     for backend, options in configs:
         blocks.setdefault(backend, []).append(options)
@@ -88,7 +99,7 @@ def sweep_of(name: str, path: str, stream: str):
                                          batch_size=4), retries=0, stream=stream,
                     calibration=CalibrationSettings(text=DEMO_EVAL_TEXT, samples=8,
                                                     seq_len=128)
-                    if configs is EVERY_BACKEND else None)
+                    if calibrated else None)
 
 
 def estimates(sweep) -> dict[str, dict[str, int]]:
@@ -117,8 +128,9 @@ def estimates(sweep) -> dict[str, dict[str, int]]:
     return out
 
 
-COVERS = {"quantize": ("load", "quantize", "check_coverage", "layer_weights"),
-          "score": ("score",),
+COVERS = {"quantize": ("load", "quantize", "check_coverage", "layer_weights", "load_gguf",
+                       "quantize_gguf_phase", "gguf_covered"),
+          "score": ("score", "score_in_llama_cpp"),
           "stream": ("load_streamed", "stream")}
 """The phases frame's phases each estimated phase stands for: a resident job's quantize figure
 covers every phase that holds its model before the forward passes (coverage reads every
@@ -161,26 +173,26 @@ def run(models_: dict[str, str], directory: Path, limit: str, reuse: bool) -> li
     rows = []
     for path_name, stream in PATHS.items():
         for name, path in models_.items():
-            sweep = sweep_of(name, path, stream)
-            run_dir = directory / f"run-{name}-{path_name}"
-            if not reuse:
-                with qd.start_cluster(workers=1, memory_limit=limit) as cluster:
-                    info = cluster.client.scheduler_info(n_workers=-1)["workers"]
-                    slot = SlotMemory.from_metric(next(iter(info.values()))["metrics"][METRIC])
-                    assert slot is not None, "the slot reports its memory"
-                    qd.run_sweep(sweep, run_dir, cluster.client)
-                (run_dir / "slot.json").write_text(json.dumps(slot.as_metric()))
-            slot = SlotMemory(**json.loads((run_dir / "slot.json").read_text()))
-            results = qd.read_results(run_dir)
-            assert (results["status"] == "done").all(), results["error_message"].to_list()
-            labels = dict(zip(results["job_id"], results["config_label"], strict=True))
-            estimate, peak = estimates(sweep), measured(run_dir, slot.resting)
-            for job_id, phases in estimate.items():
-                for phase, figure in phases.items():
-                    rows.append({"model": name, "path": path_name, "config": labels[job_id],
-                                 "phase": phase, "estimate": figure,
-                                 "measured": peak[job_id].get(phase), "resting": slot.resting,
-                                 "offered": slot.offered})
+            for suffix, sweep in sweeps_of(name, path, stream):
+                run_dir = directory / f"run-{name}-{path_name}{suffix}"
+                if not reuse and not (run_dir / "slot.json").exists():
+                    with qd.start_cluster(workers=1, memory_limit=limit) as cluster:
+                        info = cluster.client.scheduler_info(n_workers=-1)["workers"]
+                        slot = SlotMemory.from_metric(next(iter(info.values()))["metrics"][METRIC])
+                        assert slot is not None, "the slot reports its memory"
+                        qd.run_sweep(sweep, run_dir, cluster.client)
+                    (run_dir / "slot.json").write_text(json.dumps(slot.as_metric()))
+                slot = SlotMemory(**json.loads((run_dir / "slot.json").read_text()))
+                results = qd.read_results(run_dir)
+                assert (results["status"] == "done").all(), results["error_message"].to_list()
+                labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+                estimate, peak = estimates(sweep), measured(run_dir, slot.resting)
+                for job_id, phases in estimate.items():
+                    for phase, figure in phases.items():
+                        rows.append({"model": name, "path": path_name, "config": labels[job_id],
+                                     "phase": phase, "estimate": figure,
+                                     "measured": peak[job_id].get(phase), "resting": slot.resting,
+                                     "offered": slot.offered})
     return rows
 
 
@@ -215,8 +227,10 @@ def main() -> None:
                         help="the measured side from the last run's directories; estimate only")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    for old in [] if args.reuse else args.dir.glob("run-*"):  # placement learns from none
-        shutil.rmtree(old)
+    # placement learns from none; a run already finished (its slot.json) is kept
+    for old in [] if args.reuse else args.dir.glob("run-*"):
+        if not (old / "slot.json").exists():
+            shutil.rmtree(old)
     rows = run(models(args.dir, args.models.split(",")), args.dir, args.limit, args.reuse)
     sys.exit(0 if show(rows) else 1)
 

@@ -222,3 +222,27 @@ def pytest_runtest_protocol(item, nextitem):
         with open(_TEST_SPANS, "a", encoding="utf-8") as spans:
             spans.write(json.dumps({"pid": os.getpid(), "test": item.nodeid, "start": started,
                                     "end": time.time()}) + "\n")
+
+
+def write_generate_task(folder: Path, questions: int = 12) -> list[dict]:
+    """demo_facts' first ``questions`` as a generate_until task ``demo_generate`` in
+    ``folder``/gen (stop at '.' or ',', 4 new tokens, exact match); its documents."""
+    import json
+
+    from quantdask.demo_model import DEMO_TASKS_DIR
+
+    task = folder / "gen"
+    task.mkdir(parents=True, exist_ok=True)
+    docs = [json.loads(line) for line in Path(DEMO_TASKS_DIR, "demo_facts", "demo_facts.jsonl")
+            .read_text().splitlines()][:questions]
+    (task / "gen.jsonl").write_text("".join(
+        json.dumps({"query": d["query"], "answer": d["choices"][d["gold"]]}) + "\n"
+        for d in docs))
+    (task / "gen.yaml").write_text(
+        "task: demo_generate\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        "    test: gen.jsonl\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{query}}'\ndoc_to_target: ' {{answer}}'\n"
+        "generation_kwargs:\n  until: ['.', ',']\n  max_new_tokens: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n"
+        "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    return docs

@@ -20,7 +20,7 @@ from quantdask.sweepfile.gates import GATE_METRICS, Gate, gate_columns, parse_ga
 from quantdask.sweepfile.sweep import expand_grid
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.sweepfile.tasks import TaskSettings
-from tests.conftest import sweep_dict
+from tests.conftest import sweep_dict, write_generate_task
 from tests.kl_models import REALISTIC_EVAL_TEXT, REALISTIC_MODEL, flat_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -386,20 +386,7 @@ def test_generated_answers_count_prompts_cut_to_fit_the_new_tokens(tmp_path, mon
 
     from quantdask.measure.tasks import evaluate_tasks
 
-    task = tmp_path / "gen"
-    task.mkdir()
-    docs = [json.loads(line) for line in
-            Path(DEMO_TASKS_DIR, "demo_facts", "demo_facts.jsonl").read_text().splitlines()][:12]
-    (task / "gen.jsonl").write_text("".join(
-        json.dumps({"query": d["query"], "answer": d["choices"][d["gold"]]}) + "\n"
-        for d in docs))
-    (task / "gen.yaml").write_text(
-        "task: demo_generate\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        "    test: gen.jsonl\ntest_split: test\noutput_type: generate_until\n"
-        "doc_to_text: '{{query}}'\ndoc_to_target: ' {{answer}}'\n"
-        "generation_kwargs:\n  until: ['.', ',']\n  max_new_tokens: 4\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n"
-        "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    docs = write_generate_task(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     lengths = [len(tokenizer(d["query"])["input_ids"]) for d in docs]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from quantdask.backends.base import (
     Backend,
+    HostWork,
     Sizing,
     missing_library,
     named_in,
@@ -153,7 +154,8 @@ autoround_backend = Backend(
     options=AutoRoundOptions,
     label=config_label,
     check=check_autoround,
-    sizing=Sizing(selects=selects, weight_bits=weight_bits),
+    sizing=Sizing(selects=selects, weight_bits=weight_bits,
+                  host_work=lambda options: HostWork(imports=266 * 2**20)),
     capabilities=(
         Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
         Lacks(Searchable, "AutoRound tunes each decoder block's rounding on the activations "

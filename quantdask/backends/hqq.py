@@ -210,7 +210,7 @@ hqq_backend = Backend(
     # On a CPU slot HQQ's optimizer works on float copies of each layer's weights, and its
     # quantized layers are counted here too (benchmarks/slot_memory.py).
     sizing=Sizing(selects=selects, weight_bits=weight_bits,
-                  host_work=lambda options: HostWork(3.5, 1.5, 5.5)),
+                  host_work=lambda options: HostWork(3.5, 1.5, 5.5, imports=112 * 2**20)),
     # Not Savable: layer-by-layer HQQLinear models have no from_pretrained format.
     capabilities=(Dequantizes(dequantize_layer), ModuleAlone(quantize_module),
                   Searchable(MODULE_KEYS, unexported_why=(

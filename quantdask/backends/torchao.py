@@ -11,6 +11,7 @@ from pathlib import Path
 
 from quantdask.backends.base import (
     Backend,
+    HostWork,
     Sizing,
     missing_library,
     named_in,
@@ -296,7 +297,8 @@ torchao_backend = Backend(
     options=TorchaoOptions,
     label=config_label,
     check=check_torchao,
-    sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes),
+    sizing=Sizing(selects=selects, weight_bits=weight_bits, stored_bytes=stored_bytes,
+                  host_work=lambda options: HostWork(imports=84 * 2**20)),
     capabilities=(Dequantizes(dequantize_layer), Savable(),
                   ModuleAlone(quantize_module), Searchable(
                       MODULE_KEYS, export=export_mix,

@@ -5,7 +5,7 @@ Install with ``pip install 'quantdask[gguf]'`` then ``quantdask gguf-setup``."""
 from __future__ import annotations
 
 from quantdask.backends import Backend, register_backend
-from quantdask.backends.base import missing_library
+from quantdask.backends.base import HostWork, Sizing, missing_library
 from quantdask.backends.capabilities import (
     Calibrated,
     Dequantizes,
@@ -46,6 +46,9 @@ def _no_torch_model(source, options, device):
 gguf_backend = register_backend(Backend(
     name="gguf", quantize=_no_torch_model, options=GgufOptions,
     label=_label, check=_check,
+    # llama-cpp-python and gguf-py's imports, and a header's parsed vocabulary, which a
+    # job keeps until it ends (about 1.5 KiB a token)
+    sizing=Sizing(host_work=lambda options: HostWork(imports=32 * 2**20)),
     capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module, KEPT),

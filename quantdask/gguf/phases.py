@@ -3,10 +3,10 @@ that its GGUF jobs depend on, the file cached on its machine), then quantized by
 quantizer, its tensors' types read back, and scored in llama.cpp's runtime into the same
 quality meter every job fills, against the same torch reference.
 
-Generation speed is timed in llama.cpp at batch size 1 (``gguf.speed``); the artifact is the
-``.gguf`` file itself (``keep_gguf``). Task accuracy and larger batches are not measured in
-llama.cpp yet: a GGUF job says so (``runtime_skipped``, and its tasks' ``tasks_error``), never
-records them as done."""
+The sweep's lm-eval tasks are answered in llama.cpp too (``gguf.tasks_lm``). Generation speed
+is timed in llama.cpp at batch size 1 (``gguf.speed``); the artifact is the ``.gguf`` file
+itself (``keep_gguf``). Larger batches are not measured in llama.cpp yet: a GGUF job says so
+(``runtime_skipped``), never records them as done."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from quantdask.job.phases import (
     covered_record,
     need,
     score,
+    tasks_scored,
 )
 from quantdask.measure.calibration import Calibration
 from quantdask.measure.coverage import Coverage
@@ -46,8 +47,6 @@ from quantdask.records import (
 )
 
 log = logging.getLogger("quantdask.job")
-
-NOT_YET = "a GGUF job's task accuracy is not measured in llama.cpp yet"
 
 
 def load_gguf(run: JobContext, made: Made) -> tuple[Made, Loaded]:
@@ -136,12 +135,12 @@ def runtime_name(cuda: bool) -> str:
 
 
 def _skipped(run: JobContext) -> str | None:
+    """What the job's sweep asks that llama.cpp does not measure here (null: nothing)."""
     speed = run.job.speed
-    asked = [what for what, wanted in (
-        ("task accuracy", run.job.tasks is not None),
-        ("generation speed at batch sizes above 1 (llama-cpp-python decodes one sequence)",
-         speed is not None and any(b > 1 for b in speed.batch_sizes))) if wanted]
-    return f"{', '.join(asked)}: not measured in llama.cpp yet" if asked else None
+    if speed is not None and any(b > 1 for b in speed.batch_sizes):
+        return ("generation speed at batch sizes above 1 (llama-cpp-python decodes one "
+                "sequence): not measured in llama.cpp yet")
+    return None
 
 
 def gguf_coverage(path: str | os.PathLike, types: dict[str, str]) -> Coverage:
@@ -258,11 +257,26 @@ def time_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Speed | None]:
     return made, Speed(run.watch.seconds["speed"], speed=rows)
 
 
-def gguf_skipped(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
-    """A GGUF job's task phase: skipped with the reason when the sweep has tasks."""
-    if run.job.tasks is None:
+def score_tasks_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
+    """The sweep's lm-eval tasks answered by the GGUF in llama.cpp (``gguf.tasks_lm``), with
+    the torch baseline's scores beside each, as every job's are (``job.phases.tasks_scored``)."""
+    tasks = run.job.tasks
+    if tasks is None:
         return made, None
-    return made, TaskScores(0.0, 0, 0, 0, tasks_error=f"not scored: {NOT_YET}")
+    from quantdask.gguf.tasks_lm import llama_cpp_lm
+    from quantdask.measure.tasks import evaluate_lm
+
+    source = need(made.source, "source")
+
+    def evaluate():
+        lm = llama_cpp_lm(need(made.runtime_model, "runtime_model"), source.tokenizer,
+                          source.config, _device(run), tasks.max_length)
+        try:
+            return evaluate_lm(lm, tasks)
+        finally:
+            lm.close()
+
+    return made, tasks_scored(run, evaluate)
 
 
 def _importance(run: JobContext, base: Path, calibration: Calibration) -> dict:
@@ -311,7 +325,16 @@ def _scratch():
         yield folder
 
 
+def readers_forgotten(run: JobContext, made: Made) -> tuple[Made, None]:
+    """The last phase: the headers this job parsed go (``source.forget_readers``), so the
+    next job on the slot does not hold them."""
+    from quantdask.gguf.source import forget_readers
+
+    forget_readers()
+    return made, None
+
+
 GGUF_PHASES: tuple[Phase, ...] = (load_gguf, quantize_gguf_phase, gguf_covered,
-                                  score_in_llama_cpp, gguf_skipped, time_in_llama_cpp,
-                                  keep_gguf)
+                                  score_in_llama_cpp, score_tasks_in_llama_cpp, time_in_llama_cpp,
+                                  keep_gguf, readers_forgotten)
 """What a GGUF job does, in order."""

@@ -275,13 +275,22 @@ def score_tasks(run: JobContext, made: Made) -> tuple[Made, TaskScores | None]:
                                 task_items=baseline.items if baseline else [])
     from quantdask.measure.tasks import evaluate_tasks
 
+    return made, tasks_scored(run, lambda: evaluate_tasks(
+        need(made.model, "model"), need(made.source, "source").tokenizer, tasks))
+
+
+def tasks_scored(run: JobContext, evaluate: Callable[[], tuple[list, list]]) -> TaskScores:
+    """A quantized job's task phase: ``evaluate()`` (its tasks frame's rows and task items,
+    in whatever runtime the job runs) timed and its peaks measured, each row with the
+    baseline's score and the recovery beside it."""
+    baseline = run.reference.tasks
+    error = (baseline.error if baseline is not None
+             else "its model's reference carries no baseline task scores")
     with run.watch("tasks"), PeakMemory(run.cuda) as peak:
-        rows, items = evaluate_tasks(need(made.model, "model"),
-                                     need(made.source, "source").tokenizer, tasks)
+        rows, items = evaluate()
     scored = with_baseline(rows, run.reference.baseline_tasks, error)
-    return made, TaskScores(run.watch.seconds["tasks"], peak.peak_device_bytes,
-                            peak.peak_rss_bytes, truncated_total(scored), tasks=scored,
-                            task_items=items)
+    return TaskScores(run.watch.seconds["tasks"], peak.peak_device_bytes, peak.peak_rss_bytes,
+                      truncated_total(scored), tasks=scored, task_items=items)
 
 
 def time_generation(run: JobContext, made: Made) -> tuple[Made, Speed | None]:

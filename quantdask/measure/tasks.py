@@ -38,16 +38,16 @@ BOOTSTRAP_ITERS = 1000
 accuracy's, is analytic)."""
 
 
-class _EncodesEachStringOnce:
-    """For lm-eval's ``HFLM``: inside ``encoding_once()`` each string is tokenized once. Within
-    one loglikelihood call each pair is encoded twice (by ``TruncationAwareLM``, to note the
-    cuts, then by lm-eval) and a question's context once per choice (the demo task's phase:
-    1.26 s to 1.12 s of CPU)."""
+class EncodesEachStringOnce:
+    """For an lm-eval LM (``HFLM``, ``gguf.tasks_lm``): inside ``encoding_once()`` each string is
+    tokenized once. Within one loglikelihood call each pair is encoded twice (by
+    :class:`NotesCutPrompts`, to note the cuts, then by lm-eval) and a question's context once
+    per choice (the demo task's phase: 1.26 s to 1.12 s of CPU)."""
 
     _encodings: dict[tuple, list[int]] | None = None
 
     def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None, **kwargs):
-        encode = super().tok_encode  # type: ignore[misc]  # HFLM's, after this in the MRO
+        encode = super().tok_encode  # type: ignore[misc]  # the LM's, after this in the MRO
         if self._encodings is None or kwargs:
             return encode(string, add_special_tokens, left_truncate_len, **kwargs)
         key = (string, add_special_tokens, left_truncate_len)
@@ -64,55 +64,66 @@ class _EncodesEachStringOnce:
             self._encodings = None
 
 
+class NotesCutPrompts:
+    """For an lm-eval LM that cuts as ``HFLM`` does: notes, per task, which samples had a
+    request cut to the model's window (``truncated``: task -> doc ids). Put it before
+    :class:`EncodesEachStringOnce` and the LM in the bases."""
+
+    truncated: dict[str, set[int]]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.truncated = defaultdict(set)
+
+    def _note(self, request, cut: bool) -> None:
+        if cut:
+            self.truncated[request.task_name].add(request.doc_id)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        with self.encoding_once():  # type: ignore[attr-defined]
+            self._note_cut_pairs(requests)
+            return super().loglikelihood(requests, disable_tqdm=True)  # type: ignore[misc]
+
+    def _note_cut_pairs(self, requests) -> None:
+        # The pairs as TemplateLM.loglikelihood encodes them, and the rule of
+        # HFLM._loglikelihood_tokens: context + continuation longer than max_length + 1
+        # tokens loses its left end.
+        lm: Any = self
+        for request in requests:
+            context, continuation = request.args
+            if context:
+                context_enc, continuation_enc = lm._encode_pair(context, continuation)
+            else:
+                continuation_enc = lm.tok_encode(continuation, add_special_tokens=False)
+                context_enc, continuation_enc = (
+                    ([lm.prefix_token_id], continuation_enc)
+                    if lm.prefix_token_id != continuation_enc[0]
+                    else (continuation_enc[:1], continuation_enc[1:]))
+            self._note(request, len(context_enc) + len(continuation_enc) > lm.max_length + 1)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        # HFLM.generate_until keeps the last max_length - max_gen_toks tokens of a prompt.
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        lm: Any = self
+        for request in requests:
+            context, gen_kwargs = request.args
+            new_tokens = normalize_gen_kwargs(dict(gen_kwargs), lm.max_gen_toks)
+            room = lm.max_length - new_tokens["max_gen_toks"]
+            self._note(request, len(lm.tok_encode(context)) > room)
+        return super().generate_until(requests, disable_tqdm=True)  # type: ignore[misc]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        # Rolling windows cover a long document whole: nothing is cut.
+        return super().loglikelihood_rolling(requests, disable_tqdm=True)  # type: ignore[misc]
+
+
 def _truncation_aware_lm():
     """``HFLM`` that notes, per task, which samples lm-eval cuts to fit the model's window."""
     from lm_eval.models.huggingface import HFLM
 
-    class TruncationAwareLM(_EncodesEachStringOnce, HFLM):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.truncated: dict[str, set[int]] = defaultdict(set)
-
-        def _note(self, request, cut: bool) -> None:
-            if cut:
-                self.truncated[request.task_name].add(request.doc_id)
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            with self.encoding_once():
-                self._note_cut_pairs(requests)
-                return super().loglikelihood(requests, disable_tqdm=True)
-
-        def _note_cut_pairs(self, requests) -> None:
-            # The pairs as TemplateLM.loglikelihood encodes them, and the rule of
-            # HFLM._loglikelihood_tokens: context + continuation longer than max_length + 1
-            # tokens loses its left end.
-            for request in requests:
-                context, continuation = request.args
-                if context:
-                    context_enc, continuation_enc = self._encode_pair(context, continuation)
-                else:
-                    continuation_enc = self.tok_encode(continuation, add_special_tokens=False)
-                    context_enc, continuation_enc = (
-                        ([self.prefix_token_id], continuation_enc)
-                        if self.prefix_token_id != continuation_enc[0]
-                        else (continuation_enc[:1], continuation_enc[1:]))
-                self._note(request, len(context_enc) + len(continuation_enc)
-                           > self.max_length + 1)
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            # HFLM.generate_until keeps the last max_length - max_gen_toks tokens of a prompt.
-            from lm_eval.models.utils import normalize_gen_kwargs
-
-            for request in requests:
-                context, gen_kwargs = request.args
-                new_tokens = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
-                room = self.max_length - new_tokens["max_gen_toks"]
-                self._note(request, len(self.tok_encode(context)) > room)
-            return super().generate_until(requests, disable_tqdm=True)
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            # Rolling windows cover a long document whole: nothing is cut.
-            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+    class TruncationAwareLM(NotesCutPrompts, EncodesEachStringOnce, HFLM):
+        pass
 
     return TruncationAwareLM
 
@@ -122,6 +133,16 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings
     """The tasks frame's rows for ``model`` (a transformers causal LM, on its device), and
     the task items frame's (each question's score): ``simple_evaluate`` over ``settings``'
     tasks, batched, seeded, offline."""
+    with _offline_and_quiet():
+        lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
+                                    batch_size=settings.batch_size,
+                                    max_length=settings.max_length)
+    return evaluate_lm(lm, settings)
+
+
+def evaluate_lm(lm: Any, settings: TaskSettings) -> tuple[list[TaskRow], list[TaskItemRow]]:
+    """:func:`evaluate_tasks` on an lm-eval LM that notes its cut prompts
+    (:class:`NotesCutPrompts`): ``HFLM``'s, or llama.cpp's (``gguf.tasks_lm``)."""
     import lm_eval
     import lm_eval.utils
 
@@ -132,9 +153,6 @@ def evaluate_tasks(model, tokenizer, settings: TaskSettings
     # scoring draw nothing): it runs beside other seeding calls, never while a packed job's
     # library draws from the global ones (quantdask.randomness).
     with _offline_and_quiet(), global_generators():
-        lm = _truncation_aware_lm()(pretrained=model, tokenizer=tokenizer,
-                                    batch_size=settings.batch_size,
-                                    max_length=settings.max_length)
         results = lm_eval.simple_evaluate(
             model=lm, tasks=settings.specs(), task_manager=settings.manager(),
             num_fewshot=settings.num_fewshot, limit=settings.limit,

@@ -21,9 +21,10 @@ On a CPU slot (``host``) the device is the host, and what counts is what the job
 worker process's RSS (its nanny's measure; the slot's own resting memory is taken off what it
 offers, ``process.slot_memory``): the checkpoint's pages the job maps and reads (and a
 converted copy when the job loads it in another dtype), the quantized weights beside them, the
-phase's figure above, and the backend's working memory (``Sizing.host_work``, in decoder
-layers). A streamed job there holds the weights outside the layers, the hidden states, the
-eval's logits, and the backend's streamed working memory in layers.
+phase's figure above, the backend's working memory (``Sizing.host_work``, in decoder
+layers) and what importing its library adds (its first job on the slot pays it). A streamed
+job there holds the weights outside the layers, the hidden states, the eval's logits, and the
+backend's streamed working memory in layers.
 
 The demo baseline under a speed batch of 8 x (96 + 32) tokens:
 
@@ -155,7 +156,7 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job, facts: ModelFac
     if host:
         read, quantized = host_weights(backend, options, facts)
         work, layer = get_backend(backend).sizing.host(options), layer_bytes(facts)
-        weights = read + quantized
+        weights = read + quantized + work.imports  # (its first job on the slot imports it)
         working = {QUANTIZE: work.quantize * layer, SCORE: work.forward * layer}
     phases = {QUANTIZE: int(weights + working[QUANTIZE]),
               SCORE: int(weights + working[SCORE] + score_logits(job, facts, host))}

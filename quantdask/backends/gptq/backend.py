@@ -29,6 +29,7 @@ from typing import Any
 
 from quantdask.backends.base import (
     Backend,
+    HostWork,
     ModelFacts,
     SavedQuantized,
     Sizing,
@@ -207,11 +208,30 @@ def _fit_and_save(wrapped, calibration, extra: dict, scratch: str, export: str) 
     windows = calibration.windows
     wrapped.model.seqlen = windows.size(1)
     # (alone among the worker's jobs: global_generators holds the others' tuning)
-    with global_generators(draws=True), calibration.measure(), \
-            logs_in(os.path.join(scratch, "logs")):
-        # Every window counts (it drops those of 10 tokens or fewer by default).
-        wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
+    try:
+        with global_generators(draws=True), calibration.measure(), \
+                logs_in(os.path.join(scratch, "logs")):
+            # Every window counts (it drops those of 10 tokens or fewer by default).
+            wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
+    finally:
+        _forget_stop_forward()
     wrapped.save(export)  # as quantized: the checkpoint's own layout
+
+
+GPTQMODEL_WORK = HostWork(imports=338 * 2**20)
+"""GPTQ's and AWQ's jobs on a CPU slot: gptqmodel's import, and the default working memory."""
+
+
+def _forget_stop_forward() -> None:
+    """gptqmodel ends each capture pass by raising one module-level ``StopForward``, whose
+    traceback then keeps the frames of its last raise, and through their callers this job's
+    model and its float weights, alive after the job: 600 MiB of a 172 MB checkpoint with a
+    151,936-token vocabulary stayed in the worker (benchmarks/RESULTS.md section 18.1)."""
+    from gptqmodel.nn_modules import hooked_linear
+
+    stop = getattr(hooked_linear, "STOP_FORWARD_EXCEPTION", None)
+    if isinstance(stop, BaseException):
+        stop.__traceback__ = stop.__context__ = stop.__cause__ = None
 
 
 def _quantize(method: str, source, options, device: str, calibration):
@@ -314,7 +334,7 @@ gptq_backend = Backend(
     options=GptqOptions,
     label=gptq_label,
     check=_check("gptq"),
-    sizing=Sizing(selects=selects),
+    sizing=Sizing(selects=selects, host_work=lambda options: GPTQMODEL_WORK),
     capabilities=(
         Calibrated(), Dequantizes(dequantize_gptq_layer), Savable(load=load_saved),
         StreamedFit(quantize_gptq_streamed, families=GPTQ_STREAMED_FAMILIES),
@@ -331,7 +351,7 @@ awq_backend = Backend(
     options=AwqOptions,
     label=awq_label,
     check=_check("awq"),
-    sizing=Sizing(selects=selects),
+    sizing=Sizing(selects=selects, host_work=lambda options: GPTQMODEL_WORK),
     capabilities=(
         Calibrated(), Dequantizes(dequantize_packed_layer), Savable(load=load_saved),
         Lacks(Searchable, CALIBRATED_ALONE), Lacks(StreamedFit, AWQ_NOT_STREAMED),
