@@ -250,3 +250,35 @@ def test_slots_that_leave_jobs_nothing_are_refused_not_waited_on():
         _check_offers({"w0": starved, "w1": starved})
     _check_offers({"w0": starved, "w1": SlotMemory.of(2**31, 0.95, 640 * 2**20)})  # one has room
     _check_offers({})  # GPU workers: no CPU slot
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_estimate_covers_the_peak_on_a_bf16_checkpoint_with_a_large_vocabulary(tmp_path):
+    """Issue 70: a bfloat16 checkpoint with Qwen2's 151,936-token vocabulary, tied (its
+    embedding most of its weights, which no backend quantizes): on a fresh CPU slot, each
+    job's estimate for each phase, as placement makes it with no earlier run, is at least
+    what the phase added to the worker (its peak RSS less the slot's resting memory).
+    benchmarks/slot_memory.py runs every backend on a larger one (RESULTS.md section 18.1)."""
+    import json
+
+    from benchmarks.slot_memory import estimates, measured, sweep_of
+    from quantdask.process.slot_memory import METRIC
+    from tests.gguf_models import large_vocab_model
+
+    folder = large_vocab_model(tmp_path / "vocab", hidden=256, ffn=512, layers=2)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    sweep = sweep_of("vocab", str(folder), "never",
+                     [("bitsandbytes", {"bits": 4}), ("hqq", {"bits": 4})])
+    with start_cluster(workers=1, memory_limit="3GiB") as cluster:
+        info = cluster.client.scheduler_info(n_workers=-1)["workers"]
+        slot = SlotMemory.from_metric(next(iter(info.values()))["metrics"][METRIC])
+        results = run_sweep(sweep, tmp_path / "run", cluster.client)
+    assert set(results["status"]) == {"done"}, results["error_message"].to_list()
+    peaks, figures = measured(tmp_path / "run", slot.resting), estimates(sweep)
+    labels = dict(zip(results["job_id"], results["config_label"], strict=True))
+    short = [(labels[job], phase, figure, peaks[job][phase])
+             for job, phases in figures.items() for phase, figure in phases.items()
+             if figure < peaks[job][phase]]
+    assert short == [], short
+    assert len(figures) == 3 and all(len(phases) == 2 for phases in figures.values())
