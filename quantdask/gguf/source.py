@@ -122,7 +122,6 @@ def read_gguf(path: str | os.PathLike):
     return reader
 
 
-
 def forget_readers() -> None:
     """Let the kept readers go: a header's parsed vocabulary is Python objects, per token,
     about 200 MiB for a 151,936-token vocabulary, that stayed in the worker, which its nanny
