@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
-import math
 import os
 import re
 import threading
@@ -26,6 +25,7 @@ from quantdask.run.sweep import run_sweep
 from quantdask.store.readers import read_attempts, read_results
 from quantdask.sweepfile.sweep_file import sweep_from_dict
 from tests.conftest import sweep_dict, with_slow_jobs
+from tests.test_placement import NF4_ESTIMATE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -288,7 +288,7 @@ def test_plan_json_before_anything_ran(write_sweep, tmp_path, capsys):
     # By hand: the 3,482,128-byte float32 checkpoint, the eval's logits 8 x 32 x 320 vocab x
     # 4 bytes x 3 copies = 983,040, and 20% headroom.
     assert memory["baseline"] == int((3_482_128 + 983_040) * 1.2)
-    assert memory["nf4"] == int(int(3_482_128 * 4.5 / 32 + 983_040) * 1.2)  # 4 bits + absmax/64
+    assert memory["nf4"] == NF4_ESTIMATE  # its linears at 4 bits + absmax/64, the rest as loaded
     # torchao loads the whole model onto the device and then quantizes it: the baseline's peak.
     assert memory["ao int4wo g256"] == memory["baseline"]
     assert plan["counts"] == {"to run": 2, "finished": 0, "unsupported": 1}
@@ -317,18 +317,14 @@ def test_plan_estimates_from_earlier_runs(one_worker, write_sweep, tmp_path, cap
     # fp4's own figure by config (as nf4's), scaled as the two measured peaks compare with theirs.
     assert jobs["fp4"]["memory_from"] == "config, scaled by 2 measured peaks of this model"
     # The rule (README, "Placement by device memory"), by hand: a config's figure is its weights
-    # at its bits (the float32 checkpoint's bytes x bits / 32 for the linear layers it quantizes,
-    # all but the head; 4-bit: 4 bits + a float32 absmax per 64 weights; the rest as loaded)
-    # plus the eval's logits (batch x seq_len x vocab float32, 3 copies alive); scaled by the
-    # median of (measured peak / own figure) of the jobs that ran; plus 20%.
-    from safetensors import safe_open
-
+    # at its bits (the float32 checkpoint's bytes x bits / 32 for the decoder layers; 4-bit: 4
+    # bits + a float32 absmax per 64 weights; the rest as loaded) plus the eval's logits (batch
+    # x seq_len x vocab float32, 3 copies alive); scaled by the median of (measured peak / own
+    # figure) of the jobs that ran; plus 20%.
+    config = json.loads(Path(DEMO_MODEL_DIR, "config.json").read_text())
     checkpoint = os.path.getsize(os.path.join(DEMO_MODEL_DIR, "model.safetensors"))
-    with safe_open(os.path.join(DEMO_MODEL_DIR, "model.safetensors"), "pt") as tensors:
-        sizes = {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
-    quantized = sum(math.prod(shape) for name, shape in sizes.items()
-                    if "layers." in name and "proj" in name) / sum(
-        math.prod(shape) for shape in sizes.values())
+    # the embedding and the untied head, float32, stay as loaded
+    quantized = 1 - 2 * config["vocab_size"] * config["hidden_size"] * 4 / checkpoint
     vocab = json.loads(Path(DEMO_MODEL_DIR, "config.json").read_text())["vocab_size"]
     logits = first["eval"]["batch_size"] * first["eval"]["seq_len"] * vocab * 4 * 3
     figure = {"baseline": int(checkpoint + logits),

@@ -31,7 +31,11 @@ from quantdask.sweepfile.sweep_file import sweep_from_dict
 from quantdask.util import format_bytes
 
 BASELINE_ESTIMATE = int((3_482_128 + 983_040) * 1.2)  # see test_operator's plan test
-NF4_ESTIMATE = int(int(3_482_128 * 4.5 / 32 + 983_040) * 1.2)
+# nf4's figure: the decoder layers at 4.5 bits (an absmax per 64), the embedding and the
+# untied head (2 x 320 x 128 float32 weights, 327,680 bytes) as loaded
+NF4_SHARE = 1 - 327_680 / 3_482_128
+NF4_WEIGHTS = 3_482_128 * (NF4_SHARE * 4.5 / 32 + 1 - NF4_SHARE)
+NF4_ESTIMATE = int(int(NF4_WEIGHTS + 983_040) * 1.2)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,10 +118,10 @@ def test_a_job_that_ran_within_a_worker_is_not_refused_for_the_headroom(advertis
     assert placement.jobs[0].device_memory_bytes == 3_000_000
     # nf4 never ran: its config's figure, scaled as the baseline's peak compares with its own.
     scaled = estimate_device_memory(nf4, quantdask.plan.placement.ModelFacts(
-        {}, 3_482_128, False, 32, 32, 320), done)
+        {}, 3_482_128, False, 32, 32, 320, hidden_size=128), done)
     assert scaled.basis == "config, scaled by 1 measured peaks of this model"
     assert placement.jobs[1].device_memory_bytes == scaled.bytes
-    assert scaled.bytes == int(int(3_482_128 * 4.5 / 32 + 983_040) * (peak / 4_465_168) * 1.2)
+    assert scaled.bytes == int(int(NF4_WEIGHTS + 983_040) * (peak / 4_465_168) * 1.2)
 
 
 def test_without_advertised_memory_jobs_ask_for_a_gpu_share_only(advertising, caplog):
@@ -242,7 +246,7 @@ def test_peaks_measured_without_a_phase_do_not_scale_its_figure_down():
     scaled = estimate_device_memory(nf4, facts, done, phases)
     assert scaled.basis == "config, scaled by 1 measured peaks of this model"
     assert scaled.peak_phase == "time_generation"
-    assert scaled.bytes == int(int(CHECKPOINT * 4.5 / 32 + kv_cache_bytes(512, 128)
+    assert scaled.bytes == int(int(NF4_WEIGHTS + kv_cache_bytes(512, 128)
                                    + 512 * DEMO_CONFIG["vocab_size"] * 12) * 1.2)
     # Its own measured peak: the phase that set it, from the phases frame.
     own = estimate_device_memory(earlier, facts, done, phases.with_columns(

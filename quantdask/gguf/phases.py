@@ -188,6 +188,17 @@ def score_in_llama_cpp(run: JobContext, made: Made) -> tuple[Made, Scored]:
 
 
 def keep_gguf(run: JobContext, made: Made) -> tuple[Made, Artifact | None]:
+    """The job's last phase (``kept_gguf``); then the headers the job parsed go
+    (``source.forget_readers``), so the next job on the slot does not hold them."""
+    from quantdask.gguf.source import forget_readers
+
+    try:
+        return kept_gguf(run, made)
+    finally:
+        forget_readers()
+
+
+def kept_gguf(run: JobContext, made: Made) -> tuple[Made, Artifact | None]:
     """The ``.gguf`` file as the job's artifact (``<to>/<job_id>/model-<TYPE>.gguf``), and with
     ``verify: true`` the file as kept loaded in llama.cpp again and scored on the first eval
     windows: ``reload_kl_delta`` against the score phase's KL on them. A failure is the
@@ -325,16 +336,7 @@ def _scratch():
         yield folder
 
 
-def readers_forgotten(run: JobContext, made: Made) -> tuple[Made, None]:
-    """The last phase: the headers this job parsed go (``source.forget_readers``), so the
-    next job on the slot does not hold them."""
-    from quantdask.gguf.source import forget_readers
-
-    forget_readers()
-    return made, None
-
-
 GGUF_PHASES: tuple[Phase, ...] = (load_gguf, quantize_gguf_phase, gguf_covered,
                                   score_in_llama_cpp, score_tasks_in_llama_cpp, time_in_llama_cpp,
-                                  keep_gguf, readers_forgotten)
+                                  keep_gguf)
 """What a GGUF job does, in order."""

@@ -64,9 +64,9 @@ def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> fl
     loaded = loaded_bytes(facts)
     if sizing.weight_bits is None:
         return loaded
-    share = sizing.predicted_share(options, facts)
-    if share is None:  # its modules unknown: all but the tables outside the decoder layers
-        share = 1 - outside_bytes(facts) / loaded if loaded else 1.0
+    # The decoder layers' weights at its bits, the tables outside them as loaded: from the
+    # shapes in config.json alone, the same figure on every path (placement, the plan).
+    share = 1 - outside_bytes(facts) / loaded if loaded else 1.0
     bits = sizing.weight_bits(options, facts.loaded_bits)
     return loaded * (share * bits / facts.loaded_bits + 1 - share)
 
