@@ -55,11 +55,11 @@ LM_EVAL_LENGTH = 2048
 
 
 def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> float:
-    """The weights at their bits at the job's peak: the modules the backend quantizes at its
-    ``weight_bits``, the rest (the embedding, a head it skips) as loaded; all as loaded for a
-    backend that does not quantize. With a large vocabulary the tables it leaves are much of
-    the model: a 1.5B Qwen2's embedding is 15% of its weights, and more than a third of its
-    nf4 job's."""
+    """The weights at their bits at the job's peak: the decoder layers at the backend's
+    ``weight_bits``, the tables outside them (the embedding, an untied head) as loaded; all as
+    loaded for a backend that does not quantize. With a large vocabulary the tables are much
+    of the model: a 1.5B Qwen2's embedding is 15% of its weights, and more than a third of
+    its nf4 job's."""
     sizing = get_backend(backend).sizing
     loaded = loaded_bytes(facts)
     if sizing.weight_bits is None:
