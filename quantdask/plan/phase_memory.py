@@ -22,7 +22,8 @@ worker process's RSS (its nanny's measure; the slot's own resting memory is take
 offers, ``process.slot_memory``): the checkpoint's pages the job maps and reads (and a
 converted copy when the job loads it in another dtype), the quantized weights beside them, the
 phase's figure above, the backend's working memory (``Sizing.host_work``, in decoder
-layers) and what importing its library adds (its first job on the slot pays it). A streamed
+layers), what importing its library adds (its first job on the slot pays it) and the model's
+tokenizer (kept between jobs; a large vocabulary's is tens of MiB). A streamed
 job there holds the weights outside the layers, the hidden states, the eval's logits, and the
 backend's streamed working memory in layers.
 
@@ -52,6 +53,11 @@ LOGIT_COPIES = 3
 """Float32 logits, their log-softmax (or a processed copy), and one temporary, alive at once."""
 LM_EVAL_LENGTH = 2048
 """lm-eval's longest input when neither ``tasks.max_length`` nor the model's config sets one."""
+TOKENIZER_BYTES_PER_TOKEN = 512
+"""A fast tokenizer's resident memory per vocabulary entry, on a CPU slot that loaded it (the
+model's source keeps it between jobs): 333 bytes measured on a 151,936-token BPE
+(tests.gguf_models.large_vocab_model: 48 MiB), rounded up for merges and added tokens.
+A slot's resting memory (``FIRST_JOB_BYTES``) covers a small vocabulary's only."""
 
 
 def weight_bytes(backend: str, options: BackendOptions, facts: ModelFacts) -> float:
@@ -101,6 +107,11 @@ def host_weights(backend: str, options: BackendOptions, facts: ModelFacts) -> tu
     quantized = weight_bytes(backend, options, facts)
     beside = get_backend(backend).sizing.quantizes and quantized < loaded_bytes(facts)
     return read, quantized if beside else 0.0
+
+
+def tokenizer_bytes(facts: ModelFacts) -> int:
+    """The model's tokenizer in a CPU slot's memory (``TOKENIZER_BYTES_PER_TOKEN``)."""
+    return facts.vocab_size * TOKENIZER_BYTES_PER_TOKEN
 
 
 def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
@@ -156,7 +167,8 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job, facts: ModelFac
     if host:
         read, quantized = host_weights(backend, options, facts)
         work, layer = get_backend(backend).sizing.host(options), layer_bytes(facts)
-        weights = read + quantized + work.imports  # (its first job on the slot imports it)
+        # (its first job on the slot imports the library and loads the tokenizer)
+        weights = read + quantized + work.imports + tokenizer_bytes(facts)
         working = {QUANTIZE: work.quantize * layer, SCORE: work.forward * layer}
     phases = {QUANTIZE: int(weights + working[QUANTIZE]),
               SCORE: int(weights + working[SCORE] + score_logits(job, facts, host))}
@@ -181,7 +193,8 @@ def streamed_bytes(job: Job, facts: ModelFacts, host: bool = False) -> int:
     outside = outside_bytes(facts)
     hidden = job.eval.samples * job.eval.seq_len * facts.hidden_size * 4
     layers = get_backend(job.backend).sizing.host(job.options).streamed if host else 2.0
-    passing = outside + layers * layer + hidden + score_logits(job, facts, host, streamed=True)
+    passing = (outside + layers * layer + hidden + score_logits(job, facts, host, streamed=True)
+               + (tokenizer_bytes(facts) if host else 0))
     return int(max(passing, streamed_fit_bytes(job, facts, outside, layer)))
 
 
