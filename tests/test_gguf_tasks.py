@@ -122,13 +122,15 @@ def test_a_quantized_ggufs_choices_are_a_plain_loops(model, tmp_path):
 def test_a_gguf_job_of_a_sweep_records_its_tasks_beside_the_baselines(model, cluster,
                                                                         tmp_path):
     """In a sweep, a GGUF config's tasks are scored in llama.cpp (not skipped): its rows and
-    task items, each beside the torch baseline's score, the recovery, the runtime named."""
+    task items, each beside the torch baseline's score, the recovery, the runtime named; and
+    ``quantdask compare`` pairs two GGUF jobs' task items question for question (the flips
+    counted here from the items themselves)."""
     import quantdask as qd
     from quantdask.sweepfile.sweep_file import sweep_from_dict
 
     sweep = sweep_from_dict({
         "name": "gguf-tasks", "models": [{"name": "gemma", "path": str(model)}],
-        "backends": [{"backend": "gguf", "configs": [{"type": "Q8_0"}]}],
+        "backends": [{"backend": "gguf", "configs": [{"type": "Q8_0"}, {"type": "Q3_K_M"}]}],
         "eval": {"text": str(model / "eval.txt"), "seq_len": 64, "samples": 4,
                  "batch_size": 4},
         "tasks": {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
@@ -145,3 +147,75 @@ def test_a_gguf_job_of_a_sweep_records_its_tasks_beside_the_baselines(model, clu
         assert row["recovery"] is not None or "scored 0" in row["recovery_reason"], row
     items = qd.read_frame(tmp_path / "run", "task_items").filter(job_id=q8["job_id"])
     assert items.height == 2 * QUESTIONS
+    acc = {}
+    for label in ("Q8_0", "Q3_K_M"):
+        job = results.filter(config_label=label)["job_id"].item()
+        rows = qd.read_frame(tmp_path / "run", "task_items").filter(job_id=job, metric="acc")
+        acc[label] = dict(zip(rows["doc_id"], rows["value"], strict=True))
+    compared = qd.compare(tmp_path / "run", tmp_path / "run", pairs={"Q8_0": "Q3_K_M"})
+    row = compared.tasks.filter(config_label="Q8_0", metric="acc").row(0, named=True)
+    assert row["pairing"] == "paired per question" and row["n"] == QUESTIONS
+    assert row["flipped_to_wrong"] == sum(acc["Q8_0"][d] > acc["Q3_K_M"][d] for d in acc["Q8_0"])
+    assert row["flipped_to_right"] == sum(acc["Q8_0"][d] < acc["Q3_K_M"][d] for d in acc["Q8_0"])
+    assert math.isclose(row["diff"], (sum(acc["Q3_K_M"].values())
+                                      - sum(acc["Q8_0"].values())) / QUESTIONS, abs_tol=1e-12)
+
+
+def test_task_refusal_names_what_llama_cpp_cannot_score():
+    """Greedy text tasks are scored; a sampled answer, an image and an output type lm-eval's
+    LM API has beyond text are not, each with its reason."""
+    from quantdask.gguf.tasks_lm import task_refusal
+
+    greedy = {"output_type": "generate_until",
+              "generation_kwargs": {"until": ["\n"], "do_sample": False, "temperature": 0.0}}
+    assert task_refusal(greedy) is None
+    assert task_refusal({"output_type": "multiple_choice"}) is None
+    assert "samples its answers" in task_refusal(
+        {**greedy, "generation_kwargs": {"temperature": 0.7}})
+    assert "gives the model images (doc_to_image)" in task_refusal(
+        {**greedy, "doc_to_image": ["image"]})
+    assert "'generate_until_multimodal' is not one" in task_refusal(
+        {"output_type": "generate_until_multimodal"})
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_task_llama_cpp_cannot_score_is_refused_before_anything_runs(
+        command, model, tmp_path, capsys, monkeypatch):
+    """A tasks block with a sampled task and a GGUF config: exit 2 naming the task and the
+    reason, within seconds, an existing run directory left as it was; the same block without
+    the GGUF config plans."""
+    import time
+
+    import yaml
+
+    from quantdask.cli import main
+
+    write_generate_task(tmp_path / "tasks")
+    task = tmp_path / "tasks" / "gen" / "gen.yaml"
+    task.write_text(task.read_text().replace("do_sample: false", "do_sample: true\n"
+                                                                 "  temperature: 0.8"))
+    sweep = {"name": "sampled", "models": [{"name": "gemma", "path": str(model)}],
+             "backends": [{"backend": "bitsandbytes", "configs": [{"bits": 8}]},
+                          {"backend": "gguf", "configs": [{"type": "Q8_0"}]}],
+             "eval": {"text": str(model / "eval.txt"), "seq_len": 32, "samples": 2},
+             "tasks": {"names": ["demo_generate"], "include_path": str(tmp_path / "tasks")}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "kept"
+    run_dir.mkdir()
+    (run_dir / "results.txt").write_text("recorded before")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    began = time.monotonic()
+    assert main([command, str(path), "--run-dir", str(run_dir)]) == 2
+    assert time.monotonic() - began < 20
+    err = capsys.readouterr().err
+    assert err.startswith("quantdask: error: tasks.names: Q8_0 (gguf) scores its tasks in "
+                          "llama.cpp, which cannot score the task 'demo_generate': it samples "
+                          "its answers"), err
+    assert "drop 'demo_generate' from the tasks block" in err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+    if command == "plan":
+        sweep["backends"] = sweep["backends"][:1]
+        path.write_text(yaml.safe_dump(sweep))
+        assert main(["plan", str(path)]) == 0

@@ -247,11 +247,17 @@ class OwnRuntime(Capability):
     ``prepare`` (optional) names what a job needs made once before it runs, for every job
     that needs the same (a model converted to the runtime's format): ``prepare(job)`` is a
     :class:`Preparation` or None. The driver submits one task per name for the sweep, and
-    the job's phases find its result as ``JobContext.prepared``."""
+    the job's phases find its result as ``JobContext.prepared``.
+
+    ``task_refusal`` (optional): given an lm-eval task's config, why the runtime cannot score
+    it (None: it can); a sweep that asks it of one of its configs is refused before anything
+    runs (``plan.runtime_tasks``)."""
 
     runtime: str
     phases: tuple[Any, ...]
     prepare: Callable[[Any], Preparation | None] | None = None
+    # task_refusal(config) -> why the runtime cannot score that lm-eval task (None: it can)
+    task_refusal: Callable[[dict[str, Any]], str | None] | None = None
     usual_why: ClassVar[str] = "it measures its models in torch"
 
     refuses: ClassVar[str] = "{backend} has no runtime of its own: {why}"

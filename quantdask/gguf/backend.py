@@ -26,6 +26,7 @@ from quantdask.gguf.searched import (
     score_in_runtime,
 )
 from quantdask.gguf.source import missing_converter
+from quantdask.gguf.tasks_lm import task_refusal
 
 
 def _check(options: GgufOptions, facts) -> str | None:
@@ -49,7 +50,8 @@ gguf_backend = register_backend(Backend(
     # llama-cpp-python and gguf-py's imports, and a header's parsed vocabulary, which a
     # job keeps until it ends (about 1.5 KiB a token)
     sizing=Sizing(host_work=lambda options: HostWork(imports=32 * 2**20)),
-    capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion),
+    capabilities=(OwnRuntime("llama.cpp", GGUF_PHASES, prepare=conversion,
+                             task_refusal=task_refusal),
                   Calibrated(when=lambda o: bool(o.imatrix)),
                   ModuleAlone(quantize_module, KEPT),
                   Dequantizes(dequantize_module),

@@ -25,6 +25,32 @@ DEFAULT_MAX_GEN_TOKS = 256
 """lm-eval's ``HFLM`` default for a task that sets no ``max_gen_toks``."""
 
 
+SCORED_OUTPUT_TYPES = frozenset({"loglikelihood", "loglikelihood_rolling", "multiple_choice",
+                                 "generate_until"})
+"""lm-eval's output types this LM answers (a multiple-choice task asks loglikelihoods)."""
+
+
+def task_refusal(config: dict[str, Any]) -> str | None:
+    """Why this LM cannot score the lm-eval task of ``config`` as ``HFLM`` would (None: it
+    can): an output type it does not answer, images or audio given to the model, or answers
+    sampled rather than greedy (its ``generate_until`` is greedy: a sampled task's scores
+    would silently mean something else than the torch jobs' beside it)."""
+    kind = config.get("output_type", "generate_until")
+    if kind not in SCORED_OUTPUT_TYPES:
+        return f"its output_type {kind!r} is not one llama.cpp's runtime here answers"
+    given = [key for key in ("doc_to_image", "doc_to_audio") if config.get(key)]
+    if given:
+        return f"it gives the model {given[0].removeprefix('doc_to_')}s ({given[0]}), and " \
+               "llama.cpp's runtime here reads text only"
+    settings = config.get("generation_kwargs") or {}
+    if kind == "generate_until" and (settings.get("do_sample")
+                                     or float(settings.get("temperature") or 0) > 0):
+        return (f"it samples its answers (generation_kwargs do_sample: "
+                f"{settings.get('do_sample')}, temperature: {settings.get('temperature')}), and "
+                "llama.cpp's runtime here decodes greedily")
+    return None
+
+
 def llama_cpp_lm(path: str | os.PathLike, tokenizer: Any, config: Any, device: RuntimeDevice,
                  max_length: int | None = None):
     """An lm-eval ``LM`` over the GGUF at ``path`` on ``device``, encoding with ``tokenizer``

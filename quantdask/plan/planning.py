@@ -38,6 +38,7 @@ from quantdask.plan.placement import (
     streamed_estimate,
     unstreamable_model,
 )
+from quantdask.plan.runtime_tasks import check_runtime_tasks
 from quantdask.plan.shape_prices import job_seconds
 from quantdask.sweepfile.sweep import Job, Sweep, expand_grid, start_order
 from quantdask.words import PlanState, Status
@@ -130,6 +131,7 @@ def plan_sweep(sweep: Sweep, run_dir: str | os.PathLike | None = None) -> pl.Dat
     limits = check_lengths(sweep)
     jobs = expand_grid(sweep)
     check_module_names(jobs)
+    check_runtime_tasks(jobs)
     sweep.check_searches_resident(jobs)
     history = _history(run_dir)
     phases = done_phases(run_dir) if history.height else pl.DataFrame()

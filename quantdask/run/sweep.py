@@ -29,6 +29,7 @@ from quantdask.cluster.operations import cluster_capacity, live_workers, workers
 from quantdask.plan.lengths import check_lengths
 from quantdask.plan.module_names import check_module_names
 from quantdask.plan.placement import place_jobs
+from quantdask.plan.runtime_tasks import check_runtime_tasks
 from quantdask.process.runtime import JOB_START_TOPIC, TASK_END_TOPIC
 from quantdask.records import SessionRow
 from quantdask.run import LOG_CHANNEL, topics
@@ -129,11 +130,13 @@ class SweepSession:
 def refuse_early(sweep: Sweep) -> list[Job]:
     """``sweep``'s jobs, once what its file and its models' files alone rule out is refused
     (a ``SpecError``): lengths a model cannot take (``lengths.check_lengths``), a config's
-    ``modules`` naming a module its model lacks (``module_names.check_module_names``) and each
+    ``modules`` naming a module its model lacks (``module_names.check_module_names``), a task
+    a config's own runtime cannot score (``runtime_tasks.check_runtime_tasks``) and each
     stage's own checks (a search's budget below the least its shapes allow)."""
     check_lengths(sweep)
     jobs = expand_grid(sweep)
     check_module_names(jobs)
+    check_runtime_tasks(jobs)
     for stage in stages_for(sweep):
         if stage.check is not None:
             stage.check(sweep)

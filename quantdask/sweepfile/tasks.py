@@ -255,6 +255,34 @@ class TaskSettings:
             config["dataset_kwargs"] = kwargs
         return config
 
+    def task_configs(self) -> dict[str, dict[str, Any]]:
+        """Every task the block scores, its groups and tags opened, by name: its config as
+        lm-eval's index holds it (includes merged; no dataset is read). For checks that need
+        what a task asks of the model (its ``output_type``, its ``generation_kwargs``)."""
+        from lm_eval.tasks._index import Kind
+
+        index = self.manager().task_index
+        found: dict[str, dict[str, Any]] = {}
+        waiting: list[Any] = list(self.names)
+        while waiting:
+            name = waiting.pop(0)
+            if isinstance(name, dict):  # a group's task given inline
+                found.setdefault(str(name.get("task", "?")), name)
+                continue
+            entry = index.get(name)
+            if entry is None or name in found:
+                continue
+            if entry.kind == Kind.TASK:
+                found[name] = dict(entry.cfg or {})
+            elif entry.kind == Kind.GROUP:
+                members = (entry.cfg or {}).get("task") or []
+                waiting.extend([members] if isinstance(members, str) else members)
+                found[name] = {}  # a group scores nothing of its own
+            else:  # a tag: the tasks that carry it
+                waiting.extend(sorted(entry.tags or ()))
+                found[name] = {}
+        return {name: config for name, config in found.items() if config}
+
     def specs(self) -> list[str | dict[str, Any]]:
         """What ``lm_eval.simple_evaluate`` gets as ``tasks``: a local task's config, else its
         name."""
