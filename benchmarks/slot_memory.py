@@ -73,14 +73,17 @@ def vocab_model(directory: Path) -> Path:
     return directory
 
 
-def sweeps_of(name: str, path: str, stream: str) -> list[tuple[str, object]]:
+def sweeps_of(name: str, path: str, stream: str, backends: set[str] | None = None
+              ) -> list[tuple[str, object]]:
     """(run directory suffix, sweep) of each run of ``name``: one sweep of ``CONFIGS``, or on
-    ``vocab`` resident one sweep per backend of ``EVERY_BACKEND``, each on a fresh slot (the
-    first job of its backend there: a library a job imports stays in its worker)."""
+    ``vocab`` resident one sweep per backend of ``EVERY_BACKEND`` (those of ``backends``
+    only, when given), each on a fresh slot (the first job of its backend there: a library
+    a job imports stays in its worker)."""
     if name != "vocab" or stream != "never":
         return [("", sweep_of(name, path, stream))]
     return [(f"-{n}", sweep_of(name, path, stream, [config]))
-            for n, config in enumerate(EVERY_BACKEND)]
+            for n, config in enumerate(EVERY_BACKEND)
+            if backends is None or config[0] in backends]
 
 
 def sweep_of(name: str, path: str, stream: str, configs: list | None = None):
@@ -152,16 +155,17 @@ def measured(run_dir: Path, resting: int) -> dict[str, dict[str, int]]:
                          strict=True))
         figures = {phase: max(peaks.get(p, 0) for p in covered) - resting
                    for phase, covered in COVERS.items()}
-        if row["backend"] == "none":
-            # The baseline's score, or its pass, is its model's reference: its row carries
-            # that peak.
+        if row["backend"] == "none" and not row["eval_s"]:
+            # The baseline's score, or its pass, is its model's reference (unless that was
+            # float32 and the baseline measured itself): its row carries that peak.
             figures["stream" if row["streamed"] else "score"] = (
                 int(row["peak_host_rss_bytes"]) - resting)
         out[row["job_id"]] = figures
     return out
 
 
-def run(models_: dict[str, str], directory: Path, limit: str, reuse: bool) -> list[dict]:
+def run(models_: dict[str, str], directory: Path, limit: str, reuse: bool,
+        backends: set[str] | None = None) -> list[dict]:
     """Each model's sweep on a fresh slot, resident then streamed (with ``reuse``, the run
     directories of an earlier run: on a slot this large the estimates place nothing
     differently, so only the estimate side is computed again)."""
@@ -173,7 +177,7 @@ def run(models_: dict[str, str], directory: Path, limit: str, reuse: bool) -> li
     rows = []
     for path_name, stream in PATHS.items():
         for name, path in models_.items():
-            for suffix, sweep in sweeps_of(name, path, stream):
+            for suffix, sweep in sweeps_of(name, path, stream, backends):
                 run_dir = directory / f"run-{name}-{path_name}{suffix}"
                 if not reuse and not (run_dir / "slot.json").exists():
                     with qd.start_cluster(workers=1, memory_limit=limit) as cluster:
@@ -225,13 +229,17 @@ def main() -> None:
     parser.add_argument("--limit", default="3GiB", help="the slot's Dask memory limit")
     parser.add_argument("--reuse", action="store_true",
                         help="the measured side from the last run's directories; estimate only")
+    parser.add_argument("--backends", default=None,
+                        help="on vocab: these backends only (comma-separated)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     # placement learns from none; a run already finished (its slot.json) is kept
     for old in [] if args.reuse else args.dir.glob("run-*"):
         if not (old / "slot.json").exists():
             shutil.rmtree(old)
-    rows = run(models(args.dir, args.models.split(",")), args.dir, args.limit, args.reuse)
+    backends = set(args.backends.split(",")) if args.backends else None
+    rows = run(models(args.dir, args.models.split(",")), args.dir, args.limit, args.reuse,
+               backends)
     sys.exit(0 if show(rows) else 1)
 
 

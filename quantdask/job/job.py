@@ -91,8 +91,11 @@ def done_records(run: JobContext, records: Sequence[PhaseRecord],
     for row in phase_rows:  # the span's peak is at least each phase's, read apart from it
         device = row.peak_device_mem_bytes or 0
         peaks = peaks.max(Peaks(device, device, row.peak_host_rss_bytes or 0, row.peak_shared))
-    if run.job.is_baseline and run.reference.baseline_peaks is not None:
-        peaks = peaks.max(run.reference.baseline_peaks)  # the reference's peak is this model's
+    if run.job.is_baseline and not run.job.eval.reference_float32 \
+            and run.reference.baseline_peaks is not None:
+        # The reference's peak is this model's (its float32 one is not: then the baseline
+        # measured itself).
+        peaks = peaks.max(run.reference.baseline_peaks)
     return [Span(run.watch.seconds["wall"], peaks, phases=phase_rows), *records]
 
 

@@ -211,10 +211,11 @@ def score(run: JobContext, made: Made) -> tuple[Made, Scored]:
     measured layers' output errors on the first ``PROBE_WINDOWS`` of them, taken by forward
     hooks during the same passes (``layers.OutputErrors``)."""
     reference = run.reference
-    if run.job.is_baseline:
+    if run.job.is_baseline and not run.job.eval.reference_float32:
         # The reference evaluated this very model on these windows: its scores are the
         # baseline's (the unquantized model is not evaluated twice; the time it took is the
-        # reference task's, not this job's).
+        # reference task's, not this job's). A 16-bit model against its float32 reference
+        # is measured as any job is: its KL is its dtype's noise floor.
         if reference.baseline is None:
             raise ValueError("this job's reference carries no baseline scores")
         return made, _scored(run, 0.0, reference.baseline, list(reference.baseline_windows),
@@ -240,7 +241,8 @@ def _scored(run: JobContext, seconds: float, quality: Quality, windows: list[Win
     reference's KL kind and tail, the windows' BOS) and the layers frame's rows."""
     reference = run.reference
     return Scored(seconds, quality, reference.kl_kind, reference.kl_tail_mass,
-                  run.job.eval.bos_token_id, windows=windows, layers=_positioned(layers))
+                  run.job.eval.bos_token_id, reference.dtype or None, windows=windows,
+                  layers=_positioned(layers))
 
 
 def _positioned(layers: Sequence[Row]) -> list[LayerRow]:

@@ -10,6 +10,7 @@ recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -86,6 +87,7 @@ class Reference:
     calibration: torch.Tensor | None = None
     calibration_error: str | None = None  # why the calibration windows could not be cut
     tasks: BaselineTasks | None = None  # the baseline's task rows and what scoring them took
+    dtype: str = ""  # what its log-probs were computed in: float32, or the model's own dtype
 
     @property
     def baseline_tasks(self) -> list[TaskRow]:
@@ -151,6 +153,7 @@ class ReferenceShard:
     meter: QualityMeter
     tail: list[float]  # the mass outside the top k, summed over each slice's positions
     peaks: Peaks
+    dtype: str = ""  # the model's, as it computed these log-probs
 
 
 @sizeof.register(ReferenceShard)
@@ -256,11 +259,17 @@ def compute_reference_shard(model: ModelSpec, settings: EvalSettings, text: str,
     return shard
 
 
+def reference_model(model: ModelSpec, settings: EvalSettings) -> ModelSpec:
+    """The model as its reference computes it: in float32 where ``settings`` resolved it so
+    for a 16-bit model (``eval.reference_dtype``), else as its jobs load it."""
+    return dataclasses.replace(model, dtype="float32") if settings.reference_float32 else model
+
+
 def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                    rows: tuple[int, int], streamed: bool = False) -> ReferenceShard:
     from quantdask.process.runtime import torch_device
 
-    source, _ = cached_model_source(model, weights=not streamed)
+    source, _ = cached_model_source(reference_model(model, settings), weights=not streamed)
     windows = eval_windows(text_ids(source.tokenizer, text, settings.bos_token_id),
                            settings.seq_len, settings.samples,
                            settings.bos_token_id)[rows[0]:rows[1]].clone()  # not the whole
@@ -281,7 +290,8 @@ def _compute_shard(model: ModelSpec, settings: EvalSettings, text: str,
                 compact[name][piece.rows, piece.positions] = part
                 if name == "rest":
                     tail.append(exact_sum(part.double().exp()))
-    return ReferenceShard(rows, windows, compact, meter, tail, Peaks.of(peak))
+    return ReferenceShard(rows, windows, compact, meter, tail, Peaks.of(peak),
+                          str(source.dtype).removeprefix("torch."))
 
 
 def _log_probs(source, windows: torch.Tensor, batch_size: int, device: str, streamed: bool):
@@ -359,7 +369,8 @@ def _combined(model: ModelSpec, settings: EvalSettings, shards: tuple[ReferenceS
     return Reference(key=key, windows=windows, baseline=meter.scores(), kl_kind=kind,
                      kl_tail_mass=tail_mass, baseline_peaks=peaks, calibration=calibration_ids,
                      calibration_error=calibration_error, target_log_probs=-meter.nll,
-                     baseline_windows=meter.window_rows(), tasks=baseline_tasks, **compact)
+                     baseline_windows=meter.window_rows(), tasks=baseline_tasks,
+                     dtype=shards[0].dtype, **compact)
 
 
 def _announce(key: str, topic: str = REFERENCE_TOPIC) -> None:

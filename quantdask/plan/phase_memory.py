@@ -124,11 +124,12 @@ def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
 def score_logits(job: Job, facts: ModelFacts, host: bool, streamed: bool = False) -> int:
     """The eval's logits a job's score holds (``eval_bytes``). On a CPU slot, as measured
     there (benchmarks/slot_memory.py): the baseline's figure is its model's reference, which
-    holds the log-probs and a temporary (2 copies); a streamed pass scores each slice as it
-    comes (1)."""
-    if not host or not (job.is_baseline or streamed):
+    holds the log-probs and a temporary (2 copies; a float32 reference's baseline is measured
+    as any job is); a streamed pass scores each slice as it comes (1)."""
+    own = job.is_baseline and not job.eval.reference_float32
+    if not host or not (own or streamed):
         return eval_bytes(job.eval, facts)
-    return eval_bytes(job.eval, facts) * (2 if job.is_baseline else 1) // LOGIT_COPIES
+    return eval_bytes(job.eval, facts) * (2 if own else 1) // LOGIT_COPIES
 
 
 def task_length(tasks: TaskSettings, facts: ModelFacts) -> int:

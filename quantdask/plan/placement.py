@@ -15,7 +15,6 @@ runs, with the numbers and the phase that sets its peak.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections.abc import Set
@@ -26,7 +25,7 @@ from typing import Any
 import polars as pl
 from distributed import Client
 
-from quantdask.backends import BASELINE, BackendOptions, get_backend
+from quantdask.backends import BASELINE, get_backend
 from quantdask.backends.base import ModelFacts
 from quantdask.errors import PlacementError, SpecError
 from quantdask.plan.phase_memory import (
@@ -37,11 +36,11 @@ from quantdask.plan.phase_memory import (
     phase_bytes,
     streamed_bytes,
 )
+from quantdask.plan.run_history import done_phases, done_results, stored_options
 from quantdask.process.slot_memory import METRIC, SlotMemory, check_offers
 from quantdask.sweepfile.model import ModelSpec
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, Job
 from quantdask.util import format_bytes
-from quantdask.words import Status
 
 log = logging.getLogger("quantdask.placement")
 
@@ -149,34 +148,6 @@ def estimate_device_memory(job: Job, facts: ModelFacts, done: pl.DataFrame,
                                          for r in rows) * SAFETY),
                               f"{len(rows)} measured peaks of this model")
     return MemoryEstimate(None, "nothing known")
-
-
-def stored_options(row: dict) -> BackendOptions | None:
-    """The options of a results row (its ``config``, as JSON); None when its backend no longer
-    takes them."""
-    try:
-        return get_backend(row["backend"]).normalize(json.loads(row["config"]), "config")
-    except SpecError:
-        return None
-
-
-def done_results(run_dir: str | os.PathLike | None) -> pl.DataFrame:
-    """The done results already in ``run_dir`` (empty without any)."""
-    from quantdask.store.readers import read_results
-
-    if run_dir is None or not os.path.isdir(run_dir):
-        return pl.DataFrame()
-    results = read_results(run_dir)
-    return results.filter(pl.col("status") == Status.DONE) if results.height else results
-
-
-def done_phases(run_dir: str | os.PathLike | None) -> pl.DataFrame:
-    """The phases frame already in ``run_dir`` (empty without one)."""
-    from quantdask.store.run_store import read_frame
-
-    if run_dir is None or not os.path.isdir(run_dir):
-        return pl.DataFrame()
-    return read_frame(run_dir, "phases")
 
 
 def _job_takers(client: Client) -> dict[str, dict]:
@@ -333,13 +304,31 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
                             estimate.basis, note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
         if job.backend == BASELINE:
-            # The model's reference runs the unquantized model, as its baseline job does.
+            # The model's reference runs the unquantized model, as its baseline job does (in
+            # float32 where eval.reference_dtype resolved so: its own estimate).
+            if job.eval.reference_float32 and not job.streamed:
+                need = max(need, float32_reference_bytes(job, facts[job.model.label], largest,
+                                                         host, resting))
             reference_bytes[job.model.label] = min(need, int(largest))
     if too_big:
         slot = slots.get(largest_worker)
         raise PlacementError(too_big, largest, largest_worker,
                              slot.describe() if slot is not None else "")
     return Placement(placed, largest, reference_bytes, slots)
+
+
+def float32_reference_bytes(job: Job, facts: ModelFacts, largest: float, host: bool,
+                            resting: int) -> int:
+    """What the float32 reference of ``job``'s 16-bit model asks for; a ``SpecError`` naming
+    ``eval.reference_dtype`` when that fits no worker (the model's own dtype may)."""
+    need = estimate_device_memory(job, replace(facts, loaded_bits=32), pl.DataFrame(),
+                                  host=host, resting=resting).bytes or 0
+    if largest and need > largest:
+        raise SpecError("eval.reference_dtype", f"{job.model.label}'s float32 reference needs "
+                        f"~{format_bytes(need)}, more than the largest worker's "
+                        f"{format_bytes(int(largest))}: give eval.reference_dtype: model, "
+                        "or stream")
+    return need
 
 
 @functools.cache

@@ -267,6 +267,9 @@ class Scored(PhaseRecord):
     # The token that starts every eval window (eval.bos resolved with the model's tokenizer);
     # null: the text cut as the tokenizer encodes it (a BOS at most in window 0)
     eval_bos_token_id: int | None = None
+    # What the reference's log-probs were computed in: float32 (a 16-bit model's, by default:
+    # eval.reference_dtype) or the model's own dtype
+    reference_dtype: str | None = None
     windows: list[WindowRow] = frame_rows("windows")
     layers: list[LayerRow] = frame_rows("layers")
 

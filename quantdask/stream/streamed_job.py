@@ -63,7 +63,8 @@ def load_streamed(run: JobContext, made: Made) -> tuple[Made, Loaded]:
 
 def stream(run: JobContext, made: Made) -> tuple[Made, Streamed]:
     """The one pass over the layers (see the module): coverage, weight errors and, but for
-    the baseline (whose figures are the reference's), the quality meter."""
+    the baseline (whose figures are the reference's, unless that was computed in float32),
+    the quality meter."""
     from quantdask.stream.saved_layers import SavedLayers
     from quantdask.stream.streaming import StreamedModel
 
@@ -92,7 +93,7 @@ def stream(run: JobContext, made: Made) -> tuple[Made, Streamed]:
         with model.outside_layers() as outside:
             parts.append(coverage(outside, None, backend.sizing.stored_bytes))
     meter = None
-    if job.is_baseline:
+    if job.is_baseline and not job.eval.reference_float32:  # its figures are the reference's
         model.read_layers()
     else:
         meter = QualityMeter(run.reference.windows, run.reference.distribution)

@@ -177,6 +177,19 @@ class ModelSpec:
         ref = self.hub or os.path.normpath(self._path())
         return self.name or os.path.basename(ref.rstrip("/"))
 
+    def loaded_dtype(self) -> str | None:
+        """The dtype its weights load in: ``dtype``, or for ``auto`` the one its config.json
+        names (None: a hub model's, which the driver does not download, or a config that
+        names none)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.hub:
+            return None
+        with open(os.path.join(self.location, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        named = config.get("dtype") or config.get("torch_dtype")
+        return str(named) if named else None
+
     def identity(self) -> dict:
         """The fields that decide what the model is: for a local directory, its name and a
         fingerprint of its files (config.json's content, each weight file's name and size), so

@@ -22,6 +22,10 @@ estimate of the tail's share of the KL (eval.kl_tail_samples; 0: the tail as one
 lower bound). Chosen by measurement: benchmarks/kl_top_k.py."""
 
 
+REFERENCE_DTYPES = ("float32", "model")
+"""``eval.reference_dtype``'s values."""
+
+
 @dataclass(frozen=True)
 class EvalSettings(TextSource):
     """Perplexity evaluation: ``samples`` windows of ``seq_len`` tokens from the eval text,
@@ -38,7 +42,14 @@ class EvalSettings(TextSource):
     ``always`` or ``never``; ``sweepfile.bos``). A window with one is the BOS and
     ``seq_len`` - 1 tokens of text, the text encoded without special tokens; the BOS position
     is never scored. ``bos_token_id`` is the rule resolved for one model (``Sweep.eval_for``):
-    None, the text cut as the tokenizer encodes it."""
+    None, the text cut as the tokenizer encodes it.
+
+    ``reference_dtype``: what the reference's log-probs are computed in for a model that loads
+    in 16 bits (bfloat16 or float16): ``float32`` (default; llama.cpp computes its activations
+    in float32, and a 16-bit reference's own rounding would land in every KL) or ``model``
+    (the model's own dtype: half the reference's memory). ``reference_float32`` is it resolved
+    for one model (``Sweep.eval_for``): then the baseline job runs the model in its own dtype
+    against that reference, and its KL is the noise floor of the model's dtype."""
 
     text: str | None = None
     seq_len: int = 128
@@ -48,11 +59,13 @@ class EvalSettings(TextSource):
     kl_tail_samples: int = DEFAULT_KL_TAIL_SAMPLES
     dataset: DatasetSource | dict | None = None
     bos: str = "auto"
+    reference_dtype: str = "float32"
     root: str = field(default="", compare=False)
     text_sha256: str = field(default="", init=False)
     # Resolved per model (with_bos), never written in a sweep file (an init field, so that
     # dataclasses.replace keeps it: a retry's smaller batch measures the same windows).
     bos_token_id: int | None = field(default=None, metadata={"resolved": True})
+    reference_float32: bool = field(default=False, metadata={"resolved": True})
 
     def __post_init__(self):
         object.__setattr__(self, "root", resolve_root(self.root))
@@ -75,12 +88,20 @@ class EvalSettings(TextSource):
                                    "start of every window where the model's tokenizer adds "
                                    f"one), got {self.bos!r}")
 
-    def with_bos(self, token_id: int | None) -> EvalSettings:
+        if self.reference_dtype not in REFERENCE_DTYPES:
+            raise SpecError("reference_dtype", f"must be {' or '.join(REFERENCE_DTYPES)} "
+                                               "(float32: a 16-bit model's reference computed "
+                                               "in float32; model: in its own dtype), got "
+                                               f"{self.reference_dtype!r}")
+
+    def with_bos(self, token_id: int | None, reference_float32: bool = False) -> EvalSettings:
         """These settings for a model whose windows each start with ``token_id`` (None: the
-        text as tokenized). A copy, not ``dataclasses.replace``: that would read the text
+        text as tokenized) and whose reference is computed in float32 where
+        ``reference_float32``. A copy, not ``dataclasses.replace``: that would read the text
         again."""
         resolved = copy.copy(self)
         object.__setattr__(resolved, "bos_token_id", token_id)
+        object.__setattr__(resolved, "reference_float32", reference_float32)
         return resolved
 
     @property
@@ -100,6 +121,8 @@ class EvalSettings(TextSource):
                 identity["kl_tail_samples"] = self.kl_tail_samples
         if self.bos_token_id is not None:  # no BOS inserted is what every run measured before
             identity["bos_token_id"] = self.bos_token_id
+        if self.reference_float32:  # a reference in the model's dtype is what runs had before
+            identity["reference_dtype"] = "float32"
         return identity
 
     @property

@@ -37,6 +37,8 @@ from quantdask.words import FaultKind
 
 log = logging.getLogger("quantdask.spec")
 
+SIXTEEN_BIT_DTYPES = frozenset({"bfloat16", "float16"})
+"""The dtypes whose model's reference ``eval.reference_dtype: float32`` computes in float32."""
 DEVICE_MEMORY = "DEVICE_MEMORY"
 """The Dask resource a worker advertises for its device's memory in bytes (``dask worker
 --resources GPU=1,DEVICE_MEMORY=80e9``, or measured by the ``quantdask.preload`` preload)."""
@@ -187,8 +189,11 @@ class Sweep:
 
     def eval_for(self, model: ModelSpec) -> EvalSettings:
         """The eval settings of ``model``'s jobs: ``eval.bos`` resolved with its tokenizer
-        (``sweepfile.bos``; refused here, before anything runs, where it cannot apply)."""
-        return self.eval.with_bos(window_bos(self.eval.bos, model))
+        (``sweepfile.bos``; refused here, before anything runs, where it cannot apply), and
+        ``eval.reference_dtype`` with the dtype it loads in."""
+        float32 = (self.eval.reference_dtype == "float32"
+                   and model.loaded_dtype() in SIXTEEN_BIT_DTYPES)
+        return self.eval.with_bos(window_bos(self.eval.bos, model), float32)
 
     def check_searches_resident(self, jobs: list[Job]) -> None:
         """Refuse a search whose model streams (``stream: always``, or placement found it fits
