@@ -303,13 +303,9 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
             too_big.append((job.id, f"{job.model.label} {job.config_label}", firm,
                             estimate.basis, note))
         placed.append(replace(job, device_memory_bytes=min(need, int(largest))))
-        if job.backend == BASELINE:
-            # The model's reference runs the unquantized model, as its baseline job does (in
-            # float32 where eval.reference_dtype resolved so: its own estimate).
-            if job.eval.reference_float32 and not job.streamed:
-                need = max(need, float32_reference_bytes(job, facts[job.model.label], largest,
-                                                         host, resting))
-            reference_bytes[job.model.label] = min(need, int(largest))
+        if job.backend == BASELINE:  # the model's reference runs the unquantized model
+            reference_bytes[job.model.label] = reference_need(
+                job, need, facts[job.model.label], largest, host, resting)
     if too_big:
         slot = slots.get(largest_worker)
         raise PlacementError(too_big, largest, largest_worker,
@@ -317,14 +313,19 @@ def place_jobs(jobs: list[Job], client: Client, run_dir: str | os.PathLike | Non
     return Placement(placed, largest, reference_bytes, slots)
 
 
-def float32_reference_bytes(job: Job, facts: ModelFacts, largest: float, host: bool,
-                            resting: int) -> int:
-    """What the float32 reference of ``job``'s 16-bit model asks for; a ``SpecError`` naming
-    ``eval.reference_dtype`` when that fits no worker (the model's own dtype may)."""
-    need = estimate_device_memory(job, replace(facts, loaded_bits=32), pl.DataFrame(),
-                                  host=host, resting=resting).bytes or 0
+def reference_need(baseline: Job, need: int, facts: ModelFacts, largest: float, host: bool,
+                   resting: int) -> int:
+    """What the reference of ``baseline``'s model asks for: what the baseline job does
+    (``need``), or a 16-bit model's float32 reference's estimate where
+    ``eval.reference_dtype`` resolved so, which is refused (a ``SpecError`` naming that field)
+    when it fits no worker."""
+    if not baseline.eval.reference_float32 or baseline.streamed:
+        return min(need, int(largest))
+    need = max(need, estimate_device_memory(baseline, replace(facts, loaded_bits=32),
+                                            pl.DataFrame(), host=host, resting=resting).bytes
+               or 0)
     if largest and need > largest:
-        raise SpecError("eval.reference_dtype", f"{job.model.label}'s float32 reference needs "
+        raise SpecError("eval.reference_dtype", f"{baseline.model.label}'s float32 reference needs "
                         f"~{format_bytes(need)}, more than the largest worker's "
                         f"{format_bytes(int(largest))}: give eval.reference_dtype: model, "
                         "or stream")
