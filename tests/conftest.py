@@ -246,3 +246,20 @@ def write_generate_task(folder: Path, questions: int = 12) -> list[dict]:
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n"
         "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
     return docs
+
+
+class KeptRunDir:
+    """A run directory with one file recorded before a refused command, and whether the
+    command left it exactly as it was (``unchanged()``: names and modification times)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir()
+        (path / "results.txt").write_text("recorded before")
+        self._before = self._listing()
+
+    def _listing(self) -> list[tuple[str, int]]:
+        return sorted((p.name, p.stat().st_mtime_ns) for p in self.path.iterdir())
+
+    def unchanged(self) -> bool:
+        return self._listing() == self._before

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import write_generate_task
+from tests.conftest import KeptRunDir, write_generate_task
 from tests.gguf_models import cached_f32, gemma_style_model, require_gguf
 
 require_gguf()
@@ -202,10 +202,8 @@ def test_a_task_llama_cpp_cannot_score_is_refused_before_anything_runs(
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "kept"
-    run_dir.mkdir()
-    (run_dir / "results.txt").write_text("recorded before")
-    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    kept = KeptRunDir(tmp_path / "kept")
+    run_dir = kept.path
     began = time.monotonic()
     assert main([command, str(path), "--run-dir", str(run_dir)]) == 2
     assert time.monotonic() - began < 20
@@ -214,7 +212,7 @@ def test_a_task_llama_cpp_cannot_score_is_refused_before_anything_runs(
                           "llama.cpp, which cannot score the task 'demo_generate': it samples "
                           "its answers"), err
     assert "drop 'demo_generate' from the tasks block" in err
-    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+    assert kept.unchanged()
     if command == "plan":
         sweep["backends"] = sweep["backends"][:1]
         path.write_text(yaml.safe_dump(sweep))

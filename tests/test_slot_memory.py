@@ -27,7 +27,7 @@ from quantdask.run.sweep import run_sweep
 from quantdask.store.readers import read_attempts
 from quantdask.sweepfile.sweep import DEVICE_MEMORY, expand_grid
 from quantdask.sweepfile.sweep_file import sweep_from_dict
-from tests.conftest import sweep_dict
+from tests.conftest import KeptRunDir, sweep_dict
 
 pytestmark = [pytest.mark.slow]
 
@@ -226,17 +226,15 @@ def test_a_memory_limit_no_slot_can_start_in_is_refused_before_any_cluster(
     the field and the fix, before any worker starts (the nanny would kill it at once: an
     uncaught CommClosedError), and a run directory already there left as it was."""
     monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "kept"
-    run_dir.mkdir()
-    (run_dir / "results.txt").write_text("recorded before")
-    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    kept = KeptRunDir(tmp_path / "kept")
+    run_dir = kept.path
     began = time.monotonic()
     assert main(["run", write_sweep(), "--workers", "1", "--memory-limit", given,
                  "--run-dir", str(run_dir)]) == 2
     assert time.monotonic() - began < 20
     err = capsys.readouterr().err
     assert err.startswith(f"quantdask: error: {said}"), err
-    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+    assert kept.unchanged()
 
 
 def test_slots_that_leave_jobs_nothing_are_refused_not_waited_on():
