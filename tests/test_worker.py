@@ -412,8 +412,10 @@ def test_packed_jobs_get_one_model_source_and_a_held_one_is_never_dropped(demo_m
     held = got[0][0]
     as_bf16, as_fp16 = (dataclasses.replace(spec, dtype=d) for d in ("bfloat16", "float16"))
     with held.weights():
-        model_source.cached_model_source(as_bf16)  # over the size, but a job holds the first
+        in_bf16, _ = model_source.cached_model_source(as_bf16)  # over the size, but held
         assert model_source.cached_model_source(spec) == (held, True)
+    # One checkpoint in two dtypes (a 16-bit model's float32 reference): one tokenizer.
+    assert in_bf16 is not held and in_bf16.tokenizer is held.tokenizer
     model_source.cached_model_source(as_fp16)
     assert len(model_source._cache) == 1  # nothing held now: the least recently used went
 

@@ -116,10 +116,12 @@ def _load_options(spec: ModelSpec) -> dict[str, Any]:
     return {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
 
 
-def load_model_source(spec: ModelSpec, weights: bool = True) -> ModelSource:
-    """Load ``spec``'s config, tokenizer and class with transformers (local directory or hub
-    id); the weights are read once here, to check that they load and to count them, unless
-    ``weights`` is False (a model streamed layer by layer: counted on the meta device)."""
+def load_model_source(spec: ModelSpec, weights: bool = True,
+                      tokenizer: Any = None) -> ModelSource:
+    """Load ``spec``'s config, tokenizer (unless given) and class with transformers (local
+    directory or hub id); the weights are read once here, to check that they load and to count
+    them, unless ``weights`` is False (a model streamed layer by layer: counted on the meta
+    device)."""
     import socket
 
     import torch
@@ -133,7 +135,8 @@ def load_model_source(spec: ModelSpec, weights: bool = True) -> ModelSource:
             "worker runs): put the model at the same path on every node, or use `hub:` with "
             "each node's Hugging Face cache")
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.location, **_load_options(spec))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(spec.location, **_load_options(spec))
     # In the checkpoint's own dtype: memory-mapped, not converted (only counted, dropped).
     model: Any = (AutoModelForCausalLM.from_pretrained(spec.location, dtype="auto",
                                                        **_load_options(spec))
@@ -201,9 +204,20 @@ def cached_model_source(spec: ModelSpec, weights: bool = True) -> tuple[ModelSou
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key], True
-        _cache[key] = source = load_model_source(spec, weights)
+        _cache[key] = source = load_model_source(spec, weights, _sibling_tokenizer(spec))
         # The least recently used go first, never one a running job holds weights of.
         idle = [k for k, held in _cache.items() if k != key and held._holders == 0]
         for old in idle[:max(0, len(_cache) - MODEL_CACHE_SIZE)]:
             del _cache[old]
         return source, False
+
+
+def _sibling_tokenizer(spec: ModelSpec) -> Any:
+    """The tokenizer of a cached source of the same checkpoint in another dtype (a 16-bit
+    model's float32 reference, say), else None: one copy, which a large vocabulary's makes
+    worth keeping (48 MiB at 151,936 tokens, ``plan.phase_memory.tokenizer_bytes``)."""
+    checkpoint = (spec.location, spec.revision, spec.trust_remote_code)
+    for held in _cache.values():
+        if (held.spec.location, held.spec.revision, held.spec.trust_remote_code) == checkpoint:
+            return held.tokenizer
+    return None
