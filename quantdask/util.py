@@ -74,6 +74,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantdask"
 
 
+def restore_environment(saved: dict[str, str]) -> None:
+    """Put the process's environment back to ``saved`` (a copy of ``os.environ`` made before
+    a library set its variables process-wide): by difference, so that no variable is ever
+    missing, even for a moment, under another job of the worker."""
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def scratch_root() -> str | None:
     """Where a job's temporary folders go: the Dask worker's own local directory when this
     runs in a worker (Dask removes it with the worker, and a killed worker's at the next

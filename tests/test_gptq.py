@@ -7,6 +7,7 @@ family on; and a worker's process left as it was."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -293,12 +294,17 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
     # A bitsandbytes job first: what the process is like with torch's own settings made; then
     # GPTQ and AWQ (gptqmodel's import sets HF_HOME and the other caches,
     # PYTORCH_ALLOC_CONF, CUDA_DEVICE_ORDER, ...; AWQ sets AWQ_BATCH_SIZE; a dependency calls
-    # logging.basicConfig; it prints), then bitsandbytes again.
-    for label in ("nf4", "gptq 4b g32", "awq 4b g32", "nf4"):
+    # logging.basicConfig; it prints), AutoRound (CUBLAS_WORKSPACE_CONFIG, its work space
+    # in the working directory), then bitsandbytes again.
+    for label in ("nf4", "gptq 4b g32", "awq 4b g32", "autoround 4b g32 rtn", "nf4"):
         job = jobs[label]
         outcome = run_job(job, get_backend(job.backend), reference=reference)
         assert outcome.record["status"] == "done", outcome.record["error_message"]
         seen.append(state())
+        # Nothing of the fit stays in the worker: gptqmodel's pool threads kept their last
+        # task (its processor, and through it the model), AutoRound's contexts its model.
+        gc.collect()
+        assert [type(o).__name__ for o in gc.get_objects() if _kept_by_a_library(o)] == [], label
         tasks, speed = outcome.rows["tasks"], outcome.rows["speed"]
         assert {r["metric"] for r in tasks} == {"acc", "acc_norm"}, label
         assert all(0 <= r["value"] <= 1 and r["samples"] == 8 for r in tasks), tasks
@@ -310,6 +316,15 @@ def test_a_job_after_a_gptq_job_sees_the_process_it_would_have_seen_alone(calibr
     changed = {k for k in set(alone[0]) | set(after[0]) if alone[0].get(k) != after[0].get(k)
                and not k.startswith("_TORCHINDUCTOR_")}
     assert not changed and after[1:] == alone[1:], (changed, after[1:], alone[1:])
+
+
+def _kept_by_a_library(thing) -> bool:
+    """A fit's object a library keeps after the job: gptqmodel's processors, AutoRound's
+    process-wide contexts."""
+    kind = type(thing)
+    module, name = str(getattr(kind, "__module__", "")), str(getattr(kind, "__name__", ""))
+    return (module.startswith("gptqmodel.looper") and name.endswith("Processor")
+            or module.startswith("auto_round.context") and name.endswith("Context"))
 
 
 def unpacked_gptq_weights(directory) -> dict:

@@ -13,6 +13,7 @@ leaves. The linear layers of the decoder blocks are quantized (``nn.Linear`` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ from quantdask.backends.options import LM_HEAD, BackendOptions, option, skip_mod
 from quantdask.backends.packed import dequantize_packed_layer
 from quantdask.errors import SpecError
 from quantdask.randomness import global_generators
-from quantdask.util import scratch_root
+from quantdask.util import restore_environment, scratch_root
 
 BITS = (2, 3, 4, 8)
 DEFAULT_ITERS = 200  # AutoRound's own default
@@ -117,30 +118,70 @@ def quantize_autoround(source, options: AutoRoundOptions, device: str, calibrati
     # AutoRound seeds the process-global generators (its seed, 42) and shuffles its batches
     # with Python's random, taking no generator: it tunes alone among the jobs packed on this
     # worker, so that its draws depend on its seed only (quantdask.randomness).
-    with global_generators(draws=True):
-        # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search scales on
-        # the data's activations: calibration by another name).
-        tuner = auto_round.AutoRound(
-            model, source.tokenizer, bits=options.bits, group_size=options.group_size,
-            sym=options.sym, iters=options.iters, disable_opt_rtn=options.iters == 0,
-            dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
-            batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
-        with calibration.measure():
-            tuner.quantize()
     scratch = tempfile.mkdtemp(prefix="quantdask-autoround-", dir=scratch_root())
     try:
+        with global_generators(draws=True), _environment_kept(os.path.join(scratch, "work")):
+            # iters 0 is plain round-to-nearest (AutoRound's optimized RTN would search
+            # scales on the data's activations: calibration by another name).
+            tuner = auto_round.AutoRound(
+                model, source.tokenizer, bits=options.bits, group_size=options.group_size,
+                sym=options.sym, iters=options.iters, disable_opt_rtn=options.iters == 0,
+                dataset=samples, nsamples=len(samples), seqlen=windows.size(1),
+                batch_size=min(8, len(samples)), layer_config=skipped, device_map=device)
+            with calibration.measure():
+                tuner.quantize()
         export = os.path.join(scratch, "model")
         tuner.save_quantized(export, format="auto_round", inplace=True)
         del tuner, model
+        _release_contexts()  # before the shipped model loads: the job's peak
         # Loaded as a user would load the shipped model (on CPU, AutoRound's torch kernels run
         # it in float16); its weights are read into memory, so the export can go at once.
         shipped = AutoModelForCausalLM.from_pretrained(export, device_map=device)
     finally:
+        _release_contexts()  # (a failed tuning's keep its model too)
         shutil.rmtree(scratch, ignore_errors=True)
     for name, module in shipped.named_modules():
         if name in classes and hasattr(module, "qweight"):
             module.source_cls = classes[name]  # per-layer stats: how the checkpoint holds it
     return shipped
+
+
+@contextlib.contextmanager
+def _environment_kept(work_space: str):
+    """The tuning's process-wide environment, put back after: AutoRound's work space
+    (``AR_WORK_SPACE``, its offload and caches), which it would make in the working
+    directory (a user's project folder), in ``work_space`` instead, and what it sets itself
+    (``CUBLAS_WORKSPACE_CONFIG``). The tuning runs alone among the worker's jobs
+    (``global_generators``)."""
+    saved = dict(os.environ)
+    os.environ["AR_WORK_SPACE"] = work_space
+    try:
+        yield
+    finally:
+        restore_environment(saved)
+
+
+def _release_contexts() -> None:
+    """Let go of AutoRound's process-wide contexts: its ``ModelContext`` singleton keeps the
+    tuned model (and the tokenizer) until the next AutoRound is made, which on a worker is
+    hundreds of MiB the slot would hold between jobs (516 MiB for a 172 MB bf16 checkpoint:
+    RESULTS.md section 18.1)."""
+    import importlib
+
+    for module, name in (("auto_round.context.model", "ModelContext"),
+                         ("auto_round.context.compress", "CompressContext")):
+        try:
+            context = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # a release without them keeps nothing there
+            continue
+        context.reset_context()
+
+
+AUTOROUND_WORK = HostWork(model_copies=4.0, imports=266 * 2**20)
+"""AutoRound's job on a CPU slot: the model built, the copy it tunes, that copy in float32
+while it tunes (on a bf16 checkpoint: 2 copies), and its library's import. Measured on
+the bf16 large-vocabulary checkpoint (benchmarks/RESULTS.md section 18.1); on a float32
+checkpoint the float32 copy is the tuned one, and this over-counts by two copies."""
 
 
 def weight_bits(options: AutoRoundOptions, loaded_bits: int) -> float:
@@ -155,7 +196,7 @@ autoround_backend = Backend(
     label=config_label,
     check=check_autoround,
     sizing=Sizing(selects=selects, weight_bits=weight_bits,
-                  host_work=lambda options: HostWork(imports=266 * 2**20)),
+                  host_work=lambda options: AUTOROUND_WORK),
     capabilities=(
         Calibrated(), Dequantizes(dequantize_packed_layer), Savable(),
         Lacks(Searchable, "AutoRound tunes each decoder block's rounding on the activations "

@@ -126,6 +126,13 @@ class HostWork:
     quantize: float = 4.0
     forward: float = 1.5
     streamed: float = 6.0
+    # Whole-model copies as loaded, beside the read weights, while it quantizes: a backend
+    # that tunes a copy of the model, or converts it to float32 to tune it (measured per
+    # backend on a bf16 checkpoint, where that conversion is two copies).
+    model_copies: float = 0.0
+    # What a job holds per vocabulary entry beyond the tokenizer (GGUF: the converted file's
+    # parsed header).
+    bytes_per_token: int = 0
     # What importing its library adds to a worker that had not (its first job there pays
     # it, and the pages stay): measured, beside torch, transformers and bitsandbytes, which
     # every slot imports as it starts.

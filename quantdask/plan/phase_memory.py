@@ -22,8 +22,9 @@ worker process's RSS (its nanny's measure; the slot's own resting memory is take
 offers, ``process.slot_memory``): the checkpoint's pages the job maps and reads (and a
 converted copy when the job loads it in another dtype), the quantized weights beside them, the
 phase's figure above, the backend's working memory (``Sizing.host_work``, in decoder
-layers), what importing its library adds (its first job on the slot pays it) and the model's
-tokenizer (kept between jobs; a large vocabulary's is tens of MiB). A streamed
+layers and in copies of the whole model), what importing its library adds (its first job
+on the slot pays it) and the model's tokenizer (kept between jobs; a large vocabulary's is
+tens of MiB). A streamed
 job there holds the weights outside the layers, the hidden states, the eval's logits, and the
 backend's streamed working memory in layers.
 
@@ -123,13 +124,15 @@ def eval_bytes(eval: EvalSettings, facts: ModelFacts) -> int:
 
 def score_logits(job: Job, facts: ModelFacts, host: bool, streamed: bool = False) -> int:
     """The eval's logits a job's score holds (``eval_bytes``). On a CPU slot, as measured
-    there (benchmarks/slot_memory.py): the baseline's figure is its model's reference, which
-    holds the log-probs and a temporary (2 copies; a float32 reference's baseline is measured
-    as any job is); a streamed pass scores each slice as it comes (1)."""
+    there (benchmarks/slot_memory.py): the baseline's figure is its model's reference, and a
+    streamed pass scores each slice as it comes; both hold a slice's logits and their
+    log-softmax at once (2 copies; a float32 reference's baseline is measured as any job is).
+    A small slice's second copy lives too briefly for the RSS sampler to see it every time;
+    at 151,936 tokens (256 MiB a slice) it is always seen (RESULTS.md section 18.1)."""
     own = job.is_baseline and not job.eval.reference_float32
     if not host or not (own or streamed):
         return eval_bytes(job.eval, facts)
-    return eval_bytes(job.eval, facts) * (2 if own else 1) // LOGIT_COPIES
+    return eval_bytes(job.eval, facts) * 2 // LOGIT_COPIES
 
 
 def task_length(tasks: TaskSettings, facts: ModelFacts) -> int:
@@ -169,8 +172,10 @@ def phase_bytes(backend: str, options: BackendOptions, job: Job, facts: ModelFac
         read, quantized = host_weights(backend, options, facts)
         work, layer = get_backend(backend).sizing.host(options), layer_bytes(facts)
         # (its first job on the slot imports the library and loads the tokenizer)
-        weights = read + quantized + work.imports + tokenizer_bytes(facts)
-        working = {QUANTIZE: work.quantize * layer, SCORE: work.forward * layer}
+        weights = (read + quantized + work.imports + tokenizer_bytes(facts)
+                   + work.bytes_per_token * facts.vocab_size)
+        working = {QUANTIZE: work.quantize * layer + work.model_copies * loaded_bytes(facts),
+                   SCORE: work.forward * layer}
     phases = {QUANTIZE: int(weights + working[QUANTIZE]),
               SCORE: int(weights + working[SCORE] + score_logits(job, facts, host))}
     if job.tasks is not None:

@@ -19,7 +19,9 @@ without it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -215,11 +217,15 @@ def _fit_and_save(wrapped, calibration, extra: dict, scratch: str, export: str) 
             wrapped.quantize(list(windows), calibration_data_min_length=0, **extra)
     finally:
         _forget_stop_forward()
+        _flush_pool_workers()
     wrapped.save(export)  # as quantized: the checkpoint's own layout
 
 
 GPTQMODEL_WORK = HostWork(imports=338 * 2**20)
-"""GPTQ's and AWQ's jobs on a CPU slot: gptqmodel's import, and the default working memory."""
+"""GPTQ's job on a CPU slot: gptqmodel's import, and the default working memory."""
+AWQ_WORK = dataclasses.replace(GPTQMODEL_WORK, model_copies=1.5)
+"""AWQ's: GPTQ's, and one and a half copies of the model while it searches its scales
+(on the bf16 large-vocabulary checkpoint, 234 MiB above GPTQ's figure: RESULTS.md 18.1)."""
 
 
 def _forget_stop_forward() -> None:
@@ -232,6 +238,30 @@ def _forget_stop_forward() -> None:
     stop = getattr(hooked_linear, "STOP_FORWARD_EXCEPTION", None)
     if isinstance(stop, BaseException):
         stop.__traceback__ = stop.__context__ = stop.__cause__ = None
+
+
+def _flush_pool_workers(timeout_s: float = 60.0) -> None:
+    """gptqmodel's pool threads keep their last task (its function, arguments and result) in
+    their loop's locals while they wait for the next one, and through the task's closure
+    its processor and this job's model: 354 MiB of an AWQ fit stayed in the worker on a
+    172 MB checkpoint (benchmarks/RESULTS.md section 18.1). A no-op on each thread lets go
+    of them. (Its private pool API: a release without it keeps what it keeps.)"""
+    import gptqmodel
+
+    pool = getattr(gptqmodel, "_DEVICE_THREAD_POOL", None)
+    groups = getattr(pool, "_worker_groups", None)
+    if pool is None or not isinstance(groups, dict):
+        return
+    done = []
+    for key, workers in list(groups.items()):
+        for worker in list(workers):
+            pool._mark_scheduled(key)  # the thread marks it finished: the pool's count stays
+            done.append(worker.submit(_nothing))
+    concurrent.futures.wait(done, timeout=timeout_s)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _quantize(method: str, source, options, device: str, calibration):
@@ -351,7 +381,7 @@ awq_backend = Backend(
     options=AwqOptions,
     label=awq_label,
     check=_check("awq"),
-    sizing=Sizing(selects=selects, host_work=lambda options: GPTQMODEL_WORK),
+    sizing=Sizing(selects=selects, host_work=lambda options: AWQ_WORK),
     capabilities=(
         Calibrated(), Dequantizes(dequantize_packed_layer), Savable(load=load_saved),
         Lacks(Searchable, CALIBRATED_ALONE), Lacks(StreamedFit, AWQ_NOT_STREAMED),

@@ -16,6 +16,8 @@ import pathlib
 import warnings
 from typing import Any
 
+from quantdask.util import restore_environment
+
 log = logging.getLogger("quantdask.backends.gptq")
 
 
@@ -50,11 +52,7 @@ def process_state_kept():
     finally:
         if printed.getvalue():
             log.debug("gptqmodel printed:\n%s", printed.getvalue()[-5000:])
-        for key in set(os.environ) - set(environment):  # by difference: never empty, for
-            del os.environ[key]  # a moment, under another job of the worker
-        for key, value in environment.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
+        restore_environment(environment)
         root.setLevel(level)
         for handler in set(root.handlers) - set(handlers):
             root.removeHandler(handler)
