@@ -122,7 +122,8 @@ def test_a_quantized_ggufs_choices_are_a_plain_loops(model, tmp_path):
 def test_a_gguf_job_of_a_sweep_records_its_tasks_beside_the_baselines(model, cluster,
                                                                         tmp_path):
     """In a sweep, a GGUF config's tasks are scored in llama.cpp (not skipped): its rows and
-    task items, each beside the torch baseline's score, the recovery, the runtime named; and
+    task items, each beside the torch baseline's score, the recovery, the runtime named, the
+    recovery against the F32 file in llama.cpp beside it in the report's table; and
     ``quantdask compare`` pairs two GGUF jobs' task items question for question (the flips
     counted here from the items themselves)."""
     import quantdask as qd
@@ -130,7 +131,8 @@ def test_a_gguf_job_of_a_sweep_records_its_tasks_beside_the_baselines(model, clu
 
     sweep = sweep_from_dict({
         "name": "gguf-tasks", "models": [{"name": "gemma", "path": str(model)}],
-        "backends": [{"backend": "gguf", "configs": [{"type": "Q8_0"}, {"type": "Q3_K_M"}]}],
+        "backends": [{"backend": "gguf", "configs": [{"type": "Q8_0"}, {"type": "Q3_K_M"},
+                                                      {"type": "F32"}]}],
         "eval": {"text": str(model / "eval.txt"), "seq_len": 64, "samples": 4,
                  "batch_size": 4},
         "tasks": {"names": ["demo_facts"], "include_path": DEMO_TASKS_DIR,
@@ -147,6 +149,19 @@ def test_a_gguf_job_of_a_sweep_records_its_tasks_beside_the_baselines(model, clu
         assert row["recovery"] is not None or "scored 0" in row["recovery_reason"], row
     items = qd.read_frame(tmp_path / "run", "task_items").filter(job_id=q8["job_id"])
     assert items.height == 2 * QUESTIONS
+    # Recovery against llama.cpp's own unquantized file (issue 69 item 2), beside torch's.
+    f32 = results.filter(config_label="F32").row(0, named=True)
+    assert f32["status"] == "done" and f32["quantized_by"] is None
+    f32_tasks = qd.read_tasks(tmp_path / "run").filter(job_id=f32["job_id"])
+    table = qd.report.recovery_table(results, qd.read_tasks(tmp_path / "run"))
+    for row in tasks.to_dicts():
+        base = f32_tasks.filter(task=row["task"], metric=row["metric"])["value"].item()
+        shown = table.filter(job_id=q8["job_id"], metric=row["metric"]).row(0, named=True)
+        assert shown["runtime_baseline"] == round(base, 4)
+        assert shown["runtime_recovery_%"] == (round(100 * row["value"] / base, 2) if base
+                                               else None)
+    torch_rows = table.filter(job_id=results.filter(backend="none")["job_id"].item())
+    assert torch_rows["runtime_recovery_%"].null_count() == torch_rows.height
     acc = {}
     for label in ("Q8_0", "Q3_K_M"):
         job = results.filter(config_label=label)["job_id"].item()

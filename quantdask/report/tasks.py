@@ -49,9 +49,11 @@ def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
     done = results.filter(pl.col("status") == Status.DONE)
     jobs = with_size_bits(with_job_label(done)).select(
         "job_id", "job", "model", "config_label", "backend", "config", "bits_per_weight",
-        "bits_per_quantized_weight", SIZE_BITS)
+        "bits_per_quantized_weight", SIZE_BITS,
+        *(pl.col(c) if c in done.columns else pl.lit(None, pl.String).alias(c)
+          for c in ("runtime", "quantized_by")))
     stderr = pl.col("stderr").fill_null(0.0)
-    return tasks.join(jobs, on="job_id").with_columns(
+    return with_runtime_recovery(tasks.join(jobs, on="job_id")).with_columns(
         (pl.col("value") - stderr).alias("value_lo"), (pl.col("value") + stderr).alias("value_hi"),
         pl.concat_str("task", pl.lit(" · "), "metric",
                       pl.when(pl.col("filter") != NO_FILTER)
@@ -61,6 +63,35 @@ def _task_frame(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
         .then(pl.format("TRUNCATED: {} of {} samples cut", "truncated_samples", "samples"))
         .otherwise(pl.format("{} of {} samples cut", "truncated_samples", "samples"))
         .alias("truncation"))
+
+
+RUNTIME_MATCH = ("model", "runtime", "task", "metric", "filter")
+"""What a job's task row and its runtime's unquantized row share."""
+
+
+def with_runtime_recovery(data: pl.DataFrame) -> pl.DataFrame:
+    """Task rows joined with their jobs (``_task_frame``), with ``runtime_baseline_value`` and
+    ``runtime_recovery``: for a job measured in a runtime of its own (GGUF: llama.cpp), its
+    score against the same model's unquantized file in the same runtime and device (a config
+    of type F32, else F16 or BF16: whichever keeps the most bits), as ``recovery`` is against
+    the torch baseline; null where the sweep has no such config, and for a job in torch.
+
+    ``recovery`` (against torch) is the report's: it is what every backend's row is read
+    against, so rows compare across runtimes, and it counts what the runtime itself changes
+    (llama.cpp's 8-bit activations in quantized matmuls). ``runtime_recovery`` isolates the
+    quantization from the runtime."""
+    unquantized = (pl.col("runtime").is_not_null() & pl.col("quantized_by").is_null()
+                   & (pl.col("backend") != BASELINE))
+    bases = (data.filter(unquantized).sort("bits_per_weight", descending=True)
+             .unique(list(RUNTIME_MATCH), keep="first", maintain_order=True)
+             .select(*RUNTIME_MATCH, pl.col("value").alias("runtime_baseline_value")))
+    joined = data.join(bases, on=list(RUNTIME_MATCH), how="left")
+    value, base = pl.col("value"), pl.col("runtime_baseline_value")
+    lower = pl.col("higher_is_better").eq(False)  # (as recovery: 1.0 is no loss either way)
+    numerator, divisor = pl.when(lower).then(base).otherwise(value), \
+        pl.when(lower).then(value).otherwise(base)
+    return joined.with_columns(pl.when(divisor.is_not_null() & (divisor != 0))
+                               .then(numerator / divisor).alias("runtime_recovery"))
 
 
 def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VConcatChart:
@@ -79,7 +110,9 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
     tooltip = [*JOB_TOOLTIP, alt.Tooltip("panel:N", title="task"),
                alt.Tooltip("value:Q", format=".4f"), alt.Tooltip("stderr:Q", format=".4f"),
                alt.Tooltip("baseline_value:Q", title="baseline", format=".4f"),
-               alt.Tooltip("recovery:Q", format=".1%"), alt.Tooltip("samples:Q"),
+               alt.Tooltip("recovery:Q", format=".1%"),
+               alt.Tooltip("runtime_recovery:Q", title="recovery against its runtime's "
+                           "unquantized file", format=".1%"), alt.Tooltip("samples:Q"),
                alt.Tooltip("bits_per_weight:Q", title="bits per weight (whole model)",
                            format=".3f"),
                alt.Tooltip("bits_per_quantized_weight:Q", title="bits per quantized weight",
@@ -114,7 +147,9 @@ def task_chart(results: pl.DataFrame, tasks: pl.DataFrame) -> alt.Chart | alt.VC
 
 def recovery_table(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
     """Per config and task metric: its score ± standard error, the baseline's, the recovery
-    (score / baseline), and whether prompts were cut; lowest recovery first per model. ``note``
+    (score / baseline), for a job in a runtime of its own the same against that runtime's
+    unquantized file (``with_runtime_recovery``: ``runtime_baseline``,
+    ``runtime_recovery_%``), and whether prompts were cut; lowest recovery first per model. ``note``
     says why a recovery is null (the tasks frame's ``recovery_reason``: the baseline's scoring
     failed, say), and a done job whose tasks have no scores (the baseline's, when scoring it
     failed: ``tasks_error``) is a row of its own, first in its model, saying why."""
@@ -130,7 +165,9 @@ def recovery_table(results: pl.DataFrame, tasks: pl.DataFrame) -> pl.DataFrame:
         .otherwise(pl.format("{} ± {}", pl.col("value").round(4), pl.col("stderr").round(4)))
         .alias("score"),
         pl.col("baseline_value").round(4).alias("baseline"),
-        (pl.col("recovery") * 100).round(2).alias("recovery_%"), "samples",
+        (pl.col("recovery") * 100).round(2).alias("recovery_%"),
+        pl.col("runtime_baseline_value").round(4).alias("runtime_baseline"),
+        (pl.col("runtime_recovery") * 100).round(2).alias("runtime_recovery_%"), "samples",
         "truncation", pl.col("recovery_reason").alias("note"), "job_id")
     not_scored = unscored.select("model", pl.col("config_label").alias("config"),
                                  pl.format("no task scores: {}", "tasks_error").alias("note"),
