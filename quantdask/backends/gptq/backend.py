@@ -250,14 +250,15 @@ def _flush_pool_workers(timeout_s: float = 60.0) -> None:
 
     pool = getattr(gptqmodel, "_DEVICE_THREAD_POOL", None)
     groups = getattr(pool, "_worker_groups", None)
-    if pool is None or not isinstance(groups, dict):
+    scheduled = getattr(pool, "_mark_scheduled", None)
+    if not isinstance(groups, dict) or scheduled is None:
         return
-    done = []
+    flushed = []
     for key, workers in list(groups.items()):
         for worker in list(workers):
-            pool._mark_scheduled(key)  # the thread marks it finished: the pool's count stays
-            done.append(worker.submit(_nothing))
-    concurrent.futures.wait(done, timeout=timeout_s)
+            scheduled(key)  # the thread marks it finished: the pool's in-flight count stays
+            flushed.append(worker.submit(_nothing))
+    concurrent.futures.wait(flushed, timeout=timeout_s)
 
 
 def _nothing() -> None:
